@@ -1,0 +1,3 @@
+from glm5lab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Timing with device events: median and 20th/80th percentiles of many launches after warm-up.
+
+On the GPU this is `triton.testing.do_bench` (CUDA events, L2 flushed between runs). On the CPU (the
+interpreter) it is wall-clock around a synchronous call: those numbers exercise the code path and are
+never reported as performance.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
+          cpu_reps: int = 3) -> dict:
+    """Return {'p20','p50','p80'} in microseconds."""
+    import torch
+
+    if torch.cuda.is_available():
+        import triton.testing
+
+        q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        p20, p50, p80 = (1e3 * x for x in q)
+        return {"p20": p20, "p50": p50, "p80": p80}
+    fn()  # warm-up (compiles / traces)
+    times = []
+    for _ in range(max(1, cpu_reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    return {"p20": q[0], "p50": statistics.median(times), "p80": q[3]}
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second, GB/s); the memory ceiling that
+    roofline fractions are taken against, measured in the same run. None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), warmup_ms=50, rep_ms=200)
+    return 2 * src.numel() / (t["p50"] * 1e-6) / 1e9

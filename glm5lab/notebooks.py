@@ -1,0 +1,112 @@
+"""Run the notebooks headless with papermill: the project's main job (`glm5lab notebooks run`).
+
+Profile `cpu` (no CUDA device): small parameters, Triton in its interpreter (TRITON_INTERPRET=1).
+Profile `gpu`: full sizes on the device. Each notebook is executed into
+results/notebooks/<profile>/<name>.ipynb; a failed one goes to <name>.failed.ipynb and stops the run
+with the notebook's name and failing cell, leaving the good copies of earlier runs intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from glm5lab.errors import Glm5labError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ("cpu", "gpu")
+
+
+def detect_profile() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def find_notebooks(notebook_dir: Path, only: list[str] | None = None) -> list[Path]:
+    """Numbered notebooks (NN_name.ipynb) in order; `only` filters by prefix or name substring."""
+    books = sorted(p for p in notebook_dir.glob("[0-9][0-9]*.ipynb") if p.is_file())
+    if only:
+        books = [p for p in books if any(p.name.startswith(o) or o in p.stem for o in only)]
+        if not books:
+            raise Glm5labError(f"no notebook in {notebook_dir} matches {only}")
+    return books
+
+
+def run_notebook(src: Path, out_dir: Path, parameters: dict, *, kernel_name: str | None = None,
+                 progress: bool = True) -> Path:
+    """Execute one notebook; returns the executed copy. Raises Glm5labError naming the failing cell."""
+    import papermill as pm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / src.name
+    failed = out_dir / (src.stem + ".failed.ipynb")
+    partial = out_dir / (src.stem + ".partial.ipynb")
+    try:
+        pm.execute_notebook(str(src), str(partial), parameters=parameters, cwd=str(src.parent),
+                            kernel_name=kernel_name or "python3", progress_bar=progress,
+                            log_output=False)
+    except pm.PapermillExecutionError as exc:
+        partial.replace(failed)
+        raise Glm5labError(
+            f"notebook {src.name} failed at cell {exc.cell_index} (execution count {exc.exec_count}): "
+            f"{exc.ename}: {exc.evalue.splitlines()[0] if exc.evalue else ''} "
+            f"-- executed copy with the error: {failed}") from None
+    except Exception:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(final)
+    failed.unlink(missing_ok=True)
+    return final
+
+
+def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
+            results_dir: Path | None = None, only: list[str] | None = None,
+            progress: bool = True) -> list[Path]:
+    """The main job: every notebook in order under one profile, with provenance written beside them."""
+    from glm5lab.env import collect
+
+    profile = profile or detect_profile()
+    if profile not in PROFILES:
+        raise Glm5labError(f"unknown profile {profile!r}; expected one of {PROFILES}")
+    notebook_dir = Path(notebook_dir or REPO_ROOT / "notebooks").resolve()
+    results_dir = Path(results_dir or REPO_ROOT / "results").resolve()
+    out_dir = results_dir / "notebooks" / profile
+    if profile == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the notebook kernels
+    books = find_notebooks(notebook_dir, only)
+    done: list[Path] = []
+    for i, book in enumerate(books, 1):
+        print(f"[{i}/{len(books)}] {book.name} (profile {profile})", file=sys.stderr, flush=True)
+        t0 = time.time()
+        params = {"profile": profile, "results_dir": str(results_dir)}
+        done.append(run_notebook(book, out_dir, params, progress=progress))
+        print(f"[{i}/{len(books)}] {book.name} done in {time.time() - t0:.0f} s", file=sys.stderr)
+    prov = collect()
+    prov.update(profile=profile, command=" ".join(["glm5lab"] + sys.argv[1:]) if sys.argv else "",
+                notebooks=[p.name for p in done])
+    (out_dir / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+    return done
+
+
+def _run(args) -> int:
+    run_all(args.profile, notebook_dir=args.notebooks, results_dir=args.results, only=args.only,
+            progress=not args.no_progress)
+    return 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("notebooks", help="run the notebooks headless (the main job)")
+    nsub = p.add_subparsers(dest="notebooks_command", metavar="ACTION", required=True)
+    r = nsub.add_parser("run", help="execute notebooks/NN_*.ipynb into results/notebooks/<profile>/")
+    r.add_argument("--profile", choices=PROFILES, default=None,
+                   help="cpu (small shapes, Triton interpreter) or gpu; default: detected")
+    r.add_argument("--only", nargs="*", help="run only notebooks whose name starts with / contains these")
+    r.add_argument("--notebooks", type=Path, default=None, help="notebook folder (default: notebooks/)")
+    r.add_argument("--results", type=Path, default=None, help="results folder (default: results/)")
+    r.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    r.set_defaults(func=_run)
