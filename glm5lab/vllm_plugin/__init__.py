@@ -14,6 +14,7 @@ logger = logging.getLogger("glm5lab.vllm_plugin")
 # (module, function) of each part, in the order vLLM needs them. A part missing from this list is not
 # registered; a part that raises is logged with its reason and the others still register.
 PARTS: list[tuple[str, str]] = []
+PARTS.append(("glm5lab.vllm_plugin.sparse_backend", "register"))  # issue 7: TRITON_MLA_SPARSE
 
 _registered = False
 

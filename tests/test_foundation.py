@@ -1,0 +1,148 @@
+"""The foundation: installable package, CLI, environment consistency, vLLM importability, notebook runner."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from glm5lab.errors import Glm5labError
+from glm5lab.notebooks import run_all, run_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "glm5lab", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_version_and_env_cli():
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"glm5lab {metadata.version('glm5lab')}"
+    env = _cli("env", "--json")
+    assert env.returncode == 0, env.stderr
+    info = json.loads(env.stdout)
+    assert info["torch"] == metadata.version("torch")
+    assert info["triton"] == metadata.version("triton")
+    assert info["gguf"] == metadata.version("gguf")
+    import torch
+
+    if torch.cuda.is_available():
+        assert info["capability"] == "%d.%d" % torch.cuda.get_device_capability(0)
+    else:
+        assert info["gpu"] == "no GPU" and info["capability"] is None
+    table = _cli("env")
+    assert table.returncode == 0 and re.search(r"^vllm\s+\S+", table.stdout, re.M)
+
+
+def test_unknown_subcommand_fails_cleanly():
+    out = _cli("no-such-command")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+
+
+def _requirement_set(reqs) -> set[str]:
+    return {re.sub(r"\s+", "", r).lower() for r in reqs}
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(project["dependencies"])
+    for extra in ("cpu", "notebooks", "test"):
+        wanted |= set(project["optional-dependencies"][extra])
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    listed = {p for p in pip_section if not p.startswith("-")}
+    assert _requirement_set(listed) == _requirement_set(wanted)
+    pins = [d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python=")]
+    assert pins, "environment.yml must pin the Python version"
+
+
+def test_no_mismatched_torch_companions_installed():
+    """PyPI's torchvision/torchaudio/torchcodec break vLLM's imports beside torch 2.13.0+cpu."""
+    if not metadata.version("torch").endswith("+cpu"):
+        pytest.skip("only the CPU torch build conflicts with PyPI's companion wheels")
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        with pytest.raises(metadata.PackageNotFoundError):
+            metadata.version(name)
+
+
+def test_vllm_registry_imports_and_mla_backends_load():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    loaded = {}
+    for name in ("TRITON_MLA", "FLASHMLA", "FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE"):
+        cls = AttentionBackendEnum[name].get_class()
+        loaded[name] = cls
+        assert hasattr(cls, "is_sparse") and hasattr(cls, "validate_configuration")
+    assert loaded["FLASHMLA_SPARSE"].is_sparse() and not loaded["TRITON_MLA"].is_sparse()
+
+
+def _write_notebook(path: Path, body: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell('profile = "gpu"\nresults_dir = "nowhere"')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# trivial"), params, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, path)
+
+
+def test_runner_executes_notebooks_in_order_and_injects_parameters(tmp_path):
+    books = tmp_path / "notebooks"
+    books.mkdir()
+    _write_notebook(books / "01_first.ipynb", "import os\nprint('profile', profile, os.environ.get('TRITON_INTERPRET'))")
+    _write_notebook(books / "02_second.ipynb", "print(sum(range(10)))")
+    (books / "notes.ipynb").write_text("not a numbered notebook, never run")
+    results = tmp_path / "results"
+    done = run_all("cpu", notebook_dir=books, results_dir=results, progress=False)
+    assert [p.name for p in done] == ["01_first.ipynb", "02_second.ipynb"]
+    first = nbformat.read(done[0], as_version=4)
+    text = "".join(o.get("text", "") for c in first.cells if c.cell_type == "code" for o in c.outputs)
+    assert "profile cpu 1" in text  # injected profile, interpreter mode for the cpu profile
+    prov = json.loads((results / "notebooks" / "cpu" / "provenance.json").read_text())
+    assert prov["profile"] == "cpu" and prov["notebooks"] == ["01_first.ipynb", "02_second.ipynb"]
+    assert prov["torch"] == metadata.version("torch")
+
+
+def test_runner_failure_names_notebook_and_cell_and_keeps_earlier_outputs(tmp_path):
+    books = tmp_path / "notebooks"
+    books.mkdir()
+    _write_notebook(books / "01_ok.ipynb", "x = 1")
+    _write_notebook(books / "02_bad.ipynb", "raise ValueError('boom from the notebook')")
+    out = tmp_path / "results"
+    good = out / "notebooks" / "cpu" / "02_bad.ipynb"
+    good.parent.mkdir(parents=True)
+    good.write_text("earlier good copy")
+    with pytest.raises(Glm5labError) as err:
+        run_all("cpu", notebook_dir=books, results_dir=out, progress=False)
+    msg = str(err.value)
+    assert "02_bad.ipynb" in msg and "boom from the notebook" in msg
+    assert "cell 3 of the executed copy" in msg  # papermill's injected-parameters cell comes first
+    assert "raise ValueError" in msg             # names the failing cell by its source
+    assert good.read_text() == "earlier good copy"          # earlier output intact
+    assert (out / "notebooks" / "cpu" / "01_ok.ipynb").exists()
+    assert (out / "notebooks" / "cpu" / "02_bad.failed.ipynb").exists()
+    assert not list((out / "notebooks" / "cpu").glob("*.partial.ipynb"))
+
+
+def test_runner_rejects_unknown_profile(tmp_path):
+    with pytest.raises(Glm5labError, match="unknown profile"):
+        run_all("tpu", notebook_dir=tmp_path, results_dir=tmp_path)
+
+
+def test_committed_notebooks_have_no_outputs():
+    books = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    for book in books:
+        nb = nbformat.read(book, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{book.name} cell {i} has output"
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{book.name} needs exactly one cell tagged 'parameters'"
+        assert re.search(r'^profile\s*=\s*"cpu"', tagged[0].source, re.M), book.name
