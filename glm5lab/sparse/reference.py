@@ -87,6 +87,9 @@ def dense_mla_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         raise Glm5labError("dense_mla_reference needs the paged layout [blocks, block_size, D]")
     block_size = kv_cache.shape[1]
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    if max_len > block_table.shape[1] * block_size:
+        raise Glm5labError(f"a seq_len of {max_len} needs {-(-max_len // block_size)} blocks but the block "
+                           f"table has {block_table.shape[1]} columns")
     j = torch.arange(max_len, device=q.device)
     slots = block_table.long()[:, j // block_size] * block_size + j % block_size
     slots = torch.where(j[None, :] < seq_lens.long()[:, None], slots, torch.full_like(slots, -1))
