@@ -1,0 +1,331 @@
+"""Sparse-MLA kernel benchmark: glm5lab's fused Triton kernel vs FlashMLA's sparse kernels vs a torch gather,
+ONE process, the SAME inputs (issue 7).
+
+GPU profile: KV cache of 524,288 slots (8192 blocks of 64), top-k 2048 random slots per token, bf16 q,
+heads {8, 16, 64, 128} x tokens {1, 8, 32, 128, 512}. For every implementation and shape: median time
+(glm5lab.bench.timing.bench: CUDA events, L2 flushed), effective bandwidth and fraction of the memory
+roofline (bytes that must move = tokens x topk x row bytes + q + out, over the device-to-device copy
+bandwidth measured in this run), TFLOP/s, ratio against the matching FlashMLA kernel, and accuracy against
+the float64 reference on the (dequantized) cache. Long-format rows go to a CSV via records.append_rows.
+CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
+
+    PYTHONPATH=. python -m glm5lab.bench.kernel_bench --out results/kernels/kernel_bench_h200.csv
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+SUITE = "sparse_mla_kernel"
+
+
+@dataclass
+class Profile:
+    name: str
+    num_slots: int
+    block_size: int
+    topk: int
+    heads: tuple
+    tokens: tuple
+    accuracy_tokens: int           # tokens per shape checked against the float64 reference
+    variants: bool = True          # also time tuning variants (split/merge/tile choices)
+    extra: dict = field(default_factory=dict)
+
+
+PROFILES = {
+    "gpu": Profile("gpu", 524_288, 64, 2048, (8, 16, 64, 128), (1, 8, 32, 128, 512), 16),
+    "cpu": Profile("cpu", 2048, 64, 96, (8, 64), (1, 3), 3, variants=False),
+}
+
+
+def torch_gather_attention(q, kv_flat, slots, softmax_scale):
+    """The straightforward torch version: gather the rows, bf16 matmuls, fp32 softmax."""
+    import torch
+
+    valid = slots >= 0
+    rows = kv_flat[slots.clamp(min=0).long()]                               # [T, K, 576]
+    scores = torch.einsum("thd,tkd->thk", q, rows).float() * softmax_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0).to(q.dtype)
+    return torch.einsum("thk,tkd->thd", p, rows[..., :512]), lse
+
+
+def V1_CONFIG(num_heads: int) -> dict:
+    """The tiles of kernel v1 (first H200 run), kept as a variant so every run shows what v2 changed."""
+    if num_heads <= 16:
+        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    if num_heads <= 32:
+        return {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+
+
+def graph_time_us(calls, replays: int = 10, repeats: int = 5) -> float:
+    """Median GPU time of one call, from CUDA-graph replays of `calls` (one call per input set, run back to
+    back). No launch or Python overhead is in it: this is the time a CUDA-graph-captured engine (vLLM's
+    decode) sees. Rotating input sets keep the previous call's rows out of L2."""
+    import statistics
+
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def _errors(out, lse, ref_out, ref_lse, n):
+    """(relative Frobenius error of out, max |lse - ref| over finite ref, max |lse/ln2... |) on n tokens."""
+    import torch
+
+    o = out[:n].double()
+    rel = float((o - ref_out).norm() / ref_out.norm().clamp(min=1e-30))
+    if not bool(torch.isfinite(o).all()):
+        rel = float("nan")
+    fin = torch.isfinite(ref_lse)
+    l = lse[:n].double()
+    err_ln = float((l - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
+    err_log2 = float((l - ref_lse / math.log(2))[fin].abs().max()) if bool(fin.any()) else 0.0
+    return rel, err_ln, err_log2
+
+
+def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True):
+    """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
+    pandas DataFrame (one row per implementation x shape)."""
+    import pandas as pd
+    import torch
+
+    from glm5lab.bench import flashmla_anchor
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps
+    from glm5lab.errors import Glm5labError
+    from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, sparse_mla_attention,
+                                            sparse_mla_flops, sparse_mla_min_bytes)
+    from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
+
+    if profile not in PROFILES:
+        raise Glm5labError(f"unknown benchmark profile {profile!r}; expected one of {sorted(PROFILES)}")
+    prof = PROFILES[profile]
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
+    dev = "cuda" if cuda else "cpu"
+    heads = tuple(heads or prof.heads)
+    tokens = tuple(tokens or prof.tokens)
+    log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
+
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    nblocks = prof.num_slots // prof.block_size
+    kv = torch.randn(nblocks, prof.block_size, 576, device=dev, dtype=torch.float32, generator=gen)
+    kv_bf16 = kv.to(torch.bfloat16)
+    del kv
+    kv_fp8 = quantize_fp8_ds_mla(kv_bf16)
+    kv_fp8_deq = dequantize_fp8_ds_mla(kv_fp8)                  # float32: exactly what the kernels read
+    kv_flat = kv_bf16.view(-1, 576)
+    scale = mla_softmax_scale()
+    bw = copy_bandwidth_gbps()
+    log(f"device {torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}; copy bandwidth "
+        f"{bw:.0f} GB/s" if bw else "no GPU: copy bandwidth not measured, timings are interpreter wall clock")
+
+    anchor_ok, anchor_why = False, ""
+    if cuda:
+        try:
+            flashmla_anchor.load()
+            anchor_ok = True
+        except Glm5labError as exc:
+            anchor_why = str(exc)
+    else:
+        anchor_why = "no GPU"
+    if not anchor_ok:
+        log(f"FlashMLA anchor skipped: {anchor_why}")
+
+    try:
+        from glm5lab.sparse.virtual_block_table import virtual_block_table_attention as vbt_attention
+    except ImportError as exc:
+        vbt_attention = None
+        log(f"virtual-block-table route skipped: {exc}")
+
+    rows, summary = [], []
+    if bw:
+        rows.append({"suite": SUITE, "implementation": "copy", "shape": "2GiB", "dtype": "uint8", "layout": "-",
+                     "metric": "copy_bandwidth", "value": bw, "unit": "GB/s"})
+
+    for H in heads:
+        for T in tokens:
+            shape = f"H{H}_T{T}_K{prof.topk}"
+            # input sets: set 0 for accuracy and do_bench; all of them (distinct rows, > 2x the L2 together)
+            # for the CUDA-graph replay time, so replays do not find the previous call's rows in L2
+            n_sets = max(1, min(32, math.ceil(150e6 / (T * prof.topk * 656)))) if cuda else 1
+            sets = [(torch.randn(T, H, 576, device=dev, generator=gen).to(torch.bfloat16),
+                     torch.randint(0, prof.num_slots, (T, prof.topk), device=dev, dtype=torch.int32, generator=gen))
+                    for _ in range(n_sets)]
+            q, slots = sets[0]
+            n_acc = min(T, prof.accuracy_tokens)
+            ref = {}
+            for lay, cache in (("bf16", kv_bf16), ("fp8_ds_mla", kv_fp8_deq)):
+                ref[lay] = sparse_mla_reference(q[:n_acc], cache, slots[:n_acc], scale)
+
+            impls = []   # (name, layout, factory(q, slots) -> zero-argument call, time it in a CUDA graph?)
+            for lay, cache in (("bf16", kv_bf16), ("fp8_ds_mla", kv_fp8)):
+                def make(q, slots, cache=cache, **kw):
+                    return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
+                impls.append(("glm5lab", lay, make, True))
+                if prof.variants:
+                    fp8 = lay == "fp8_ds_mla"
+                    cfg = default_config(H, fp8, q.device)
+                    tiles = math.ceil(H / cfg["block_h"])
+                    splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device),
+                                               min_rows=128 if fp8 else 256)
+                    impls.append(("glm5lab-v1-tiles", lay, functools.partial(make, _config=V1_CONFIG(H)), True))
+                    if fp8:   # sm90 SASS: the pipelined fp8 tiles are read from shared memory a byte at a time
+                        impls.append(("glm5lab-stages1", lay, functools.partial(make, _config={"num_stages": 1}), True))
+                    if splits > 1:
+                        impls.append(("glm5lab-separate-merge", lay, functools.partial(make, merge="separate"), True))
+                        impls.append(("glm5lab-no-split", lay, functools.partial(make, num_splits=1), True))
+                    if H == 8 and T <= 32:
+                        for n in (2, 4, 8, 16, 32):
+                            if n != splits:
+                                impls.append((f"glm5lab-s{n}", lay, functools.partial(make, num_splits=n), True))
+            if anchor_ok:
+                impls.append(("flashmla", "fp8_ds_mla",
+                              lambda q, slots: flashmla_anchor.SparseDecodeFP8(q, kv_fp8, slots, scale), True))
+                impls.append(("flashmla", "bf16",
+                              lambda q, slots: flashmla_anchor.SparsePrefillBF16(q, kv_bf16, slots, scale), True))
+            if vbt_attention is not None:   # issue 6's route: dense paged kernel on a virtual block table
+                impls.append(("virtual-block-table", "bf16",
+                              lambda q, slots: lambda: vbt_attention(q, kv_bf16, slots, scale, validate=False), False))
+            impls.append(("torch-gather", "bf16",
+                          lambda q, slots: lambda: torch_gather_attention(q, kv_flat, slots, scale), False))
+
+            min_bytes = {lay: sparse_mla_min_bytes(T, H, prof.topk, lay) for lay in ("bf16", "fp8_ds_mla")}
+            flops = sparse_mla_flops(T, H, prof.topk)
+            for name, lay, factory, graphable in impls:
+                try:
+                    fn = factory(q, slots)
+                    out, lse = fn()
+                    rel, e_ln, e_log2 = _errors(out, lse, *ref[lay], n_acc)
+                    t = bench(fn)
+                    g_us = graph_time_us([fn] + [factory(*st) for st in sets[1:]]) if (cuda and graphable) else None
+                except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
+                    log(f"  {shape} {name} {lay}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                us = t["p50"]
+                base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
+                eff = min_bytes[lay] / (us * 1e-6) / 1e9
+                rec = {"impl": name, "layout": lay, "H": H, "T": T, "us": us, "eff_GBps": eff,
+                       "roofline": eff / bw if bw else float("nan"), "tflops": flops / (us * 1e-6) / 1e12,
+                       "rel_err": rel, "lse_err_ln": e_ln, "lse_err_log2": e_log2,
+                       "min_bytes": min_bytes[lay], "flops": flops}
+                summary.append(rec)
+                rows.append({**base, "metric": "time", "value": us, "unit": "us", **t})
+                rows.append({**base, "metric": "effective_bandwidth", "value": eff, "unit": "GB/s"})
+                if bw:
+                    rows.append({**base, "metric": "roofline_fraction", "value": eff / bw, "unit": "fraction"})
+                rows.append({**base, "metric": "tflops", "value": rec["tflops"], "unit": "TFLOP/s"})
+                rec["graph_us"] = g_us if g_us is not None else float("nan")
+                if g_us is not None:
+                    rows.append({**base, "metric": "time_graph", "value": g_us, "unit": "us"})
+                    if bw:
+                        rows.append({**base, "metric": "roofline_fraction_graph",
+                                     "value": min_bytes[lay] / (g_us * 1e-6) / 1e9 / bw, "unit": "fraction"})
+                rows.append({**base, "metric": "rel_err_out", "value": rel, "unit": "rel_frobenius"})
+                rows.append({**base, "metric": "lse_err_ln", "value": e_ln, "unit": "abs"})
+                rows.append({**base, "metric": "lse_err_log2", "value": e_log2, "unit": "abs"})
+                rows.append({**base, "metric": "min_bytes", "value": min_bytes[lay], "unit": "B"})
+                rows.append({**base, "metric": "flops", "value": flops, "unit": "FLOP"})
+                log(f"  {shape:16s} {name:24s} {lay:10s} {us:9.1f} us  graph {rec['graph_us']:8.1f} us  "
+                    f"roofline {rec['roofline']:.2f}  "
+                    f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
+            del q, slots, impls, sets
+            if cuda:
+                torch.cuda.empty_cache()
+
+    df = pd.DataFrame(summary)
+    if not df.empty:
+        fm = df[df.impl == "flashmla"].set_index(["layout", "H", "T"])["us"]
+        df["vs_flashmla"] = [fm.get((r.layout, r.H, r.T), float("nan")) / r.us for r in df.itertuples()]
+        for r in df[df.impl.str.startswith("glm5lab")].itertuples():
+            if not math.isnan(r.vs_flashmla):
+                rows.append({"suite": SUITE, "implementation": r.impl, "shape": f"H{r.H}_T{r.T}_K{prof.topk}",
+                             "dtype": "bf16", "layout": r.layout, "metric": "speedup_vs_flashmla",
+                             "value": r.vs_flashmla, "unit": "x"})
+    append_rows(csv_path, rows, command=command or f"kernel_bench profile={profile}")
+    if verbose and not df.empty:
+        df.attrs["copy_bw_GBps"] = bw
+        print_table(df)
+        if cuda:
+            print_table(df, "graph_us", "CUDA-graph replay (GPU time only, rotating inputs)")
+    return df
+
+
+def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flushed, launch overhead included)") -> None:
+    """Short table: glm5lab's default kernel vs FlashMLA per shape and layout."""
+    nan = float("nan")
+    t = {(r.impl, r.layout, r.H, r.T): getattr(r, col) for r in df.itertuples()}
+    mb = {(r.layout, r.H, r.T): r.min_bytes for r in df.itertuples()}
+    bw = df.attrs.get("copy_bw_GBps") or nan
+    print(f"\nsparse MLA, {title}: us; roof = fraction of the memory roofline; x FM = FlashMLA time / ours")
+    print(f"{'H':>4} {'T':>4} | {'g5 bf16':>8} {'roof':>5} {'FM bf16':>8} {'x FM':>5} | "
+          f"{'g5 fp8':>8} {'roof':>5} {'FM fp8':>8} {'x FM':>5} | {'VBT':>8} {'torch':>8}")
+    for H, T in sorted({(r.H, r.T) for r in df.itertuples()}):
+        cells = []
+        for lay in ("bf16", "fp8_ds_mla"):
+            g, f = t.get(("glm5lab", lay, H, T), nan), t.get(("flashmla", lay, H, T), nan)
+            roof = mb.get((lay, H, T), nan) / (g * 1e-6) / 1e9 / bw
+            cells.append(f"{g:8.1f} {roof:5.2f} {f:8.1f} {f / g:5.2f}")
+        print(f"{H:>4} {T:>4} | {cells[0]} | {cells[1]} | {t.get(('virtual-block-table', 'bf16', H, T), nan):8.1f} "
+              f"{t.get(('torch-gather', 'bf16', H, T), nan):8.1f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.kernel_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="CSV to append long-format rows to")
+    p.add_argument("--profile", default=None, help="gpu or cpu (default: gpu when CUDA is present)")
+    p.add_argument("--heads", type=int, nargs="*", default=None)
+    p.add_argument("--tokens", type=int, nargs="*", default=None)
+    p.add_argument("--summary", default=None, help="also write the per-shape summary table to this CSV")
+    args = p.parse_args(argv)
+    import torch
+
+    from glm5lab.errors import Glm5labError
+
+    profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
+    t0 = time.time()
+    try:
+        df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv))
+    except Glm5labError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.summary:
+        df.to_csv(args.summary, index=False)
+    print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The roofline picture of the sparse-MLA kernel benchmark, drawn from its long-format CSV (never the other
+way round): time per shape against the memory floor, and the fraction of the roofline reached."""
+from __future__ import annotations
+
+from pathlib import Path
+
+MAIN = [("glm5lab", "bf16"), ("glm5lab", "fp8_ds_mla"), ("flashmla", "bf16"), ("flashmla", "fp8_ds_mla"),
+        ("virtual-block-table", "bf16"), ("torch-gather", "bf16")]
+STYLE = {("glm5lab", "bf16"): ("C0", "-", "o"), ("glm5lab", "fp8_ds_mla"): ("C0", "--", "s"),
+         ("flashmla", "bf16"): ("C3", "-", "o"), ("flashmla", "fp8_ds_mla"): ("C3", "--", "s"),
+         ("virtual-block-table", "bf16"): ("C2", ":", "^"), ("torch-gather", "bf16"): ("C7", ":", "v")}
+LABEL = {("glm5lab", "bf16"): "glm5lab bf16 KV", ("glm5lab", "fp8_ds_mla"): "glm5lab fp8_ds_mla",
+         ("flashmla", "bf16"): "FlashMLA sparse prefill (bf16, heads padded to 64)",
+         ("flashmla", "fp8_ds_mla"): "FlashMLA sparse decode (fp8, heads padded to 64)",
+         ("virtual-block-table", "bf16"): "virtual block table + paged kernel (notebook 04)",
+         ("torch-gather", "bf16"): "torch gather"}
+
+
+def summary(csv_path):
+    """One row per (implementation, layout, shape): H, T, every metric as a column, plus provenance."""
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    df = df[df.suite == "sparse_mla_kernel"]
+    shapes = df[df.implementation != "copy"]
+    wide = shapes.pivot_table(index=["implementation", "layout", "shape"], columns="metric", values="value",
+                              aggfunc="last").reset_index()
+    hw = wide["shape"].str.extract(r"H(\d+)_T(\d+)_K(\d+)").astype(int)
+    wide["H"], wide["tokens"], wide["topk"] = hw[0], hw[1], hw[2]
+    # a CSV may hold several runs: keep the last value of each metric (pivot_table 'last')
+    for col in ("gpu", "timestamp", "git_sha", "triton_interpret"):
+        wide[col] = df[col].iloc[-1] if col in df and len(df) else ""
+    copy = df[df.metric == "copy_bandwidth"]["value"]
+    wide.attrs["copy_bw_GBps"] = float(copy.iloc[-1]) if len(copy) else float("nan")
+    return wide
+
+
+def roofline_figure(csv_path, out_png=None, time_metric: str = "time_graph"):
+    """Figure: per head count, time vs tokens (with the bf16 / fp8 memory floors) and roofline fraction.
+    Falls back to the do_bench 'time' metric where the CSV has no CUDA-graph time (CPU runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg") if out_png and not _inline() else None
+    import matplotlib.pyplot as plt
+
+    w = summary(csv_path)
+    if time_metric not in w or w[time_metric].isna().all():
+        time_metric = "time"
+    bw = w.attrs["copy_bw_GBps"]
+    heads = sorted(w.H.unique())
+    fig, axes = plt.subplots(2, len(heads), figsize=(4.2 * len(heads), 7.5), squeeze=False)
+    for j, H in enumerate(heads):
+        ax, ax2 = axes[0][j], axes[1][j]
+        sub = w[w.H == H]
+        for key in MAIN:
+            s = sub[(sub.implementation == key[0]) & (sub.layout == key[1])].sort_values("tokens")
+            if s.empty:
+                continue
+            metric, note = time_metric, ""
+            if s[metric].isna().all():        # not graph-timed (torch, the table-building route): do_bench
+                metric, note = "time", " [do_bench]"
+            if s[metric].isna().all():
+                continue
+            c, ls, m = STYLE[key]
+            ax.plot(s.tokens, s[metric], color=c, ls=ls, marker=m, label=LABEL[key] + note)
+            if key[0] in ("glm5lab", "flashmla") and bw == bw:
+                ax2.plot(s.tokens, s.min_bytes / (s[metric] * 1e-6) / 1e9 / bw, color=c, ls=ls, marker=m)
+        if bw == bw:
+            for lay, ls in (("bf16", "-"), ("fp8_ds_mla", "--")):
+                s = sub[(sub.implementation == "glm5lab") & (sub.layout == lay)].sort_values("tokens")
+                if not s.empty:
+                    ax.plot(s.tokens, s.min_bytes / (bw * 1e9) * 1e6, color="k", ls=ls, lw=0.8,
+                            label=f"memory floor ({'bf16 1152' if lay == 'bf16' else 'fp8 656'} B/row)")
+        ax.set(xscale="log", yscale="log", title=f"{H} heads", xlabel="tokens", ylabel="us")
+        ax2.set(xscale="log", ylim=(0, 1.05), xlabel="tokens", ylabel="fraction of memory roofline")
+        ax2.axhline(0.85, color="grey", lw=0.6, ls=":")
+        ax.grid(alpha=0.3)
+        ax2.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    row = w.iloc[0] if len(w) else {}
+    how = "CUDA-graph GPU time" if time_metric == "time_graph" else "do_bench time"
+    fig.suptitle(f"sparse MLA, top-k {int(w.topk.max()) if len(w) else '?'}, {how}; {row.get('gpu', '?')}, "
+                 f"copy {bw:.0f} GB/s; {str(row.get('timestamp', ''))[:16]}, git {row.get('git_sha', '?')}; "
+                 f"source {Path(csv_path).name}", fontsize=9)
+    fig.tight_layout()
+    if out_png:
+        Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, dpi=110)
+    return fig, w
+
+
+def _text(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and x != x) or x == "" else str(x)
+
+
+def _inline() -> bool:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython() is not None
+    except ImportError:
+        return False

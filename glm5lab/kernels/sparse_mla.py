@@ -1,0 +1,456 @@
+"""Fused sparse MLA attention (absorbed / MQA form) in Triton: each token attends to its own top-k KV slots.
+
+Why this shape of kernel (notebook 05 walks through it):
+- One program owns ONE token and a tile of its heads (up to 64), so all heads of the token share a single
+  pass over the token's KV rows: each gathered row is loaded once and used for Q.K^T (576 wide) and for
+  P.V (its first 512 values).  128 heads run as two 64-head tiles whose programs are adjacent in the
+  launch order, so the second tile reads the same rows mostly from L2.
+- Rows are processed in 128-wide latent chunks (4 x 128 + 64 rope).  That is what makes the fp8_ds_mla
+  layout cheap: each chunk has ONE float32 scale per row, so the scale multiplies the chunk's partial
+  score (and the probabilities before P.V) instead of every fp8 value -- the fp8 -> bf16/fp16 cast is exact.
+- When tokens x head-tiles cannot fill the GPU (decode, small batches), the top-k list is split across
+  programs; each writes a partial (normalized out, log2-sum-exp) and the partials are merged with the
+  usual log-sum-exp rule, either by a small second kernel or (merge="fused") by the last program of each
+  token to finish, found with an atomic counter -- one launch instead of two.
+- Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
+  out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from glm5lab.errors import Glm5labError
+from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+LATENT = 512
+ROPE = 64
+MAX_HEADS = 128
+LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
+
+
+@triton.jit
+def _load_latent_chunk(base, row_stride, rows, valid, c: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
+                       AGAIN: tl.constexpr = False):
+    """[BLOCK_N, 128] latent values of chunk c of the gathered rows, in the compute dtype. AGAIN marks the
+    second read of the same bytes (an L1 hit; a different eviction hint keeps the compiler from merging it
+    with the first read)."""
+    offs = c * 128 + tl.arange(0, 128)
+    ptrs = base + rows[:, None] * row_stride + offs[None, :]
+    if AGAIN:
+        x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=valid[:, None], other=0)
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    return x
+
+
+@triton.jit
+def _load_scale(base, row_stride, rows, valid, c: tl.constexpr):
+    """float32 scale of chunk c of each gathered fp8_ds_mla row (bytes 512 + 4c)."""
+    ptrs = (base + rows * row_stride + 512 + 4 * c).to(tl.pointer_type(tl.float32))
+    return tl.load(ptrs, mask=valid, other=0.0)
+
+
+@triton.jit
+def _mm(a, b, acc, UPCAST: tl.constexpr):
+    """a @ b + acc with fp32 accumulation.  UPCAST (interpreter + bf16 only): Triton 3.6's interpreter
+    multiplies bf16 dot operands as raw bits, so operands go through float32 there -- the same products,
+    since they were rounded to bf16 before."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE, COUNTER,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
+):
+    pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
+    t = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    DTYPE = Q.dtype.element_ty
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    d128 = tl.arange(0, 128)
+    q_rows = Q + t * stride_qt + heads[:, None] * stride_qh
+    q0 = tl.load(q_rows + d128[None, :], mask=hmask[:, None], other=0)
+    q1 = tl.load(q_rows + 128 + d128[None, :], mask=hmask[:, None], other=0)
+    q2 = tl.load(q_rows + 256 + d128[None, :], mask=hmask[:, None], other=0)
+    q3 = tl.load(q_rows + 384 + d128[None, :], mask=hmask[:, None], other=0)
+    qr = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+
+    n_start = s * rows_per_split
+    n_end = tl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slot_row + offs_n, mask=offs_n < n_end, other=-1)
+        valid = (slot >= 0) & (slot < num_slots)
+        rows = tl.where(valid, slot, 0).to(tl.int64)
+        k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE)
+        k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE)
+        k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE)
+        k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE)
+        if FP8:
+            rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
+            kr = tl.load(rope_ptrs + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0).to(DTYPE)
+            s0 = _load_scale(KV, kv_row_stride, rows, valid, 0)
+            s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
+            s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
+            s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
+            zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            qk = _mm(q0, tl.trans(k0), zero, UPCAST) * s0[None, :]
+            qk += _mm(q1, tl.trans(k1), zero, UPCAST) * s1[None, :]
+            qk += _mm(q2, tl.trans(k2), zero, UPCAST) * s2[None, :]
+            qk += _mm(q3, tl.trans(k3), zero, UPCAST) * s3[None, :]
+            qk = _mm(qr, tl.trans(kr), qk, UPCAST)
+        else:
+            kr = tl.load(KV + rows[:, None] * kv_row_stride + 512 + tl.arange(0, 64)[None, :],
+                         mask=valid[:, None], other=0)
+            qk = _mm(q0, tl.trans(k0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), UPCAST)
+            qk = _mm(q1, tl.trans(k1), qk, UPCAST)
+            qk = _mm(q2, tl.trans(k2), qk, UPCAST)
+            qk = _mm(q3, tl.trans(k3), qk, UPCAST)
+            qk = _mm(qr, tl.trans(kr), qk, UPCAST)
+        qk = tl.where(valid[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # all-masked so far: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            if RELOAD:
+                # fp8: read the chunks again for P.V instead of keeping 4 converted tiles live across the
+                # softmax (that spills at BLOCK_N 64); the bytes come from L1, DRAM traffic is unchanged
+                k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, True)
+                k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, True)
+                k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, True)
+                k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, True)
+            acc0 = _mm((p * s0[None, :]).to(DTYPE), k0, acc0 * alpha[:, None], UPCAST)
+            acc1 = _mm((p * s1[None, :]).to(DTYPE), k1, acc1 * alpha[:, None], UPCAST)
+            acc2 = _mm((p * s2[None, :]).to(DTYPE), k2, acc2 * alpha[:, None], UPCAST)
+            acc3 = _mm((p * s3[None, :]).to(DTYPE), k3, acc3 * alpha[:, None], UPCAST)
+        else:
+            pb = p.to(DTYPE)
+            acc0 = _mm(pb, k0, acc0 * alpha[:, None], UPCAST)
+            acc1 = _mm(pb, k1, acc1 * alpha[:, None], UPCAST)
+            acc2 = _mm(pb, k2, acc2 * alpha[:, None], UPCAST)
+            acc3 = _mm(pb, k3, acc3 * alpha[:, None], UPCAST)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    if SPLIT:
+        # partial: PART_O [T, S, H, 512] fp32 (normalized), PART_LSE [T, S, H] (log2 domain)
+        part = t * num_splits + s
+        po = PART_O + (part * num_heads + heads[:, None]) * 512 + d128[None, :]
+        tl.store(po, acc0 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 128, acc1 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 256, acc2 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(po + 384, acc3 * inv_l[:, None], mask=hmask[:, None])
+        tl.store(PART_LSE + part * num_heads + heads, lse2, mask=hmask)
+        if FUSED_MERGE:
+            # The last program of this (token, head tile) to finish merges all partials: the barrier makes
+            # every thread's stores precede the counter's release, the acq_rel atomic orders the loads.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(COUNTER + t * tl.num_programs(0) + pid_h, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num_heads,
+                                stride_ot, stride_oh, stride_lt, BLOCK_H)
+                tl.atomic_xchg(COUNTER + t * tl.num_programs(0) + pid_h, 0)
+    else:
+        o = OUT + t * stride_ot + heads[:, None] * stride_oh + d128[None, :]
+        tl.store(o, (acc0 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o + 128, (acc1 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o + 256, (acc2 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+        tl.store(o + 384, (acc3 * inv_l[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+        tl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=hmask)
+
+
+@triton.jit
+def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num_heads,
+                    stride_ot, stride_oh, stride_lt, BLOCK_H: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w) (-> ln)."""
+    d128 = tl.arange(0, 128)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        ls = tl.load(PART_LSE + (t * num_splits + s) * num_heads + heads, mask=hmask,
+                     other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, ls)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wsum = tl.zeros([BLOCK_H], tl.float32)
+    o0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    o1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    o2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    o3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    for s in range(0, num_splits):
+        part = t * num_splits + s
+        ls = tl.load(PART_LSE + part * num_heads + heads, mask=hmask, other=float("-inf"),
+                     cache_modifier=".cg")
+        w = tl.exp2(ls - m_safe)
+        wsum += w
+        po = PART_O + (part * num_heads + heads[:, None]) * 512 + d128[None, :]
+        o0 += w[:, None] * tl.load(po, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        o1 += w[:, None] * tl.load(po + 128, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        o2 += w[:, None] * tl.load(po + 256, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        o3 += w[:, None] * tl.load(po + 384, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+    empty = wsum == 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    o = OUT + t * stride_ot + heads[:, None] * stride_oh + d128[None, :]
+    tl.store(o, (o0 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    tl.store(o + 128, (o1 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    tl.store(o + 256, (o2 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    tl.store(o + 384, (o3 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
+    tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
+                  BLOCK_H: tl.constexpr):
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, heads < num_heads, num_splits, num_heads,
+                    stride_ot, stride_oh, stride_lt, BLOCK_H)
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+
+_COUNTERS: dict = {}
+_RETIRED_COUNTERS: list = []
+_STAGES: dict = {}
+
+
+def _stage_ladder(key, stages: int):
+    """Pipeline depths to try, the one that compiled last time first."""
+    if key in _STAGES:
+        return [_STAGES[key]]
+    return list(range(stages, 0, -1))
+_SM_COUNT: dict = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge; every launch leaves them zero again, so one buffer per
+    device is reused (not safe for concurrent launches on two streams of one device). A buffer that is
+    outgrown is kept alive, never freed: a CUDA graph captured earlier still points at it."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+        _RETIRED_COUNTERS.append(buf)
+    return buf
+
+
+def default_config(num_heads: int, fp8: bool, device=None) -> dict:
+    """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
+    per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
+    bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 with 8 warps and
+    BLOCK_N 32 measured 2x slower than BLOCK_N 64 with 4 warps."""
+    if num_heads <= 16:
+        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    if num_heads <= 32:
+        return {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    if fp8:
+        return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int, num_sms: int,
+                      min_rows: int = 256) -> int:
+    """Enough splits of the top-k that tokens x head tiles x splits gives every SM a program, but never
+    fewer than `min_rows` rows a split: on the H200 the merge (the last program reads splits x heads x 2 KB
+    of partials) ate the gain past ~8 splits of a 2048 top-k in bf16, ~16 in fp8 (more work per row)."""
+    programs = num_tokens * head_tiles
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(num_sms, programs)
+    most = max(1, topk // max(min_rows, block_n))
+    return int(max(1, min(want, most)))
+
+
+def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
+    if layout not in LAYOUTS:
+        raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS}")
+    width = kv_cache.shape[-1]
+    if layout == "auto":
+        if kv_cache.dtype == torch.uint8 and width == FP8_ROW_BYTES:
+            return "fp8_ds_mla"
+        if kv_cache.dtype == torch.bfloat16:
+            return "bf16"
+        if kv_cache.dtype == torch.float16:
+            return "fp16"
+        raise Glm5labError(f"cannot infer the KV layout from a {kv_cache.dtype} cache of width {width}; "
+                           "expected bf16/fp16 [.., 576] or uint8 [.., 656] (fp8_ds_mla)")
+    want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_ds_mla": torch.uint8}[layout]
+    if kv_cache.dtype != want:
+        raise Glm5labError(f"layout {layout!r} needs a {want} KV cache, got {kv_cache.dtype}")
+    need = FP8_ROW_BYTES if layout == "fp8_ds_mla" else kv_lora_rank + ROPE
+    if width != need:
+        raise Glm5labError(f"layout {layout!r} needs rows of {need} elements, got {width}")
+    return layout
+
+
+def _kv_rows(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """(number of slots, row stride in elements) of a [blocks, block_size, W] or [slots, W] cache whose
+    slots are evenly strided (what global slot = block * block_size + offset assumes)."""
+    if kv_cache.dim() not in (2, 3):
+        raise Glm5labError(f"kv_cache must be [blocks, block_size, W] or [slots, W], got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise Glm5labError("kv_cache rows must be contiguous (last-dim stride 1)")
+    row_stride = kv_cache.stride(-2)
+    if kv_cache.dim() == 3 and kv_cache.shape[0] > 1 and kv_cache.stride(0) != kv_cache.shape[1] * row_stride:
+        raise Glm5labError("kv_cache blocks must be evenly strided (block stride = block_size * row stride)")
+    num_slots = kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1)
+    return num_slots, row_stride
+
+
+def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, softmax_scale: float,
+                         *, kv_lora_rank: int = LATENT, layout: str = "auto", out: torch.Tensor | None = None,
+                         lse: torch.Tensor | None = None, num_splits: int | None = None,
+                         merge: str = "fused", _config: dict | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention of each token over its own KV slots.
+
+    q [T, H, 576] fp16/bf16; kv_cache [blocks, block_size, 576] fp16/bf16 (same dtype as q) or uint8
+    [blocks, block_size, 656] (layout "fp8_ds_mla"); slots [T, topk] int32 GLOBAL slot indices
+    (block * block_size + offset), -1 = skip, anywhere in the row; slots >= the cache size are skipped too.
+    Returns (out [T, H, 512] in q.dtype, lse [T, H] float32, natural log); a token with no valid slot gets
+    out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "fused"
+    (last program merges, one launch) or "separate" (a second small kernel).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise Glm5labError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if kv_lora_rank != LATENT:
+        raise Glm5labError(f"the fused kernel is built for kv_lora_rank 512 (GLM-5, DeepSeek-V3.2), got {kv_lora_rank}")
+    T, H, D = q.shape
+    if D != LATENT + ROPE:
+        raise Glm5labError(f"q width must be {LATENT + ROPE} (512 latent + 64 rope), got {D}")
+    if not 1 <= H <= MAX_HEADS:
+        raise Glm5labError(f"head count must be 1..{MAX_HEADS}, got {H}")
+    layout = _resolve_layout(kv_cache, layout, kv_lora_rank)
+    fp8 = layout == "fp8_ds_mla"
+    if not fp8 and kv_cache.dtype != q.dtype:
+        raise Glm5labError(f"q ({q.dtype}) and a {layout} KV cache must have the same dtype")
+    if slots.dim() != 2 or slots.shape[0] != T:
+        raise Glm5labError(f"slots must be [tokens={T}, topk], got {tuple(slots.shape)}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise Glm5labError(f"slots must be int32 (or int64), got {slots.dtype}")
+    if q.device != kv_cache.device or q.device != slots.device:
+        raise Glm5labError(f"q, kv_cache and slots must be on one device, got {q.device}, "
+                           f"{kv_cache.device}, {slots.device}")
+    if merge not in ("fused", "separate"):
+        raise Glm5labError(f"merge must be 'fused' or 'separate', got {merge!r}")
+    num_slots, kv_row_stride = _kv_rows(kv_cache)
+    if num_slots >= 2**31:
+        raise Glm5labError(f"cache of {num_slots} slots does not fit int32 slot indices")
+    topk = slots.shape[1]
+
+    if out is None:
+        out = torch.empty(T, H, LATENT, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, LATENT) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise Glm5labError(f"out must be [{T}, {H}, {LATENT}] {q.dtype} with contiguous rows, "
+                           f"got {tuple(out.shape)} {out.dtype}")
+    if lse is None:
+        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    elif lse.shape != (T, H) or lse.dtype != torch.float32 or lse.stride(-1) != 1:
+        raise Glm5labError(f"lse must be [{T}, {H}] float32 with stride 1 on heads, got {tuple(lse.shape)} {lse.dtype}")
+    if T == 0:
+        return out, lse
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if slots.dtype != torch.int32:
+        slots = slots.to(torch.int32)
+    if slots.stride(-1) != 1:
+        slots = slots.contiguous()
+
+    cfg = {**default_config(H, fp8, q.device), **(_config or {})}
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
+    head_tiles = triton.cdiv(H, block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
+                                       min_rows=128 if fp8 else 256)
+    num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
+    rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
+    split = num_splits > 1
+
+    if split:
+        part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
+        counter = _counter(q.device, T * head_tiles) if merge == "fused" else part_lse
+    else:
+        part_o = part_lse = counter = lse   # unused placeholders
+    grid = (head_tiles, T, num_splits)
+    args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
+            float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
+            q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge)
+    for stages in _stage_ladder(key, cfg["num_stages"]):
+        try:
+            _sparse_mla_fwd_kernel[grid](
+                *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
+                UPCAST=(_interpreting() and q.dtype == torch.bfloat16),
+                num_warps=cfg["num_warps"], num_stages=stages)
+            _STAGES[key] = stages
+            break
+        except OutOfResources:
+            # GPUs with ~100 KB of shared memory (SM89, SM120) cannot double-buffer the largest tiles
+            if stages == 1:
+                raise Glm5labError(f"sparse MLA tile {block_h}x{block_n} does not fit this GPU's shared "
+                                   "memory even single-buffered; pass _config={'block_n': 16}") from None
+    if split and merge == "separate":
+        _merge_kernel[(head_tiles, T)](part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1),
+                                       lse.stride(0), BLOCK_H=block_h, num_warps=4)
+    return out, lse
+
+
+def sparse_mla_flops(num_tokens: int, num_heads: int, topk: int, kv_lora_rank: int = LATENT) -> float:
+    """Useful FLOPs: Q.K^T over 576 plus P.V over 512, two per multiply-add."""
+    return 2.0 * num_tokens * num_heads * topk * ((kv_lora_rank + ROPE) + kv_lora_rank)
+
+
+def sparse_mla_min_bytes(num_tokens: int, num_heads: int, topk: int, layout: str, q_bytes: int = 2) -> float:
+    """Bytes that must move at least: every token's top-k rows once, q read once, out written once
+    (tokens x topk x row bytes + q + out; the 4-byte slot indices, +0.6%, and lse are left out)."""
+    row = FP8_ROW_BYTES if layout == "fp8_ds_mla" else 2 * (LATENT + ROPE)
+    return float(num_tokens * topk * row + num_tokens * num_heads * (LATENT + ROPE + LATENT) * q_bytes)

@@ -1,0 +1,66 @@
+"""fp8_ds_mla layout: byte positions, round trip error, and clear errors."""
+import pytest
+import torch
+
+from glm5lab.errors import Glm5labError
+from glm5lab.kernels.fp8_ds_mla import (FP8_MAX, ROW_BYTES, dequantize_fp8_ds_mla, quantize_fp8_ds_mla)
+
+
+def _rows(n, dtype=torch.bfloat16, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    # tiles of very different magnitudes, so a shared or misplaced scale would show
+    x = torch.randn(n, 576, generator=g)
+    x[:, :512] *= torch.logspace(-3, 2, 4).repeat_interleave(128)[torch.randperm(4, generator=g).repeat_interleave(128)]
+    return x.to(dtype)
+
+
+def test_byte_layout_matches_vllm_description():
+    """512 e4m3 bytes, then 4 float32 scales (one per 128 values), then 64 bf16 rope values."""
+    x = _rows(7)
+    c = quantize_fp8_ds_mla(x)
+    assert c.dtype == torch.uint8 and c.shape == (7, ROW_BYTES) and ROW_BYTES == 656
+    scales = c[:, 512:528].contiguous().view(torch.float32)
+    amax = x[:, :512].float().abs().reshape(7, 4, 128).amax(-1)
+    torch.testing.assert_close(scales, amax / FP8_MAX, rtol=1e-6, atol=0)
+    rope = c[:, 528:].contiguous().view(torch.bfloat16)
+    assert torch.equal(rope, x[:, 512:].to(torch.bfloat16))
+    fp8 = c[:, :512].contiguous().view(torch.float8_e4m3fn).float()
+    assert fp8.abs().max() <= FP8_MAX
+    # every tile uses its full fp8 range: its largest value maps to +-448
+    assert torch.allclose(fp8.abs().reshape(7, 4, 128).amax(-1), torch.full((7, 4), FP8_MAX))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_error_within_e4m3_precision(dtype):
+    """e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 of a value's magnitude, and values far
+    below a tile's max lose more (absolute error <= 2^-4 * 2^-6 ... bounded by scale * 2^-9 subnormal step)."""
+    x = _rows(33, dtype)
+    y = dequantize_fp8_ds_mla(quantize_fp8_ds_mla(x))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    xf = x.float()
+    scale = xf[:, :512].abs().reshape(33, 4, 128).amax(-1).clamp(min=1e-4) / FP8_MAX
+    bound = (xf[:, :512].abs() * 2.0**-4).reshape(33, 4, 128) + scale[..., None] * 2.0**-9
+    err = (y[:, :512] - xf[:, :512]).abs().reshape(33, 4, 128)
+    assert bool((err <= bound).all())
+    assert torch.equal(y[:, 512:], x[:, 512:].to(torch.bfloat16).float())   # rope: bf16, exact for bf16 input
+
+
+def test_paged_shape_and_zero_rows():
+    x = _rows(2 * 16).reshape(2, 16, 576)
+    x[1, 3] = 0                                           # an all-zero row must not divide by zero
+    c = quantize_fp8_ds_mla(x)
+    assert c.shape == (2, 16, 656)
+    y = dequantize_fp8_ds_mla(c, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 16, 576)
+    assert bool(torch.isfinite(y.float()).all()) and y[1, 3].abs().max() == 0
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(Glm5labError, match="576"):
+        quantize_fp8_ds_mla(torch.randn(3, 512))
+    with pytest.raises(Glm5labError, match="floating"):
+        quantize_fp8_ds_mla(torch.zeros(3, 576, dtype=torch.int32))
+    with pytest.raises(Glm5labError, match="656"):
+        dequantize_fp8_ds_mla(torch.zeros(3, 576, dtype=torch.uint8))
+    with pytest.raises(Glm5labError, match="uint8"):
+        dequantize_fp8_ds_mla(torch.zeros(3, 656, dtype=torch.float16))
