@@ -1,0 +1,216 @@
+"""DSA indexer benchmark: time per decode step of glm5lab's Triton indexer (paged logits + radix top-k) vs
+the torch version (gather the keys through the block table, batched matmul, relu, weighted head sum,
+torch.topk), at GLM-5's sizes: 32 index heads x 128, index_topk 2048, page 64, contexts 4k-64k,
+batch 1-256, bf16 and vLLM's fp8 index-key cache layout (issue 9).
+
+For each shape: median time of logits, top-k and the whole step (glm5lab.bench.timing.bench: CUDA events,
+L2 flushed), the bytes the logits kernel must read (keys of every context token + q + weights + the
+logits it writes) against the device copy bandwidth measured in the same run, and a correctness check
+(rows of the glm5lab top-k that obey the tie rule on the torch logits, within the logits tolerance).
+CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
+
+    PYTHONPATH=. python -m glm5lab.bench.indexer_bench --out results/indexer/indexer_bench_h200.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+SUITE = "dsa_indexer"
+
+
+@dataclass
+class Profile:
+    name: str
+    heads: int
+    head_dim: int
+    topk: int
+    page: int
+    contexts: tuple
+    batches: tuple
+    dtypes: tuple          # "bf16" and/or "fp8" (vLLM's fp8 index-key cache layout)
+    check_rows: int        # rows per shape checked against the torch logits
+    torch_max_elems: int   # skip the torch baseline above batch x context (its [B, H, L] intermediate)
+
+
+PROFILES = {
+    "gpu": Profile("gpu", 32, 128, 2048, 64, (4096, 16384, 65536), (1, 32, 128, 256), ("bf16", "fp8"), 4,
+                   256 * 65536),
+    "cpu": Profile("cpu", 8, 128, 32, 16, (64, 160), (1, 3), ("bf16", "fp8"), 3, 1 << 30),
+}
+
+
+def torch_indexer_step(q, weights, key_flat, block_table, lengths, page, topk):
+    """The straightforward torch step on a dequantized key cache [slots, D]."""
+    import torch
+
+    B, L = q.shape[0], int(lengths.max())
+    pos = torch.arange(L, device=q.device)
+    slots = block_table[:, pos // page].long() * page + pos % page                # [B, L]
+    keys = key_flat[slots]                                                        # [B, L, D]
+    scores = torch.bmm(q, keys.transpose(1, 2)).float().relu_()                   # [B, H, L]
+    logits = torch.bmm(weights[:, None, :], scores)[:, 0]                         # [B, L]
+    logits = logits.masked_fill(pos[None, :] >= lengths[:, None], float("-inf"))
+    return logits, torch.topk(logits, min(topk, L), dim=1).indices
+
+
+def _bytes_read(B, L, H, D, dtype):
+    key_bytes = D + 4 if dtype == "fp8" else 2 * D
+    return B * L * key_bytes + B * H * D * 2 + B * H * 4 + B * L * 4    # keys + q + weights + logits out
+
+
+def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
+        verbose: bool = True):
+    """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
+    pandas DataFrame (one row per implementation x shape x dtype)."""
+    import pandas as pd
+    import torch
+
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps
+    from glm5lab.errors import Glm5labError
+    from glm5lab.kernels.dsa_indexer import (dequantize_index_key_cache, indexer_logits_decode, indexer_topk,
+                                             write_index_key_cache)
+    from glm5lab.sparse.indexer_reference import topk_sets_agree
+
+    if profile not in PROFILES:
+        raise Glm5labError(f"unknown benchmark profile {profile!r}; expected one of {sorted(PROFILES)}")
+    prof = PROFILES[profile]
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
+    dev = "cuda" if cuda else "cpu"
+    contexts = tuple(contexts or prof.contexts)
+    batches = tuple(batches or prof.batches)
+    H, D, K, page = prof.heads, prof.head_dim, prof.topk, prof.page
+    log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x, **_):
+            return x
+
+    bw = copy_bandwidth_gbps()
+    log(f"device {torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}; "
+        + (f"copy bandwidth {bw:.0f} GB/s" if bw else "no GPU: timings are interpreter wall clock, not speed"))
+    gen = torch.Generator(device=dev).manual_seed(99)
+    maxB, maxL = max(batches), max(contexts)
+    blocks_per_row = -(-maxL // page)
+    num_blocks = maxB * blocks_per_row
+    # one physical cache per dtype, large enough for every row's context; rows own shuffled pages
+    keys_bf16 = torch.randn(num_blocks, page, D, device=dev, generator=gen).to(torch.bfloat16)
+    caches = {"bf16": keys_bf16}
+    if "fp8" in prof.dtypes:
+        fp8 = torch.empty(num_blocks, page, D + 4, device=dev, dtype=torch.uint8)
+        write_index_key_cache(fp8, keys_bf16.view(-1, D), torch.arange(num_blocks * page, device=dev))
+        caches["fp8"] = fp8
+    perm = torch.randperm(num_blocks, device=dev, generator=gen).int()
+    block_table_all = perm.view(maxB, blocks_per_row)
+
+    rows, summary = [], []
+    if bw:
+        rows.append({"suite": SUITE, "implementation": "copy", "shape": "2GiB", "dtype": "uint8", "layout": "-",
+                     "metric": "copy_bandwidth", "value": bw, "unit": "GB/s"})
+    shapes = [(dt, L, B) for dt in prof.dtypes for L in contexts for B in batches]
+    # what the torch baseline reads: the same keys, dequantized once (bf16)
+    flats = {dt: (dequantize_index_key_cache(c, D).to(torch.bfloat16).view(-1, D) if dt == "fp8" else c.view(-1, D))
+             for dt, c in caches.items()}
+    for dt, L, B in tqdm(shapes, desc="indexer shapes", disable=not verbose):
+        cache = caches[dt]
+        key_flat = flats[dt]
+        q = torch.randn(B, H, D, device=dev, generator=gen).to(torch.bfloat16)
+        w = torch.randn(B, H, device=dev, generator=gen) / H
+        lengths = torch.full((B,), L, device=dev, dtype=torch.int32)
+        bt = block_table_all[:B, : -(-L // page)].contiguous()
+        shape = f"B{B}_L{L}_H{H}_D{D}_K{K}"
+        layout = f"paged{page}"
+        base = {"suite": SUITE, "shape": shape, "dtype": dt, "layout": layout}
+
+        logits_buf = torch.empty(B, L, device=dev, dtype=torch.float32)
+        top_buf = torch.empty(B, K, device=dev, dtype=torch.int32)
+
+        def logits_fn():
+            return indexer_logits_decode(q, w, cache, bt, lengths, max_len=L, out=logits_buf)
+
+        def topk_fn():
+            return indexer_topk(logits_buf, K, lengths, out=top_buf)
+
+        def step_fn():
+            logits_fn()
+            return topk_fn()
+
+        t_logits = bench(logits_fn)
+        t_topk = bench(topk_fn)
+        t_step = bench(step_fn)
+        # the other top-k kernel and torch.topk on the same logits (torch's is the baseline's top-k)
+        hist_buf = torch.empty_like(top_buf)
+        t_topk_hist = bench(lambda: indexer_topk(logits_buf, K, lengths, out=hist_buf, method="hist"))
+        split_buf = torch.empty_like(top_buf)
+        t_topk_split = bench(lambda: indexer_topk(logits_buf, K, lengths, out=split_buf, method="split"))
+        t_topk_torch = bench(lambda: torch.topk(logits_buf, min(K, L), dim=1))
+        rows.append({**base, "implementation": "glm5lab-triton-hist", "metric": "topk_time",
+                     "value": t_topk_hist["p50"], "unit": "us", **t_topk_hist})
+        rows.append({**base, "implementation": "glm5lab-triton-split", "metric": "topk_time",
+                     "value": t_topk_split["p50"], "unit": "us", **t_topk_split})
+        rows.append({**base, "implementation": "torch.topk", "metric": "topk_time",
+                     "value": t_topk_torch["p50"], "unit": "us", **t_topk_torch})
+        hist_agrees = bool(torch.equal(hist_buf, top_buf))
+        split_agrees = bool(torch.equal(split_buf, top_buf))
+        nbytes = _bytes_read(B, L, H, D, dt)
+        gbps = nbytes / (t_logits["p50"] * 1e-6) / 1e9
+        impl = "glm5lab-triton"
+        for metric, t in (("logits_time", t_logits), ("topk_time", t_topk), ("step_time", t_step)):
+            rows.append({**base, "implementation": impl, "metric": metric, "value": t["p50"], "unit": "us", **t})
+        rows.append({**base, "implementation": impl, "metric": "logits_bytes", "value": nbytes, "unit": "B"})
+        rows.append({**base, "implementation": impl, "metric": "logits_bandwidth", "value": gbps, "unit": "GB/s"})
+        if bw:
+            rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
+                         "value": gbps / bw, "unit": "ratio"})
+
+        t_torch = None
+        if B * L <= prof.torch_max_elems:
+            ref_logits, ref_top = torch_indexer_step(q, w, key_flat, bt, lengths, page, K)
+            t_torch = bench(lambda: torch_indexer_step(q, w, key_flat, bt, lengths, page, K))
+            rows.append({**base, "implementation": "torch", "metric": "step_time", "value": t_torch["p50"],
+                         "unit": "us", **t_torch})
+            # correctness on a few rows: glm5lab's set obeys the tie rule on the torch logits
+            n = min(B, prof.check_rows)
+            step_fn()
+            scale = float(ref_logits[:n].abs().max())
+            fails = topk_sets_agree(top_buf[:n], ref_logits[:n], K, lengths[:n], atol=2e-3 * scale)
+            rows.append({**base, "implementation": impl, "metric": "topk_rows_valid",
+                         "value": (n - len(fails)) / n, "unit": "fraction"})
+            del ref_logits, ref_top
+        rows.append({**base, "implementation": "glm5lab-triton-hist", "metric": "topk_equals_radix16",
+                     "value": float(hist_agrees), "unit": "bool"})
+        rows.append({**base, "implementation": "glm5lab-triton-split", "metric": "topk_equals_radix16",
+                     "value": float(split_agrees), "unit": "bool"})
+        summary.append({"dtype": dt, "context": L, "batch": B, "logits_us": t_logits["p50"],
+                        "topk_us": t_topk["p50"], "topk_hist_us": t_topk_hist["p50"],
+                        "topk_split_us": t_topk_split["p50"],
+                        "torch_topk_us": t_topk_torch["p50"], "step_us": t_step["p50"],
+                        "torch_step_us": t_torch["p50"] if t_torch else None,
+                        "speedup_vs_torch": (t_torch["p50"] / t_step["p50"]) if t_torch else None,
+                        "logits_GBps": gbps, "fraction_of_copy": (gbps / bw) if bw else None})
+        del logits_buf, top_buf, hist_buf, split_buf
+    append_rows(csv_path, rows, command=command or "glm5lab.bench.indexer_bench.run")
+    df = pd.DataFrame(summary)
+    log(df.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    return df
+
+
+def main(argv=None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/indexer/indexer_bench.csv")
+    p.add_argument("--profile", choices=sorted(PROFILES),
+                   default="gpu" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    run(args.out, args.profile, command=" ".join(["python -m glm5lab.bench.indexer_bench", *(argv or sys.argv[1:])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""Triton kernels for GLM-5's DSA lightning indexer: index logits (paged decode, prefill) and top-k.
+
+vLLM computes these with DeepGEMM's fp8 MQA-logits kernels, built only for SM90/SM100; these run on any
+GPU Triton supports (and on the CPU under TRITON_INTERPRET=1).
+
+  logits[t, j] = sum_h weights[t, h] * relu(q[t, h, :] . key_j)         (scales folded into weights,
+                                                                          see glm5lab.sparse.indexer_reference)
+Index-key caches (one 128-wide key per token, no heads):
+  * plain:  [num_blocks, block_size, D] float16/bfloat16/float32
+  * fp8:    vLLM's DeepGEMM layout, uint8 [num_blocks, block_size, D + 4]: inside each block, first
+            block_size*D float8_e4m3 values (token-major), then block_size float32 scales (one per token,
+            power of two: 2**ceil(log2(amax / 448)) — "ue8m0"). `write_index_key_cache` writes it.
+
+Top-k (`indexer_topk`): per row, an exact radix select of the k-th largest score (8 passes of 4 bits over
+the order-preserving integer key of each float32), then one pass that writes the chosen positions in
+ascending order; ties at the k-th score are broken by the lowest position; -0.0 counts as +0.0; rows
+shorter than k give all their positions then -1.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5lab.errors import Glm5labError
+
+FP8_MAX = 448.0
+_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """fp32 inputs use an exact (IEEE) dot. Triton 3.6's interpreter computes bf16 tl.dot wrongly
+    (garbage of order 1e10), so under TRITON_INTERPRET=1 bf16 operands are upcast first."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(int(n)))
+
+
+def is_fp8_cache(cache: torch.Tensor, head_dim: int) -> bool:
+    return cache.dtype == torch.uint8 and cache.dim() == 3 and cache.shape[-1] == head_dim + 4
+
+
+def quantize_keys_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 e4m3 quantization with a power-of-two scale, as vLLM's indexer cache stores it.
+    Returns (values float8_e4m3fn [T, D], scales float32 [T])."""
+    kf = k.float()
+    amax = kf.abs().amax(dim=-1).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    values = (kf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def fp8_cache_views(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values uint8 [blocks, block_size, D], scales float32 [blocks, block_size]) views of a vLLM fp8
+    index-key cache; no copies."""
+    blocks, bs, width = cache.shape
+    if width != head_dim + 4 or cache.dtype != torch.uint8:
+        raise Glm5labError(f"fp8 index-key cache must be uint8 [blocks, block_size, {head_dim + 4}], "
+                           f"got {cache.dtype} {tuple(cache.shape)}")
+    # vLLM hands each layer a view into one shared allocation: blocks may be strided apart, but a block's
+    # bytes are contiguous, so these are views (writes through them land in the cache)
+    flat = cache.flatten(1)
+    if flat.data_ptr() != cache.data_ptr() or flat.stride(1) != 1:
+        raise Glm5labError("fp8 index-key cache blocks must be contiguous inside (got a layout that needs a copy)")
+    values = flat[:, :bs * head_dim].view(blocks, bs, head_dim)
+    scales = flat[:, bs * head_dim:].view(torch.float32)
+    return values, scales
+
+
+def write_index_key_cache(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store keys k [T, D] at global slots (block * block_size + offset; -1 = skip) of a plain or fp8
+    (vLLM layout) index-key cache, in place."""
+    if k.dim() != 2:
+        raise Glm5labError(f"keys must be [tokens, D], got shape {tuple(k.shape)}")
+    D = k.shape[1]
+    blocks, bs = cache.shape[0], cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k = k[keep]
+    if slots.numel() and int(slots.max()) >= blocks * bs:
+        raise Glm5labError(f"slot {int(slots.max())} beyond the cache ({blocks * bs} slots)")
+    blk, off = slots // bs, slots % bs
+    if is_fp8_cache(cache, D):
+        values, scales = fp8_cache_views(cache, D)
+        v, s = quantize_keys_fp8(k)
+        values[blk, off] = v.view(torch.uint8)
+        scales[blk, off] = s
+    elif cache.dim() == 3 and cache.shape[-1] == D and cache.dtype in _KEY_DTYPES:
+        cache[blk, off] = k.to(cache.dtype)
+    else:
+        raise Glm5labError(f"index-key cache must be [blocks, block_size, {D}] fp16/bf16/fp32 or uint8 "
+                           f"[blocks, block_size, {D + 4}] (fp8), got {cache.dtype} {tuple(cache.shape)}")
+
+
+def dequantize_index_key_cache(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The cache as float32 [blocks, block_size, D] (for references and tests)."""
+    if is_fp8_cache(cache, head_dim):
+        values, scales = fp8_cache_views(cache, head_dim)
+        return values.view(torch.float8_e4m3fn).float() * scales[..., None]
+    return cache.float()
+
+
+# ----------------------------------------------------------------------------------------------- logits
+@triton.jit
+def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr):
+    """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 -> [N] = sum_h w_h relu(q_h.k_n * scale_n)."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.maximum(s * scale[None, :], 0.0)
+    return tl.sum(s * w[:, None], axis=0)
+
+
+@triton.jit
+def _fp8e4m3_bits_to_f32(b):
+    """float8 e4m3fn bits (uint8) -> float32 without hardware fp8 (GPUs before SM89: A100, ...)."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = (b & 0x7).to(tl.float32) * 0.125
+    mag = tl.where(e == 0, m * 0.015625, (1.0 + m) * tl.exp2((e - 7).to(tl.float32)))
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
+                          stride_qt, stride_qh, stride_wt, stride_kb, stride_ko, stride_sb,
+                          stride_bt, stride_ot, out_cols,
+                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                          IEEE: tl.constexpr, SOFT_FP8: tl.constexpr):
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, DP)
+    seq = tl.load(SEQ + t)
+    valid = offs_n < seq
+    page = offs_n // PAGE
+    within = offs_n % PAGE
+    blk = tl.load(BT + t * stride_bt + page, mask=valid, other=0).to(tl.int64)
+    q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
+    w = tl.load(W + t * stride_wt + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    kptr = K + blk[:, None] * stride_kb + within[:, None] * stride_ko + offs_d[None, :]
+    kmask = valid[:, None] & (offs_d[None, :] < D)
+    if FP8:
+        bits = tl.load(kptr, mask=kmask, other=0)
+        if SOFT_FP8:
+            k = _fp8e4m3_bits_to_f32(bits).to(q.dtype)
+        else:
+            k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
+    else:
+        k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
+        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    logit = _weighted_relu_scores(q, k, w, scale, IEEE)
+    logit = tl.where(valid, logit, float("-inf"))
+    tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
+
+
+def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise Glm5labError(f"q must be [tokens, heads, D], got shape {tuple(q.shape)}")
+    if q.dtype not in _KEY_DTYPES:
+        raise Glm5labError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    if weights.shape != q.shape[:2]:
+        raise Glm5labError(f"weights must be [tokens, heads] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
+    if q.stride(-1) != 1:
+        raise Glm5labError("q must be contiguous in its last dimension")
+
+
+def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                          block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
+                          out: torch.Tensor | None = None, block_n: int | None = None,
+                          soft_fp8: bool | None = None) -> torch.Tensor:
+    """Decode logits of each query row against its own paged context: float32 [T, max_len].
+
+    q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
+    fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens
+    [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
+    output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
+    (default: only on GPUs before SM89, which have no e4m3 support).
+    """
+    _check_qw(q, weights)
+    T, H, D = q.shape
+    fp8 = is_fp8_cache(k_cache, D)
+    if fp8:
+        values, scales = fp8_cache_views(k_cache, D)
+        kt, kscale, stride_sb = values, scales, scales.stride(0)
+    elif k_cache.dim() == 3 and k_cache.shape[-1] == D and k_cache.dtype in _KEY_DTYPES:
+        kt, kscale, stride_sb = k_cache, k_cache, 0
+        if k_cache.stride(-1) != 1:
+            raise Glm5labError("k_cache must be contiguous in its last dimension")
+    else:
+        raise Glm5labError(f"k_cache must be [blocks, block_size, {D}] fp16/bf16/fp32 or uint8 "
+                           f"[blocks, block_size, {D + 4}] (fp8 layout), got {k_cache.dtype} {tuple(k_cache.shape)}")
+    page = k_cache.shape[1]
+    if block_table.dim() != 2 or block_table.shape[0] != T:
+        raise Glm5labError(f"block_table must be [tokens={T}, max_blocks], got {tuple(block_table.shape)}")
+    if seq_lens.shape != (T,):
+        raise Glm5labError(f"seq_lens must be [{T}], got {tuple(seq_lens.shape)}")
+    if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise Glm5labError("block_table and seq_lens must be int32 or int64")
+    if max_len is None:
+        max_len = int(seq_lens.max()) if T else 0
+    if max_len > block_table.shape[1] * page:
+        raise Glm5labError(f"max_len {max_len} exceeds the block table's reach "
+                           f"({block_table.shape[1]} blocks x {page})")
+    if out is None:
+        out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
+    if T == 0 or max_len == 0:
+        return out
+    if kt.dtype != q.dtype and not fp8:
+        kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
+    if soft_fp8 is None:
+        soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
+    if block_n is None:  # keys per program: larger tiles on a GPU amortize the q load
+        block_n = 128 if q.is_cuda else 64
+    grid = (T, triton.cdiv(max_len, block_n))
+    _decode_logits_kernel[grid](
+        q, weights, kt, kscale, block_table, seq_lens, out,
+        q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), kt.stride(1), stride_sb,
+        block_table.stride(0), out.stride(0), max_len,
+        H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, FP8=fp8,
+        IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8))
+    return out
+
+
+@triton.jit
+def _prefill_logits_kernel(Q, W, K, KS, KE, OUT, T,
+                           stride_qt, stride_qh, stride_wt, stride_kt, stride_ot, out_cols,
+                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of BLOCK_M query tokens x BLOCK_N keys (absolute key index); every query row t scores
+    keys [ks_t, ke_t) and writes column (key - ks_t)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T
+    ks = tl.load(KS + offs_m, mask=row_ok, other=0)
+    ke = tl.load(KE + offs_m, mask=row_ok, other=0)
+    lo = tl.min(tl.where(row_ok & (ke > ks), ks, 2147483647), axis=0)
+    hi = tl.max(tl.where(row_ok & (ke > ks), ke, 0), axis=0)
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_h = tl.arange(0, HP)
+        offs_d = tl.arange(0, DP)
+        # q tile flattened to [BLOCK_M * HP, DP]: row r = (token r // HP, head r % HP)
+        r = tl.arange(0, BLOCK_M * HP)
+        rt = m0 + r // HP
+        rh = r % HP
+        rmask = (rt < T) & (rh < H)
+        q = tl.load(Q + rt[:, None].to(tl.int64) * stride_qt + rh[:, None] * stride_qh + offs_d[None, :],
+                    mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
+        w = tl.load(W + rt.to(tl.int64) * stride_wt + rh, mask=rmask, other=0.0).to(tl.float32)
+        k = tl.load(K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
+                    mask=(offs_n[:, None] < hi) & (offs_d[None, :] < D), other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.maximum(s, 0.0) * w[:, None]                          # [BLOCK_M*HP, BLOCK_N]
+        logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1)  # [BLOCK_M, BLOCK_N]
+        col = offs_n[None, :] - ks[:, None]
+        ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
+        ok = ok & (col < out_cols)
+        tl.store(OUT + offs_m[:, None].to(tl.int64) * stride_ot + col, logit, mask=ok)
+
+
+def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                           ks: torch.Tensor, ke: torch.Tensor, max_len: int | None = None,
+                           block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+    """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
+    i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
+
+    q [T, H, D]; weights [T, H]; k [S, D] (the gathered keys of the requests in this chunk, as vLLM's
+    fp8_mqa_logits takes them); ks/ke [T] int. For causal prefill of one sequence from position 0:
+    ks = 0, ke = position + 1.
+    """
+    _check_qw(q, weights)
+    T, H, D = q.shape
+    if k.dim() != 2 or k.shape[1] != D or k.dtype not in _KEY_DTYPES:
+        raise Glm5labError(f"k must be [keys, {D}] fp16/bf16/fp32, got {k.dtype} {tuple(k.shape)}")
+    if ks.shape != (T,) or ke.shape != (T,):
+        raise Glm5labError(f"ks and ke must be [{T}], got {tuple(ks.shape)} and {tuple(ke.shape)}")
+    if T and (bool((ks < 0).any()) or bool((ke > k.shape[0]).any()) or bool((ke < ks).any())):
+        raise Glm5labError(f"key windows [ks, ke) must satisfy 0 <= ks <= ke <= {k.shape[0]}")
+    if k.stride(-1) != 1:
+        raise Glm5labError("k must be contiguous in its last dimension")
+    if max_len is None:
+        max_len = int((ke - ks).max()) if T else 0
+    out = torch.full((T, max_len), float("-inf"), dtype=torch.float32, device=q.device)
+    if T == 0 or max_len == 0 or k.shape[0] == 0:
+        return out
+    HP = _pow2(H, 16)
+    block_m = max(1, min(block_m, _pow2(T)))
+    # the flattened [BLOCK_M*HP, D] q tile must stay a sensible size
+    while block_m > 1 and block_m * HP > 128:
+        block_m //= 2
+    if block_m * HP < 16:
+        block_m = 16 // HP
+    k = k.to(q.dtype) if k.dtype != q.dtype else k
+    grid = (triton.cdiv(T, block_m), triton.cdiv(k.shape[0], block_n))
+    _prefill_logits_kernel[grid](
+        q, weights, k, ks, ke, out, T,
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0), max_len,
+        H=H, D=D, HP=HP, DP=_pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=_dot_in_fp32(q.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- top-k
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 with the same (total) order as the floats; -0.0 maps to +0.0's key."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _topk_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
+                 BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(LEN + row).to(tl.int32), C)
+    n = tl.maximum(n, 0)
+    base = L + row.to(tl.int64) * stride_l
+    obase = OUT + row.to(tl.int64) * stride_o
+    digits = tl.arange(0, 16).to(tl.int64)
+    # 1) radix select, 4 bits per pass, in the unsigned space u = key + 2**31 (int64 scalars only):
+    #    `ans` = the largest threshold with count(u >= ans) >= K among the row's valid positions
+    ans = tl.zeros([], dtype=tl.int64)
+    for p in tl.static_range(8):
+        shift = 28 - 4 * p
+        cand = (ans + (digits << shift) - 2147483648).to(tl.int32)      # back to the signed key space
+        cnt = tl.zeros([16], dtype=tl.int32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+            hit = (key[:, None] >= cand[None, :]) & m[:, None]
+            cnt += tl.sum(hit.to(tl.int32), axis=0)
+        j = tl.maximum(tl.sum((cnt >= K).to(tl.int32), axis=0) - 1, 0)
+        ans = ans + (j.to(tl.int64) << shift)
+    thr = (ans - 2147483648).to(tl.int32)
+    take_all = n <= K
+    # 2) how many strictly above the threshold; the rest of the K come from ties, lowest position first
+    gt_total = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        gt_total += tl.sum((m & (key > thr)).to(tl.int32), axis=0)
+    need_eq = K - gt_total
+    # 3) write the chosen positions in ascending order
+    written = tl.zeros([], dtype=tl.int32)
+    eq_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        eq = (m & (key == thr)).to(tl.int32)
+        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
+        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
+        sel_i = sel.to(tl.int32)
+        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
+        tl.store(obase + pos, offs, mask=sel & (pos < K))
+        written += tl.sum(sel_i, axis=0)
+        eq_seen += tl.sum(eq, axis=0)
+    # 4) -1 after the chosen ones
+    for start in range(0, K, BLOCK_K):
+        offs = start + tl.arange(0, BLOCK_K)
+        tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
+
+
+@triton.jit
+def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
+                      BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Same contract as _topk_kernel; the radix select takes 8 bits per pass with tl.histogram (4 passes),
+    and the count above the threshold falls out of the select, so 5 passes over the row instead of 10."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(LEN + row).to(tl.int32), C)
+    n = tl.maximum(n, 0)
+    base = L + row.to(tl.int64) * stride_l
+    obase = OUT + row.to(tl.int64) * stride_o
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.int64)      # chosen high digits, unsigned space u = key + 2**31
+    above = tl.zeros([], dtype=tl.int32)       # valid positions whose u is above the chosen prefix
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], dtype=tl.int32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            u = _order_key(tl.load(base + offs, mask=m, other=0.0)).to(tl.int64) + 2147483648
+            if p > 0:
+                m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = ((u >> shift) & 255).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=m)
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
+        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
+        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
+        prefix = prefix + (j.to(tl.int64) << shift)
+    thr = (prefix - 2147483648).to(tl.int32)
+    take_all = n <= K
+    need_eq = K - above
+    written = tl.zeros([], dtype=tl.int32)
+    eq_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        eq = (m & (key == thr)).to(tl.int32)
+        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
+        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
+        sel_i = sel.to(tl.int32)
+        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
+        tl.store(obase + pos, offs, mask=sel & (pos < K))
+        written += tl.sum(sel_i, axis=0)
+        eq_seen += tl.sum(eq, axis=0)
+    for start in range(0, K, BLOCK_K):
+        offs = start + tl.arange(0, BLOCK_K)
+        tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
+
+
+# ---- "split": the same radix select spread over segments of each row (many programs per row), for
+# decode batches too small to fill the GPU with one program per row. 4 levels x (histogram + pick), then
+# per-segment counts and the ordered write: 10 launches, each over all segments of all rows.
+@triton.jit
+def _split_hist_kernel(L, LEN, HIST, PREFIX, stride_l, C, SEG, shift,
+                       FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seg0 = tl.program_id(1) * SEG
+    n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    base = L + row.to(tl.int64) * stride_l
+    prefix = tl.load(PREFIX + row)
+    hist = tl.zeros([256], dtype=tl.int32)
+    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = (offs < n) & (offs < seg0 + SEG)
+        u = _order_key(tl.load(base + offs, mask=m, other=0.0)).to(tl.int64) + 2147483648
+        if not FIRST:
+            m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+        hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+    if seg0 < n:
+        tl.atomic_add(HIST + row * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def _split_pick_kernel(HIST, PREFIX, ABOVE, K, shift):
+    row = tl.program_id(0)
+    bins = tl.arange(0, 256)
+    hist = tl.load(HIST + row * 256 + bins)
+    above = tl.load(ABOVE + row)
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
+    tl.store(ABOVE + row, above + tl.sum(tl.where(bins > j, hist, 0), axis=0))
+    tl.store(PREFIX + row, tl.load(PREFIX + row) + (j.to(tl.int64) << shift))
+    tl.store(HIST + row * 256 + bins, tl.zeros([256], dtype=tl.int32))
+
+
+@triton.jit
+def _split_count_kernel(L, LEN, PREFIX, COUNTS, stride_l, C, SEG, S, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seg = tl.program_id(1)
+    seg0 = seg * SEG
+    n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    base = L + row.to(tl.int64) * stride_l
+    thr = (tl.load(PREFIX + row) - 2147483648).to(tl.int32)
+    gt = tl.zeros([], dtype=tl.int32)
+    eq = tl.zeros([], dtype=tl.int32)
+    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = (offs < n) & (offs < seg0 + SEG)
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        gt += tl.sum((m & (key > thr)).to(tl.int32), axis=0)
+        eq += tl.sum((m & (key == thr)).to(tl.int32), axis=0)
+    tl.store(COUNTS + (row * S + seg) * 2, gt)
+    tl.store(COUNTS + (row * S + seg) * 2 + 1, eq)
+
+
+@triton.jit
+def _split_write_kernel(L, LEN, PREFIX, ABOVE, COUNTS, OUT, stride_l, stride_o, C, K, SEG, S,
+                        SP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    seg = tl.program_id(1)
+    seg0 = seg * SEG
+    n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    base = L + row.to(tl.int64) * stride_l
+    obase = OUT + row.to(tl.int64) * stride_o
+    thr = (tl.load(PREFIX + row) - 2147483648).to(tl.int32)
+    take_all = n <= K
+    need_eq = K - tl.load(ABOVE + row)
+    segs = tl.arange(0, SP)
+    before = segs < seg
+    gt_before = tl.sum(tl.load(COUNTS + (row * S + segs) * 2, mask=before, other=0), axis=0)
+    eq_before = tl.sum(tl.load(COUNTS + (row * S + segs) * 2 + 1, mask=before, other=0), axis=0)
+    written = gt_before + tl.minimum(eq_before, need_eq)
+    eq_seen = eq_before
+    if take_all:
+        written = seg0
+    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = (offs < n) & (offs < seg0 + SEG)
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        eqv = (m & (key == thr)).to(tl.int32)
+        eq_rank = tl.cumsum(eqv, axis=0) - eqv + eq_seen
+        sel = m & ((key > thr) | ((eqv > 0) & (eq_rank < need_eq)) | take_all)
+        sel_i = sel.to(tl.int32)
+        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
+        tl.store(obase + pos, offs, mask=sel & (pos < K))
+        written += tl.sum(sel_i, axis=0)
+        eq_seen += tl.sum(eqv, axis=0)
+    if seg == 0:   # -1 after the chosen ones: min(K, n) positions are filled
+        filled = tl.minimum(n, K)
+        for start in range(0, K, BLOCK_K):
+            offs = start + tl.arange(0, BLOCK_K)
+            tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= filled) & (offs < K))
+
+
+def _topk_split(logits, k, lengths, out, block, seg):
+    T, C = logits.shape
+    dev = logits.device
+    if seg is None:   # enough programs to fill the GPU even for one row, at least one BLOCK each
+        seg = max(block, _pow2(triton.cdiv(C * T, 512)))
+    S = max(1, triton.cdiv(C, seg))
+    hist = torch.zeros((T, 256), dtype=torch.int32, device=dev)
+    prefix = torch.zeros((T,), dtype=torch.int64, device=dev)
+    above = torch.zeros((T,), dtype=torch.int32, device=dev)
+    counts = torch.empty((T, S, 2), dtype=torch.int32, device=dev)
+    for level in range(4):
+        shift = 24 - 8 * level
+        _split_hist_kernel[(T, S)](logits, lengths, hist, prefix, logits.stride(0), C, seg, shift,
+                                   FIRST=level == 0, BLOCK=block, num_warps=4)
+        _split_pick_kernel[(T,)](hist, prefix, above, k, shift)
+    _split_count_kernel[(T, S)](logits, lengths, prefix, counts, logits.stride(0), C, seg, S, BLOCK=block)
+    _split_write_kernel[(T, S)](logits, lengths, prefix, above, counts, out, logits.stride(0), out.stride(0),
+                                C, k, seg, S, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)))
+    return out
+
+
+TOPK_METHODS = ("radix16", "hist", "split")
+
+
+def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, block: int = 1024, method: str = "radix16",
+                 seg: int | None = None) -> torch.Tensor:
+    """Top-k positions per row among columns < lengths[row]: int32 [T, k], ascending, -1 padded.
+
+    method "radix16" (one program per row, 4-bit digits by comparison, 10 passes over the row), "hist"
+    (one program per row, 8-bit digits with tl.histogram, 5 passes) or "split" (each row cut into
+    segments of `seg` columns handled by separate programs, global histograms: for small batches);
+    all exact and identical in output.
+
+    logits [T, C] float32 (NaN is not allowed: it has no place in the order). Ties at the k-th score
+    go to the lowest positions (see the tie rule in glm5lab.sparse.indexer_reference)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise Glm5labError(f"logits must be float32 [rows, columns], got {logits.dtype} {tuple(logits.shape)}")
+    if k <= 0:
+        raise Glm5labError(f"k must be positive, got {k}")
+    if method not in TOPK_METHODS:
+        raise Glm5labError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    T, C = logits.shape
+    if lengths is None:
+        lengths = torch.full((T,), C, dtype=torch.int32, device=logits.device)
+    if lengths.shape != (T,) or lengths.dtype not in (torch.int32, torch.int64):
+        raise Glm5labError(f"lengths must be int32/int64 [{T}], got {lengths.dtype} {tuple(lengths.shape)}")
+    if out is None:
+        out = torch.empty((T, k), dtype=torch.int32, device=logits.device)
+    elif out.shape != (T, k) or out.dtype != torch.int32 or out.stride(-1) != 1:
+        raise Glm5labError(f"out must be int32 [{T}, {k}] contiguous in its last dimension")
+    if T == 0:
+        return out
+    if method == "split":
+        return _topk_split(logits, k, lengths, out, block, seg)
+    kernel = _topk_kernel if method == "radix16" else _topk_hist_kernel
+    kernel[(T,)](logits, lengths, out, logits.stride(0), out.stride(0), C, k,
+                 BLOCK=block, BLOCK_K=min(1024, _pow2(k)), num_warps=8)
+    return out
+
+
+def torch_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """The same contract with torch.topk (the baseline the benchmark compares against); ties are
+    resolved however torch.topk resolves them, which the tie rule allows. Order: by score."""
+    T, C = logits.shape
+    x = logits
+    if lengths is not None:
+        cols = torch.arange(C, device=logits.device)
+        x = logits.masked_fill(cols[None, :] >= lengths[:, None], float("-inf"))
+    take = min(k, C)
+    idx = torch.topk(x, take, dim=1).indices
+    out = torch.full((T, k), -1, dtype=torch.int32, device=logits.device)
+    if lengths is not None:
+        keep = torch.arange(take, device=logits.device)[None, :] < lengths[:, None]
+        idx = torch.where(keep, idx, torch.full_like(idx, -1))
+    out[:, :take] = idx.int()
+    return out

@@ -1,0 +1,308 @@
+"""glm5lab's Triton DSA indexer kernels (decode logits on a paged index-key cache, prefill logits, top-k)
+against the float64 torch reference. CPU: TRITON_INTERPRET=1 with small shapes; `gpu` tests: GLM-5 shapes.
+
+Tolerances: logits are compared with atol = 2e-3 * max|logit| for fp16/bf16 operands (products are exact
+in fp32, the sum over D=128 and the heads is accumulated in fp32) and 1e-5 * max|logit| for fp32.
+Top-k sets are compared with the tie rule of glm5lab.sparse.indexer_reference: identical up to ties at the
+k-th score, where (end to end) "tied" means within the logits tolerance.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5lab.errors import Glm5labError
+from glm5lab.kernels.dsa_indexer import (TOPK_METHODS, dequantize_index_key_cache, fp8_cache_views, indexer_logits_decode,
+                                         indexer_logits_prefill, indexer_topk, torch_topk,
+                                         write_index_key_cache)
+from glm5lab.sparse.indexer_reference import (indexer_logits_reference, indexer_topk_reference,
+                                              topk_sets_agree)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# Triton 3.6's interpreter warns about numpy scalar conversions on every loop bound
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _tol(dtype, ref):
+    scale = float(ref[torch.isfinite(ref)].abs().max()) if torch.isfinite(ref).any() else 1.0
+    return (1e-5 if dtype == torch.float32 else 2e-3) * max(scale, 1.0)
+
+
+def _paged_case(gen, *, T, H, D, page, num_blocks, max_len, dtype, fp8, device="cpu", lengths=None):
+    """Random keys written into a paged cache through a random (permuted) block table per row."""
+    cache = (torch.zeros(num_blocks, page, D + 4, dtype=torch.uint8) if fp8
+             else torch.zeros(num_blocks, page, D, dtype=dtype))
+    keys = torch.randn(num_blocks * page, D, generator=gen)
+    write_index_key_cache(cache, keys.to(dtype), torch.arange(num_blocks * page))
+    blocks_per_row = -(-max_len // page)
+    bt = torch.stack([torch.randperm(num_blocks, generator=gen)[:blocks_per_row] for _ in range(T)]).int()
+    if lengths is None:
+        lengths = torch.randint(0, max_len + 1, (T,), generator=gen)
+        lengths[0] = max_len
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    w = torch.randn(T, H, generator=gen) / H
+    return [x.to(device) for x in (q, w, cache, bt, lengths.int())]
+
+
+def _decode_reference(q, w, cache, bt, lengths, max_len):
+    D = q.shape[-1]
+    flat = dequantize_index_key_cache(cache, D).reshape(-1, D).double()
+    ref = torch.full((q.shape[0], max_len), float("-inf"), dtype=torch.float64, device=q.device)
+    page = cache.shape[1]
+    for t in range(q.shape[0]):
+        n = int(lengths[t])
+        slots = (bt[t].long()[:, None] * page + torch.arange(page, device=q.device)).reshape(-1)[:n]
+        ref[t, :n] = indexer_logits_reference(q[t:t + 1], flat[slots], w[t:t + 1],
+                                              compute_dtype=torch.float64)[0]
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_decode_logits_match_reference(dtype, fp8, device):
+    gen = torch.Generator().manual_seed(11 + DTYPES.index(dtype) + 7 * fp8)
+    T, H, D, page, max_len = 3, 5, 128, 16, 45           # odd head count, odd lengths, padded heads
+    q, w, cache, bt, lengths = _paged_case(gen, T=T, H=H, D=D, page=page, num_blocks=7, max_len=max_len,
+                                           dtype=dtype, fp8=fp8, device=device)
+    out = torch.full((T, max_len), float("nan"), device=device)   # poisoned: every entry must be written
+    indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out)
+    ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
+    out = out.cpu()
+    finite = torch.isfinite(ref)
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isneginf(out), ~finite)
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+
+
+def test_software_fp8_decode_equals_hardware_conversion(device):
+    """GPUs before SM89 have no e4m3: the kernel decodes the bits itself. Same logits, bit for bit."""
+    gen = torch.Generator().manual_seed(17)
+    q, w, cache, bt, lengths = _paged_case(gen, T=2, H=8, D=128, page=16, num_blocks=5, max_len=60,
+                                           dtype=torch.float16, fp8=True, device=device)
+    values, _ = fp8_cache_views(cache, 128)
+    bits = torch.arange(256, dtype=torch.uint8).repeat(8).view(16, 128)
+    bits[bits % 128 == 127] = 0                                   # every bit pattern except NaN
+    values[bt[0, 0].long()] = bits.to(device)
+    hard = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=False)
+    soft = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=True)
+    assert torch.equal(hard, soft)
+    ref = _decode_reference(q, w, cache, bt, lengths, 60)
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(soft[finite].double().cpu(), ref[finite].cpu(), atol=_tol(torch.float16, ref), rtol=0)
+
+
+def test_fp8_cache_layout_matches_vllm_deepgemm_layout():
+    """Inside a block: block_size*D fp8 values (token-major), then block_size float32 power-of-two scales."""
+    D, page = 128, 4
+    cache = torch.zeros(3, page, D + 4, dtype=torch.uint8)
+    k = torch.randn(2, D) * torch.tensor([[0.01], [30.0]])
+    write_index_key_cache(cache, k, torch.tensor([6, -1]))        # block 1, offset 2; -1 skipped
+    raw = cache.reshape(3, -1)[1]
+    vals = raw[2 * D:3 * D].view(torch.float8_e4m3fn).float()
+    scale = raw[page * D + 2 * 4: page * D + 3 * 4].view(torch.float32)
+    assert float(torch.log2(scale)) == round(float(torch.log2(scale)))   # ue8m0: power of two
+    assert float(vals.abs().max() * scale) <= float(k[0].abs().max()) * 1.07
+    torch.testing.assert_close(vals * scale, k[0], atol=0, rtol=2 ** -4)  # e4m3: 3 mantissa bits
+    assert int(cache.reshape(3, -1)[[0, 2]].count_nonzero()) == 0    # nothing else written
+    values, scales = fp8_cache_views(cache, D)
+    assert values.data_ptr() == cache.data_ptr() and scales.shape == (3, page)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_cache_as_a_strided_view_into_a_shared_allocation(fp8, device):
+    """vLLM gives each layer a view into one allocation (blocks strided apart): writes must land in it and
+    the kernel must read it through its strides, leaving the other layer's bytes alone."""
+    gen = torch.Generator().manual_seed(13)
+    width, dtype = (132, torch.uint8) if fp8 else (128, torch.float16)
+    big = torch.zeros(6, 2, 16, width, dtype=dtype, device=device)
+    cache = big[:, 1]
+    assert not cache.is_contiguous()
+    keys = torch.randn(96, 128, generator=gen).half().to(device)
+    write_index_key_cache(cache, keys, torch.randperm(96, generator=gen).to(device))
+    assert int(big[:, 0].count_nonzero()) == 0 and int(cache.count_nonzero()) > 0
+    q = torch.randn(2, 8, 128, generator=gen).half().to(device)
+    w = torch.randn(2, 8, generator=gen).to(device)
+    bt = torch.stack([torch.randperm(6, generator=gen) for _ in range(2)]).int().to(device)
+    lengths = torch.tensor([96, 50], dtype=torch.int32, device=device)
+    out = indexer_logits_decode(q, w, cache, bt, lengths)
+    ref = _decode_reference(q, w, cache, bt, lengths, 96).cpu()
+    out = out.cpu()
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.float16, ref), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_logits_match_reference(dtype, device):
+    gen = torch.Generator().manual_seed(21 + DTYPES.index(dtype))
+    T, H, D, S = 13, 6, 128, 40
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    w = torch.randn(T, H, generator=gen) / H
+    k = torch.randn(S, D, generator=gen).to(dtype)
+    ks = torch.randint(0, 12, (T,), generator=gen)
+    ke = ks + torch.randint(0, S - 12 + 1, (T,), generator=gen)
+    ke[0] = ks[0]                                                # an empty window
+    out = indexer_logits_prefill(q.to(device), w.to(device), k.to(device), ks.to(device), ke.to(device)).cpu()
+    ref = torch.full(out.shape, float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        n = int(ke[t] - ks[t])
+        ref[t, :n] = indexer_logits_reference(q[t:t + 1], k[ks[t]:ke[t]], w[t:t + 1],
+                                              compute_dtype=torch.float64)[0]
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(out), ~finite)
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+
+
+def _check_topk_exact(logits, k, lengths, method="radix16"):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = indexer_topk(logits.to(dev), k, lengths.to(dev), method=method,
+                       out=torch.full((logits.shape[0], k), 12345, dtype=torch.int32, device=dev)).cpu()
+    ref = indexer_topk_reference(logits, k, lengths)
+    assert torch.equal(out, ref), (out, ref)
+    assert topk_sets_agree(out, logits, k, lengths) == []
+
+
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_topk_random_rows_equal_reference(method):
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randn(7, 300, generator=gen) * 10
+    lengths = torch.tensor([300, 0, 1, 37, 38, 299, 200])
+    _check_topk_exact(logits, 37, lengths, method)               # k not a power of two, rows < = > k
+
+
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_topk_constructed_ties(method):
+    """Integer scores: many exact ties at the k-th score, plus -0.0/+0.0 and -inf inside the row."""
+    gen = torch.Generator().manual_seed(32)
+    logits = torch.randint(-3, 4, (5, 130), generator=gen).float()
+    logits[0, ::3] = -0.0
+    logits[1, :] = 0.0
+    logits[1, 1::2] = -0.0
+    logits[2, 5:50] = float("-inf")
+    lengths = torch.tensor([130, 130, 130, 64, 17])
+    _check_topk_exact(logits, 16, lengths, method)
+    # another legal tie choice (from torch.topk) passes the rule too, and a wrong one does not
+    other = torch_topk(logits, 16, lengths)
+    assert topk_sets_agree(other, logits, 16, lengths) == []
+    wrong = indexer_topk_reference(-logits, 16, lengths)
+    assert topk_sets_agree(wrong, logits, 16, lengths) != []
+
+
+def test_topk_split_over_many_segments_equals_reference():
+    """The multi-program top-k: rows cut into 32-column segments, ties spanning segment borders."""
+    gen = torch.Generator().manual_seed(33)
+    logits = torch.randint(0, 4, (3, 333), generator=gen).float()
+    logits[2] = torch.randn(333, generator=gen)
+    lengths = torch.tensor([333, 100, 250])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for k in (1, 40, 120):
+        out = indexer_topk(logits.to(dev), k, lengths.to(dev), method="split", block=16, seg=32).cpu()
+        assert torch.equal(out, indexer_topk_reference(logits, k, lengths))
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 4), cols=st.integers(1, 200), k=st.integers(1, 70), seed=st.integers(0, 2 ** 16),
+       tie_levels=st.sampled_from([0, 3]), method=st.sampled_from(TOPK_METHODS))
+def test_topk_property(rows, cols, k, seed, tie_levels, method):
+    gen = torch.Generator().manual_seed(seed)
+    if tie_levels:
+        logits = torch.randint(0, tie_levels, (rows, cols), generator=gen).float()
+    else:
+        logits = torch.randn(rows, cols, generator=gen)
+    lengths = torch.randint(0, cols + 1, (rows,), generator=gen)
+    _check_topk_exact(logits, k, lengths, method)
+
+
+def test_decode_then_topk_end_to_end_agrees_with_reference_up_to_ties(device):
+    gen = torch.Generator().manual_seed(41)
+    T, H, D, page, max_len, k = 3, 8, 128, 8, 70, 24
+    q, w, cache, bt, lengths = _paged_case(gen, T=T, H=H, D=D, page=page, num_blocks=12, max_len=max_len,
+                                           dtype=torch.bfloat16, fp8=False, device=device,
+                                           lengths=torch.tensor([70, 20, 51]))
+    logits = indexer_logits_decode(q, w, cache, bt, lengths)
+    top = indexer_topk(logits, k, lengths).cpu()
+    ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
+    assert topk_sets_agree(top, ref, k, lengths.cpu(), atol=_tol(torch.bfloat16, ref)) == []
+    assert (top[1] == -1).sum() == k - 20
+
+
+def test_bad_inputs_raise_clear_errors():
+    q = torch.randn(2, 4, 128, dtype=torch.float16)
+    w = torch.randn(2, 4)
+    cache = torch.zeros(3, 8, 128, dtype=torch.float16)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(Glm5labError, match="weights"):
+        indexer_logits_decode(q, torch.randn(2, 3), cache, bt, lens)
+    with pytest.raises(Glm5labError, match="k_cache"):
+        indexer_logits_decode(q, w, torch.zeros(3, 8, 64, dtype=torch.float16), bt, lens)
+    with pytest.raises(Glm5labError, match="block table"):
+        indexer_logits_decode(q, w, cache, bt, torch.tensor([5, 30], dtype=torch.int32))
+    with pytest.raises(Glm5labError, match="q must be"):
+        indexer_logits_decode(q.to(torch.int8), w, cache, bt, lens)
+    with pytest.raises(Glm5labError, match="ks"):
+        indexer_logits_prefill(q, w, torch.randn(4, 128, dtype=torch.float16), torch.tensor([0, 2]),
+                               torch.tensor([3, 9]))
+    with pytest.raises(Glm5labError, match="logits"):
+        indexer_topk(torch.randn(2, 5, dtype=torch.float64), 3)
+    with pytest.raises(Glm5labError, match="slot"):
+        write_index_key_cache(cache, torch.randn(1, 128), torch.tensor([24]))
+
+
+# ------------------------------------------------------------------------------------ GPU, GLM-5 shapes
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_decode_glm5_shapes(fp8):
+    """32 index heads x 128, page 64, contexts up to 8k, k = 2048: logits and top-k sets."""
+    gen = torch.Generator().manual_seed(51)
+    T, H, D, page, max_len, k = 16, 32, 128, 64, 8192, 2048
+    lengths = torch.randint(1, max_len + 1, (T,), generator=gen)
+    lengths[:3] = torch.tensor([max_len, 2048, 100])
+    q, w, cache, bt, lengths = _paged_case(gen, T=T, H=H, D=D, page=page, num_blocks=T * max_len // page,
+                                           max_len=max_len, dtype=torch.bfloat16, fp8=fp8, device="cuda",
+                                           lengths=lengths)
+    out = torch.full((T, max_len), float("nan"), device="cuda")
+    indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out)
+    flat = dequantize_index_key_cache(cache, D).reshape(-1, D)
+    slots = (bt.long()[:, :, None] * page + torch.arange(page, device="cuda")).reshape(T, -1)
+    keys = flat[slots]                                                     # [T, max_len, D]
+    ref = torch.einsum("thd,tsd->ths", q.double(), keys.double()).relu()
+    ref = torch.einsum("th,ths->ts", w.double(), ref)
+    ref = ref.masked_fill(torch.arange(max_len, device="cuda")[None] >= lengths[:, None], float("-inf"))
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(out), ~finite)
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+    top = indexer_topk(out, k, lengths)
+    assert torch.equal(top, indexer_topk_reference(out, k, lengths))      # exact on its own logits
+    assert topk_sets_agree(top, ref, k, lengths, atol=_tol(torch.bfloat16, ref)) == []
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_glm5_shapes_causal():
+    gen = torch.Generator().manual_seed(52)
+    T, H, D = 1024, 32, 128
+    q = torch.randn(T, H, D, generator=gen).bfloat16().cuda()
+    w = (torch.randn(T, H, generator=gen) / H).cuda()
+    k = torch.randn(T, D, generator=gen).bfloat16().cuda()
+    ks = torch.zeros(T, dtype=torch.int32, device="cuda")
+    ke = torch.arange(1, T + 1, dtype=torch.int32, device="cuda")
+    out = indexer_logits_prefill(q, w, k, ks, ke)
+    ref = indexer_logits_reference(q, k, w, ke, compute_dtype=torch.float64)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(out), ~finite)
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+    top = indexer_topk(out, 512, ke)
+    assert torch.equal(top, indexer_topk_reference(out, 512, ke))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_gpu_topk_large_rows_with_ties(method):
+    gen = torch.Generator().manual_seed(53)
+    logits = torch.randn(64, 65536, generator=gen).cuda()
+    logits[1] = torch.randint(0, 50, (65536,), generator=gen).float().cuda()   # heavy ties
+    lengths = torch.randint(1, 65537, (64,), generator=gen).cuda()
+    lengths[:2] = 65536
+    top = indexer_topk(logits, 2048, lengths, method=method)
+    ref = indexer_topk_reference(logits, 2048, lengths)
+    assert torch.equal(top, ref)
+    assert torch.equal(indexer_topk(logits[:2], 2048, lengths[:2], method=method), ref[:2])   # batch of 2
