@@ -30,3 +30,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="session")
+def tiny_paths():
+    """The tiny GLM-5 (HF checkpoint + F16/Q8_0 GGUFs), generated once into the cache and reused
+    (glm5lab.model.tiny.ensure_tiny: content-hashed, written atomically)."""
+    from glm5lab.model.tiny import ensure_tiny
+
+    return ensure_tiny()

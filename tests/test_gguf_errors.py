@@ -1,0 +1,117 @@
+"""Bad input: each case is one Glm5labError line naming the file and the problem, the CLI exits != 0
+without a traceback, and no output file (or temp file) is left behind."""
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from glm5lab.cli import main
+from glm5lab.errors import Glm5labError
+from glm5lab.gguf.inspect import inspect_gguf
+from glm5lab.gguf.shards import split_gguf
+
+
+def _bad_files(tiny_paths, d):
+    src = tiny_paths.gguf("F16")
+    data = src.read_bytes()
+    cases = {}
+    p = d / "wrong_magic.gguf"
+    p.write_bytes(b"GGUX" + data[4:])
+    cases["wrong_magic"] = (p, "not a GGUF file")
+    p = d / "truncated_header.gguf"
+    p.write_bytes(data[:3000])
+    cases["truncated_header"] = (p, "truncated or corrupt GGUF header")
+    p = d / "truncated_data.gguf"
+    p.write_bytes(data[: len(data) - 1000])
+    cases["truncated_data"] = (p, "truncated tensor data")
+    p = d / "llama.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cases["unknown_arch"] = (p, "architecture 'llama' is not 'glm-dsa'")
+    p = d / "empty.gguf"
+    p.write_bytes(b"")
+    cases["empty"] = (p, "not a GGUF file")
+    return cases
+
+
+CASES = ["wrong_magic", "truncated_header", "truncated_data", "unknown_arch", "empty"]
+
+
+@pytest.fixture(scope="module")
+def bad(tiny_paths, tmp_path_factory):
+    return _bad_files(tiny_paths, tmp_path_factory.mktemp("bad"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_python_api_raises_one_line(bad, case):
+    path, msg = bad[case]
+    with pytest.raises(Glm5labError) as exc:
+        inspect_gguf(path)
+    text = str(exc.value)
+    assert "\n" not in text and str(path) in text and msg in text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cli_exit_code_and_no_partial_output(bad, case, tmp_path, capsys):
+    path, msg = bad[case]
+    assert main(["gguf", "inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and msg in err[0]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["gguf", "split", str(path), "2", "--out", str(out / "x.gguf")]) == 1
+    assert main(["gguf", "merge", str(path), str(out / "m.gguf")]) == 1
+    assert list(out.iterdir()) == []
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_shard_errors(tiny_paths, tmp_path, capsys):
+    parts = split_gguf(tiny_paths.gguf("F16"), 3, tmp_path / "s.gguf", progress=False)
+    parts[2].unlink()
+    assert main(["gguf", "merge", str(parts[0]), str(tmp_path / "m.gguf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "missing shard" in err and parts[2].name in err and "\n" not in err
+    shutil.copy(parts[1], parts[2])
+    assert main(["gguf", "merge", str(parts[0]), str(tmp_path / "m.gguf")]) == 1
+    assert "duplicate shard" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(Glm5labError, match="open the whole set"):
+        from glm5lab.gguf.reader import open_gguf
+        shutil.copy(parts[0], tmp_path / "renamed.gguf")
+        open_gguf(tmp_path / "renamed.gguf")
+
+
+def test_cli_tiny_write_inspect(tiny_paths, tmp_path, capsys):
+    assert main(["gguf", "write", str(tiny_paths.hf_dir), str(tmp_path / "w.gguf"), "--qtype", "BF16",
+                 "--shards", "2"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w-00001-of-00002.gguf", "w-00002-of-00002.gguf"]
+    capsys.readouterr()
+    assert main(["gguf", "inspect", str(tmp_path / "w-00002-of-00002.gguf"), "--json"]) == 0
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    assert info["header"]["shards"] == 2 and info["hyperparams"]["attention.kv_lora_rank"] == 512
+    assert main(["gguf", "write", str(tmp_path), str(tmp_path / "x.gguf")]) == 1  # not an HF dir
+    assert main(["gguf", "write", str(tiny_paths.hf_dir), str(tmp_path / "x.gguf"), "--qtype", "Q4_K"]) == 1
+    assert "unsupported GGUF type" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_bad_hf_checkpoint_leaves_nothing(tiny_paths, tmp_path):
+    """A checkpoint missing a tensor fails mid-stream (headers already written): one-line error, no file."""
+    from glm5lab.gguf.writer import hf_tensor_loaders, write_gguf
+    from glm5lab.model.tiny import tiny_config
+
+    loaders = hf_tensor_loaders(tiny_paths.hf_dir)
+    del loaders["model.layers.2.self_attn.kv_b_proj.weight"]
+    with pytest.raises(Glm5labError, match="no tensor 'model.layers.2.self_attn.kv_b_proj.weight'"):
+        write_gguf(loaders, tiny_config(), tiny_paths.hf_dir, tmp_path / "x.gguf", qtype="Q8_0", n_shards=2,
+                   progress=False)
+    assert list(tmp_path.iterdir()) == []
