@@ -1,0 +1,89 @@
+"""The 8x RTX PRO 6000 projection: assumptions sourced, missing inputs named (never invented), measured
+efficiencies used when present, capacity respected, projected values labeled."""
+import pandas as pd
+import pytest
+
+from glm5lab.bench import plots, projection
+
+
+def _measured(eff_att=0.5, eff_idx=0.4, eff_w=0.7) -> pd.DataFrame:
+    """Rows shaped like the full suite's (kernel_bench, indexer_bench, gemm_streaming) on a GPU."""
+    rows = []
+    for T in (1, 8, 32, 128, 512):
+        rows.append(dict(suite="sparse_mla_kernel", implementation="glm5lab", layout="fp8_ds_mla", dtype="bf16",
+                         shape=f"H8_T{T}_K2048", metric="roofline_fraction", value=eff_att))
+    for B in (1, 32, 128, 256):
+        for L in (4096, 16384, 65536):
+            rows.append(dict(suite="dsa_indexer", implementation="glm5lab-triton", layout="paged64", dtype="fp8",
+                             shape=f"B{B}_L{L}_H32_D128_K2048", metric="fraction_of_copy_ceiling", value=eff_idx))
+    for B in (1, 8, 32, 64, 128, 256):
+        rows.append(dict(suite="gemm_streaming", implementation="torch-bf16-gemm", layout="-", dtype="bf16",
+                         shape=f"B{B}_N24576_K6144", metric="fraction_of_copy", value=eff_w))
+    df = pd.DataFrame(rows)
+    df["gpu"], df["triton_interpret"] = "NVIDIA H200", False
+    return df
+
+
+@pytest.fixture(scope="module")
+def projections():
+    kw = dict(qtypes=("Q4_K", "Q8_0"), batches=(1, 32, 256), contexts=(4096, 65536))
+    return (projection.project(measurements=pd.DataFrame(), **kw),
+            projection.project(measurements=_measured(), **kw))
+
+
+def test_assumptions_have_sources_and_kinds():
+    a = projection.assumptions()
+    assert set(a.kind) <= {"published", "derived", "assumption", "measured"}
+    assert (a.source.str.len() > 10).all()
+    assert {"published", "assumption", "measured"} <= set(a.kind)
+
+
+def test_without_measurements_only_the_upper_bound_is_computed(projections):
+    empty, _ = projections
+    proj = empty[empty.kind == "projection"]
+    assert proj.missing_inputs.str.contains("no GPU-measured rows").all()
+    assert "tokens_per_s" not in proj or proj.tokens_per_s.isna().all()
+    ub = empty[empty.kind != "projection"]
+    assert (ub[ub.fits].tokens_per_s > 0).all()
+
+
+def test_measured_efficiencies_slow_the_projection_below_the_bound(projections):
+    empty, meas = projections
+    p = meas[(meas.kind == "projection") & meas.fits].set_index(["qtype", "batch", "context"])
+    ub = meas[(meas.kind != "projection") & meas.fits].set_index(["qtype", "batch", "context"])
+    assert not p.empty
+    assert (p.tokens_per_s < ub.loc[p.index].tokens_per_s).all()
+    assert (p.eff_attention == 0.5).all() and (p.eff_indexer == 0.4).all() and (p.eff_weights == 0.7).all()
+    # weight streaming at 0.7 of the bandwidth takes 1/0.7 of the bound's time
+    ratio = p.weights_ms / ub.loc[p.index].weights_ms
+    assert ratio.sub(1 / 0.7).abs().max() < 1e-9
+
+
+def test_capacity_and_batch_behaviour(projections):
+    _, meas = projections
+    ub = meas[meas.kind != "projection"]
+    # Q8_0 GLM-5 (~800 GB) cannot fit in 8 x 96 GB; Q4_K (~420 GB) does at short context
+    assert not ub[ub.qtype == "Q8_0"].fits.any()
+    q4 = ub[(ub.qtype == "Q4_K") & (ub.context == 4096)].set_index("batch")
+    assert q4.loc[1].fits and q4.loc[1].resident_gb < 96
+    # the latent KV cache is replicated across TP ranks: long context x large batch cannot fit
+    assert not ub[(ub.qtype == "Q4_K") & (ub.batch == 256) & (ub.context == 65536)].fits.any()
+    # more concurrent streams share the weight reads: throughput grows with batch where it fits
+    assert q4.loc[32].tokens_per_s > q4.loc[1].tokens_per_s
+
+
+def test_efficiency_lookup_names_each_missing_input():
+    eff, missing = projection.efficiencies(_measured().query("suite != 'gemm_streaming'"), 32, 16384)
+    assert set(eff) == {"attention", "indexer"}
+    assert len(missing) == 1 and "gemm" in missing[0].lower()
+
+
+def test_projection_plot_marks_projected_values(projections, tmp_path):
+    _, meas = projections
+    rows = pd.DataFrame(projection.projection_rows(meas))
+    fig = plots.plot_projection(rows, "gpu")
+    texts = [t.get_text() for t in fig.axes[0].texts] + [fig.axes[0].get_ylabel()]
+    labels = [h.get_label() for h in fig.axes[0].get_lines()]
+    assert any("PROJECTION" in t for t in texts)
+    assert any(lab.startswith("PROJECTED") for lab in labels)
+    assert any(lab.startswith("upper bound") for lab in labels)

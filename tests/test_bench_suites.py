@@ -1,0 +1,89 @@
+"""`glm5lab bench`: parts isolated, rows with provenance, cpu rows labeled non-performance, failures
+recorded as data, plots drawn from the CSVs."""
+import pandas as pd
+import pytest
+
+from glm5lab.bench import attention_stack, suites
+from glm5lab.bench.records import COLUMNS
+from glm5lab.cli import main
+
+
+@pytest.fixture
+def small_stack(monkeypatch):
+    """The cpu attention-stack profile cut to one shape, so the interpreter finishes quickly."""
+    prof = attention_stack.PROFILES["cpu"]
+    monkeypatch.setitem(attention_stack.PROFILES, "cpu", attention_stack.StackProfile(
+        prof.shape_kw, ((4, 2, 40),), ("glm5lab", "torch")))
+
+
+def test_cpu_suite_parts_write_labeled_rows_and_plots(tmp_path, small_stack):
+    status = suites.run_suite("cpu", tmp_path, parts=["attention_stack", "projection", "plots"],
+                              isolate=False, progress=False)
+    assert list(status["value"]) == [1.0, 1.0, 1.0], status["unit"].tolist()
+    d = tmp_path / "bench" / "cpu"
+    stack = pd.read_csv(d / "attention_stack.csv")
+    assert list(stack.columns) == COLUMNS
+    assert stack["command"].str.contains("NOT performance").all()
+    assert (stack["gpu"] == "no GPU").all()
+    got = set(stack[stack.implementation == "glm5lab"].metric)
+    assert {"step_time", "attention_time", "attention_share", "stack78_tokens_per_s"} <= got
+    share = stack[(stack.metric == "attention_share") & (stack.implementation == "glm5lab")].value.astype(float)
+    assert ((share > 0) & (share < 5)).all()
+    proj = pd.read_csv(d / "projection.csv")
+    # no GPU measurements exist under tmp_path: the projection names what is missing, invents nothing
+    assert (proj[proj.implementation == "projection"].metric == "missing_inputs").all()
+    assert (proj[proj.implementation != "projection"].metric == "tokens_per_s").any()
+    assert (d / "projection_assumptions.csv").exists()
+    assert (d / "plots" / "attention_stack.png").stat().st_size > 10_000
+    assert (d / "plots" / "projection.png").exists()
+    st = pd.read_csv(d / "suite.csv")
+    assert set(st.implementation) == {"attention_stack", "projection", "plots"}
+
+
+def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("simulated CUDA error")
+
+    monkeypatch.setitem(suites.PART_FUNCS, "gemm_streaming", boom)
+    status = suites.run_suite("cpu", tmp_path, parts=["gemm_streaming", "projection"], isolate=False,
+                              progress=False)
+    by = dict(zip(status.implementation, status.unit))
+    assert by["gemm_streaming"].startswith("failed: RuntimeError: simulated CUDA error")
+    assert by["projection"] == "ok"
+
+
+def test_spent_budget_skips_device_parts_but_not_the_projection(tmp_path):
+    status = suites.run_suite("cpu", tmp_path, parts=["attention_stack", "projection"], budget_s=0,
+                              isolate=False, progress=False)
+    by = dict(zip(status.implementation, status.unit))
+    assert by["attention_stack"].startswith("skipped")
+    assert by["projection"] == "ok"
+
+
+def test_isolated_child_failure_does_not_stop_the_suite(tmp_path, monkeypatch):
+    """Each part runs in its own process: one that dies (here by injected failure) is a 'failed' row and
+    the next part runs in a fresh process."""
+    monkeypatch.setenv("GLM5LAB_BENCH_INJECT_FAILURE", "projection")
+    status = suites.run_suite("cpu", tmp_path, parts=["projection", "plots"], isolate=True, progress=False)
+    by = dict(zip(status.implementation, status.unit))
+    assert by["projection"].startswith("failed: exit code")
+    assert by["plots"] == "ok"
+
+
+def test_latest_run_picks_the_newest_run_id():
+    df = pd.DataFrame({"command": ["x run=20260101T000000Z", "x run=20260102T000000Z", "y run=20260102T000000Z"],
+                       "value": [1, 2, 3]})
+    assert suites.latest_run(df)["value"].tolist() == [2, 3]
+
+
+def test_cli_full_suite_without_gpu_is_a_one_line_error(capsys):
+    assert main(["bench", "--suite", "full", "--parts", "projection"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no GPU" not in err[0] and "GPU" in err[0]
+
+
+def test_unknown_part_is_refused(tmp_path):
+    from glm5lab.errors import Glm5labError
+
+    with pytest.raises(Glm5labError, match="unknown part"):
+        suites.run_suite("cpu", tmp_path, parts=["nope"], isolate=False, progress=False)
