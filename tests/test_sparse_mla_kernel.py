@@ -133,6 +133,51 @@ def test_fp8_every_byte_pattern(device):
     check(out, lse, ref, torch.bfloat16)
 
 
+# ------------------------------------------------- private fp8 code paths (NOTES.md v4, issue 7 follow-up)
+
+FP8_PATH_CASES = [(path, dt, splits, merge) for path in ("reload", "reload_words")
+                  for dt, splits, merge in ((torch.bfloat16, 1, "fused"), (torch.float16, 3, "fused"),
+                                            (torch.bfloat16, 3, "separate"))]
+
+
+@pytest.mark.parametrize("path,dtype,splits,merge", FP8_PATH_CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-s{c[2]}-{c[3]}" for c in FP8_PATH_CASES])
+def test_fp8_path_matches_reference(device, path, dtype, splits, merge):
+    """The private fp8 paths (NOTES.md v4) under the default path's tolerances, both q dtypes and merges."""
+    q, cache, slots, ref = make_case(4, 5, 150, 300, dtype, "fp8_ds_mla", device)
+    out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", num_splits=splits, merge=merge,
+                            _config={"fp8_path": path})
+    check(out, lse, ref, dtype)
+
+
+@pytest.mark.parametrize("path", ["reload", "reload_words"])
+def test_fp8_path_every_byte_pattern(device, path):
+    """Every e4m3 byte pattern; for reload_words also the byte order inside each int32 word (a swapped
+    pair of bytes gives O(1) errors here -- the failure of v3's packed conversion)."""
+    q, cache, slots, ref = _raw_fp8_case(device)
+    out, lse = run_poisoned(q, cache, slots, _config={"fp8_path": path})
+    check(out, lse, ref, torch.bfloat16)
+
+
+def test_fp8_paths_unknown_and_diagnostics_need_the_private_flag():
+    q = torch.randn(1, 4, 576).bfloat16()
+    cache = quantize_fp8_ds_mla(torch.randn(2, 16, 576))
+    slots = torch.zeros(1, 3, dtype=torch.int32)
+    for path in ("nope", "_diag_reload_no_scales", "_diag_reload_no_convert"):
+        with pytest.raises(Glm5labError, match="unknown fp8 path"):
+            sparse_mla_attention(q, cache, slots, SCALE, _config={"fp8_path": path})
+
+
+@pytest.mark.parametrize("path", ["_diag_reload_no_scales", "_diag_reload_no_convert"])
+def test_fp8_diagnostic_paths_run_and_write_every_element(device, path):
+    """Timing diagnostics give wrong values by design; they must still compile, run and write every output
+    element (finite), and the no-scales one must differ from the real result (it skips the scales)."""
+    q, cache, slots, ref = make_case(2, 8, 70, 128, torch.bfloat16, "fp8_ds_mla", device)
+    out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", _config={"fp8_path": path, "_diagnostic": True})
+    assert bool(torch.isfinite(out).all()) and not bool(torch.isnan(lse).any())
+    assert float((out.double().cpu() - ref[0]).norm() / ref[0].norm()) > 0.1
+
+
 def test_empty_topk_and_no_tokens(device):
     q = torch.randn(2, 8, 576, device=device).to(torch.bfloat16)
     cache = torch.randn(4, 16, 576, device=device).to(torch.bfloat16)
@@ -217,6 +262,31 @@ def test_gpu_fp16_and_topk_512_1024(dtype):
         check(out, lse, ref, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["reload", "reload_words"])
+@pytest.mark.parametrize("H", [8, 16, 64])
+@pytest.mark.parametrize("T", [1, 130])
+def test_gpu_fp8_path_real_shapes(path, H, T):
+    """The private fp8 paths at real shapes (top-k 2048, 65,536 slots), default splits, fused merge. Same
+    values as the default path, so the two must also agree within the element bound."""
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, _config={"fp8_path": path})
+    check(out, lse, ref, torch.bfloat16)
+    base, base_lse = run_poisoned(q, cache, slots)
+    assert float((out.float() - base.float()).abs().max()) <= 8 * UNIT[torch.bfloat16] * float(base.float().abs().max())
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_paths_every_byte_pattern_and_8_warps():
+    """Every e4m3 byte through the compiled paths, with the 4-warp default tile and the 8-warp one the
+    benchmark also times."""
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=16, topk=512, num_slots=4096)
+    for path in ("reload", "reload_words"):
+        for cfg in ({"fp8_path": path}, {"fp8_path": path, "num_warps": 8}):
+            out, lse = run_poisoned(q, cache, slots, _config=cfg)
+            check(out, lse, ref, torch.bfloat16)
+
+
 def test_split_choice_fills_the_gpu_but_keeps_rows_per_split():
     from glm5lab.kernels.sparse_mla import choose_num_splits
 
@@ -231,3 +301,19 @@ def test_unevenly_strided_cache_is_a_clear_error():
     big = torch.randn(4, 32, 576).half()
     with pytest.raises(Glm5labError, match="evenly strided"):
         sparse_mla_attention(torch.randn(1, 2, 576).half(), big[:, :16], torch.zeros(1, 3, dtype=torch.int32), SCALE)
+
+
+def test_kernel_bench_fp8_v4_option_adds_the_paths_only_where_asked(tmp_path, monkeypatch):
+    """The benchmark's --fp8-v4 hook (NOTES.md v4): only at FP8_V4_SHAPES, the diagnostics only at H8 T512,
+    and the real paths meet the bf16 error bound on the CPU profile (tiny shapes under the interpreter)."""
+    from glm5lab.bench import kernel_bench
+
+    assert kernel_bench.fp8_v4_variants(8, 1) == [] and kernel_bench.fp8_v4_variants(128, 512) == []
+    assert [n for n, _ in kernel_bench.fp8_v4_variants(64, 512)] == ["glm5lab-fp8-v4-reload"]
+    assert sum("diag" in n for n, _ in kernel_bench.fp8_v4_variants(8, 512)) == 2
+    assert all("diag" not in n for n, _ in kernel_bench.fp8_v4_variants(8, 128))
+    monkeypatch.setattr(kernel_bench, "FP8_V4_SHAPES", {(8, 1)})
+    df = kernel_bench.run(tmp_path / "bench.csv", "cpu", heads=(8,), tokens=(1,), verbose=False, fp8_v4=True)
+    v4 = df[df.impl.str.startswith("glm5lab-fp8-v4")]
+    assert set(v4.impl) == {"glm5lab-fp8-v4-reload", "glm5lab-fp8-v4-words-w8"} and set(v4.layout) == {"fp8_ds_mla"}
+    assert (v4.rel_err < 1.6e-2).all()

@@ -10,6 +10,9 @@ the float64 reference on the (dequantized) cache. Long-format rows go to a CSV v
 CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
 
     PYTHONPATH=. python -m glm5lab.bench.kernel_bench --out results/kernels/kernel_bench_h200.csv
+
+--fp8-v4 (or GLM5LAB_BENCH_FP8_V4=1) also times the private fp8_ds_mla code paths of NOTES.md "v4" beside the
+default fp8 path, on the same inputs, at H8 T128, H8 T512 and H64 T512 only (FP8_V4_SHAPES).
 """
 from __future__ import annotations
 
@@ -21,6 +24,23 @@ import time
 from dataclasses import dataclass, field
 
 SUITE = "sparse_mla_kernel"
+FP8_V4_ENV = "GLM5LAB_BENCH_FP8_V4"
+FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
+
+
+def fp8_v4_variants(H: int, T: int) -> list:
+    """(implementation name, _config) of the NOTES.md v4 fp8 paths timed at (H, T). The "diag" ones are timing
+    diagnostics with WRONG results by design (their error columns show it); only at H8 T512."""
+    if (H, T) not in FP8_V4_SHAPES:
+        return []
+    out = [("glm5lab-fp8-v4-reload", {"fp8_path": "reload"})]
+    if H <= 16:   # reload_words needs 161 KB of shared memory at 16x64 tiles: one CTA a SM, so 8 warps
+        out.append(("glm5lab-fp8-v4-words-w8", {"fp8_path": "reload_words", "num_warps": 8}))
+    if (H, T) == (8, 512):
+        out.append(("glm5lab-fp8-v4-reload-w8", {"fp8_path": "reload", "num_warps": 8}))
+        out.append(("glm5lab-fp8-v4-diag-no-scales", {"fp8_path": "_diag_reload_no_scales", "_diagnostic": True}))
+        out.append(("glm5lab-fp8-v4-diag-no-convert", {"fp8_path": "_diag_reload_no_convert", "_diagnostic": True}))
+    return out
 
 
 @dataclass
@@ -113,9 +133,13 @@ def _errors(out, lse, ref_out, ref_lse, n):
     return rel, err_ln, err_log2
 
 
-def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True):
+def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
+        fp8_v4: bool | None = None):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
-    pandas DataFrame (one row per implementation x shape)."""
+    pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
+    the v4 fp8 paths at FP8_V4_SHAPES."""
+    import os
+
     import pandas as pd
     import torch
 
@@ -136,6 +160,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
     dev = "cuda" if cuda else "cpu"
     heads = tuple(heads or prof.heads)
+    if fp8_v4 is None:
+        fp8_v4 = os.environ.get(FP8_V4_ENV, "0") not in ("", "0")
     tokens = tuple(tokens or prof.tokens)
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
@@ -195,6 +221,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 def make(q, slots, cache=cache, **kw):
                     return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
                 impls.append(("glm5lab", lay, make, True))
+                if fp8_v4 and lay == "fp8_ds_mla":
+                    for v4_name, v4_cfg in fp8_v4_variants(H, T):
+                        impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
                 if prof.variants:
                     fp8 = lay == "fp8_ds_mla"
                     cfg = default_config(H, fp8, q.device)
@@ -280,7 +309,28 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         print_table(df)
         if cuda:
             print_table(df, "graph_us", "CUDA-graph replay (GPU time only, rotating inputs)")
+        if fp8_v4:
+            print_fp8_v4_table(df)
     return df
+
+
+def print_fp8_v4_table(df) -> None:
+    """The v4 fp8 paths beside the default fp8 path and FlashMLA's fp8 decode, CUDA-graph time (do_bench on
+    the CPU profile), us, and the speed-up over the default path."""
+    v = df[(df.layout == "fp8_ds_mla") & (df.impl.str.startswith("glm5lab-fp8-v4") | df.impl.isin(["glm5lab", "flashmla"]))]
+    if v.empty:
+        return
+    col = "graph_us" if v["graph_us"].notna().any() else "us"
+    print(f"\nfp8_ds_mla v4 paths ({col}); x def = default fp8 time / this; diag rows have wrong results by design")
+    for (H, T), g in v.groupby(["H", "T"]):
+        if not g.impl.str.startswith("glm5lab-fp8-v4").any():
+            continue
+        base = g[g.impl == "glm5lab"][col]
+        base = float(base.iloc[0]) if len(base) else float("nan")
+        for r in g.sort_values(col).itertuples():
+            t = getattr(r, col)
+            print(f"  H{H:<3} T{T:<4} {r.impl:32s} {t:9.1f} us  x def {base / t:5.2f}  roof {r.roofline:.2f}  "
+                  f"err {r.rel_err:.1e}")
 
 
 def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flushed, launch overhead included)") -> None:
@@ -309,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs="*", default=None)
     p.add_argument("--tokens", type=int, nargs="*", default=None)
     p.add_argument("--summary", default=None, help="also write the per-shape summary table to this CSV")
+    p.add_argument("--fp8-v4", action="store_true", default=None,
+                   help=f"also time the v4 fp8 paths (NOTES.md) at H8 T128, H8 T512, H64 T512 (env {FP8_V4_ENV}=1)")
     args = p.parse_args(argv)
     import torch
 
@@ -317,7 +369,8 @@ def main(argv=None) -> int:
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
     try:
-        df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv))
+        df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
+                 fp8_v4=args.fp8_v4)
     except Glm5labError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -33,14 +33,32 @@ LATENT = 512
 ROPE = 64
 MAX_HEADS = 128
 LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
+# Private fp8_ds_mla code paths, chosen with _config={"fp8_path": ...} (NOTES.md "v4": the lead measures them
+# beside the default before any becomes the default). Each maps to the kernel's (RELOAD, FP8_DIAG, WORDS).
+#   "default": one read of each 128-value chunk feeds both Q.K^T and P.V. In the sm90 build of the <= 32-head
+#              tiles (mma.sync) the pipeliner does not take a load with two uses: the chunk gathers stay
+#              synchronous in the loop (the bf16 path's are cp.async stages).
+#   "reload":  the same values and products as "default"; each chunk is read twice, once per product, so
+#              every chunk load has one use and becomes a cp.async stage (DRAM bytes unchanged: the second
+#              read hits L2).
+#   "reload_words": "reload" whose P.V read takes the chunk as int32 words and splits the bytes with shifts
+#              (same values, so the same results): the sm90 build then reaches the dot via ldmatrix.trans
+#              instead of 256 one-byte LDS.U8 a step, and needs 198 registers instead of 255 + spills, but
+#              161 KB of shared memory (one CTA per SM).
+FP8_PATHS = {"default": (False, 0, False), "reload": (True, 0, False), "reload_words": (True, 0, True)}
+# Timing diagnostics that place the fp8 time. They give WRONG results and need _config["_diagnostic"]=True;
+# never exposed to users (the benchmark's fp8-v4 option uses them).
+_FP8_DIAGNOSTICS = {"_diag_reload_no_scales": (True, 1, False),      # "reload" without scale loads/multiplies
+                    "_diag_reload_no_convert": (True, 2, False)}     # ... and bytes -> 16 bits by a shift
 
 
 @triton.jit
 def _load_latent_chunk(base, row_stride, rows, valid, c: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
-                       AGAIN: tl.constexpr = False):
+                       AGAIN: tl.constexpr = False, DIAG: tl.constexpr = 0):
     """[BLOCK_N, 128] latent values of chunk c of the gathered rows, in the compute dtype. AGAIN marks the
     second read of the same bytes (an L1 hit; a different eviction hint keeps the compiler from merging it
-    with the first read)."""
+    with the first read). DIAG 2 (timing diagnostic only, WRONG values): the fp8 bytes become 16-bit
+    patterns by an integer shift instead of the e4m3 conversion."""
     offs = c * 128 + tl.arange(0, 128)
     ptrs = base + rows[:, None] * row_stride + offs[None, :]
     if AGAIN:
@@ -48,8 +66,29 @@ def _load_latent_chunk(base, row_stride, rows, valid, c: tl.constexpr, FP8: tl.c
     else:
         x = tl.load(ptrs, mask=valid[:, None], other=0)
     if FP8:
-        x = x.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        if DIAG == 2:
+            x = (x.to(tl.int16) << 4).to(DTYPE, bitcast=True)
+        else:
+            x = x.to(tl.float8e4nv, bitcast=True).to(DTYPE)
     return x
+
+
+@triton.jit
+def _load_latent_chunk_words(base, row_stride, rows, valid, c: tl.constexpr, DTYPE: tl.constexpr):
+    """Chunk c as _load_latent_chunk(FP8, AGAIN) returns it, read as 32 int32 words a row: the 4 bytes of
+    each word are split with shifts, converted, and put back in memory order with join/permute/reshape
+    (order-preserving by definition, unlike v3's packed PTX). Aim: no one-byte LDS.U8 reads for P.V."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    offs = c * 32 + tl.arange(0, 32)
+    ptrs = (base + rows[:, None] * row_stride).to(tl.pointer_type(tl.int32)) + offs[None, :]
+    w = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    x = tl.join(tl.join(b0, b1), tl.join(b2, b3))          # [BLOCK_N, 32, i, p]: byte 4w + 2p + i
+    x = tl.permute(x, (0, 1, 3, 2))                          # [BLOCK_N, 32, p, i]
+    return tl.reshape(x, (BLOCK_N, 128))
 
 
 @triton.jit
@@ -76,6 +115,7 @@ def _sparse_mla_fwd_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
+    FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
     t = tl.program_id(1).to(tl.int64)
@@ -107,11 +147,21 @@ def _sparse_mla_fwd_kernel(
         slot = tl.load(slot_row + offs_n, mask=offs_n < n_end, other=-1)
         valid = (slot >= 0) & (slot < num_slots)
         rows = tl.where(valid, slot, 0).to(tl.int64)
-        k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE)
-        k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE)
-        k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE)
-        k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE)
-        if FP8:
+        k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, False, FP8_DIAG)
+        k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, False, FP8_DIAG)
+        k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, False, FP8_DIAG)
+        k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, False, FP8_DIAG)
+        if FP8 and FP8_DIAG > 0:
+            # timing diagnostics (never user-selectable): no scale loads, no scale multiplies -- the bf16
+            # path's loop body on converted tiles; results are WRONG
+            rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
+            kr = tl.load(rope_ptrs + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0).to(DTYPE)
+            qk = _mm(q0, tl.trans(k0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), UPCAST)
+            qk = _mm(q1, tl.trans(k1), qk, UPCAST)
+            qk = _mm(q2, tl.trans(k2), qk, UPCAST)
+            qk = _mm(q3, tl.trans(k3), qk, UPCAST)
+            qk = _mm(qr, tl.trans(kr), qk, UPCAST)
+        elif FP8:
             rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
             kr = tl.load(rope_ptrs + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0).to(DTYPE)
             s0 = _load_scale(KV, kv_row_stride, rows, valid, 0)
@@ -138,14 +188,21 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            if RELOAD:
-                # fp8: read the chunks again for P.V instead of keeping 4 converted tiles live across the
-                # softmax (that spills at BLOCK_N 64); the bytes come from L1, DRAM traffic is unchanged
-                k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, True)
-                k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, True)
-                k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, True)
-                k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, True)
+        if FP8 and RELOAD:
+            # fp8 "reload": read the chunks again for P.V instead of keeping 4 converted tiles live across
+            # the softmax; the bytes come from L1/L2, DRAM traffic is unchanged. With one use per load the
+            # pipeliner makes all eight chunk loads cp.async stages (sm90 build, NOTES.md v4).
+            if WORDS:
+                k0 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 0, DTYPE)
+                k1 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 1, DTYPE)
+                k2 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 2, DTYPE)
+                k3 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 3, DTYPE)
+            else:
+                k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, True, FP8_DIAG)
+                k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, True, FP8_DIAG)
+                k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, True, FP8_DIAG)
+                k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, True, FP8_DIAG)
+        if FP8 and FP8_DIAG == 0:
             acc0 = _mm((p * s0[None, :]).to(DTYPE), k0, acc0 * alpha[:, None], UPCAST)
             acc1 = _mm((p * s1[None, :]).to(DTYPE), k1, acc1 * alpha[:, None], UPCAST)
             acc2 = _mm((p * s2[None, :]).to(DTYPE), k2, acc2 * alpha[:, None], UPCAST)
@@ -405,6 +462,15 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
 
     cfg = {**default_config(H, fp8, q.device), **(_config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
+    fp8_path = cfg.get("fp8_path", "default")
+    if fp8_path in FP8_PATHS:
+        reload, fp8_diag, words = FP8_PATHS[fp8_path]
+    elif fp8_path in _FP8_DIAGNOSTICS and cfg.get("_diagnostic") is True:
+        reload, fp8_diag, words = _FP8_DIAGNOSTICS[fp8_path]
+    else:
+        raise Glm5labError(f"unknown fp8 path {fp8_path!r}; expected one of {tuple(FP8_PATHS)}")
+    if not fp8:
+        reload, fp8_diag, words = False, 0, False          # the bf16/fp16 loop has a single path
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
@@ -424,12 +490,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge)
+    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words)
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
-                UPCAST=(_interpreting() and q.dtype == torch.bfloat16),
+                UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
+                WORDS=words,
                 num_warps=cfg["num_warps"], num_stages=stages)
             _STAGES[key] = stages
             break
