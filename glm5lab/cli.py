@@ -14,6 +14,11 @@ from glm5lab.errors import Glm5labError
 SUBCOMMAND_MODULES = [
     "glm5lab.env_cli",
     "glm5lab.notebooks",
+    "glm5lab.gguf.cli",
+    "glm5lab.vllm_plugin.doctor_cli",
+    "glm5lab.bench.cli",
+    "glm5lab.vllm_plugin.loader_cli",
+    "glm5lab.vllm_plugin.generate_cli",
 ]
 
 

@@ -47,6 +47,9 @@ def gpu_info() -> dict:
 
 
 def git_sha(root: Path | None = None) -> str | None:
+    """HEAD of the checkout, or GLM5LAB_GIT_SHA where the tree travelled without .git (the GPU run)."""
+    if os.environ.get("GLM5LAB_GIT_SHA"):
+        return os.environ["GLM5LAB_GIT_SHA"]
     root = root or Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

@@ -15,6 +15,9 @@ logger = logging.getLogger("glm5lab.vllm_plugin")
 # registered; a part that raises is logged with its reason and the others still register.
 PARTS: list[tuple[str, str]] = []
 PARTS.append(("glm5lab.vllm_plugin.sparse_backend", "register"))  # issue 7: TRITON_MLA_SPARSE
+PARTS.append(("glm5lab.vllm_plugin.cpu_sparse", "register"))  # issue 10: sparse MLA on vLLM CPU
+PARTS.append(("glm5lab.vllm_plugin.indexer_op", "register"))  # issue 9: DSA indexer op (OOT)
+PARTS.append(("glm5lab.vllm_plugin.gguf_loader", "register"))  # issue 4: GLM-5 GGUF loader fixes
 
 _registered = False
 

@@ -1,0 +1,37 @@
+"""`glm5lab generate`: GLM-5 (the tiny one, an HF directory or a GGUF) generating greedily in vLLM through
+glm5lab, printing which attention backend and indexer vLLM used. Heavy imports stay inside `_run`."""
+from __future__ import annotations
+
+
+def _run(args) -> int:
+    import json
+
+    from glm5lab.vllm_plugin.generate import run
+
+    result = run(args.model, prompts=args.prompt or ["The model reads a prompt"], max_tokens=args.max_tokens,
+                 gguf=args.gguf, qtype=args.qtype, dtype=args.dtype)
+    if args.json:
+        out = {k: v for k, v in result.__dict__.items() if k != "first_step_logprobs"}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(result.summary())
+    for prompt, ids, text in zip(result.prompt_token_ids, result.token_ids, result.texts):
+        shown = repr(text) if text is not None else ""
+        print(f"prompt {len(prompt)} tokens -> {ids} {shown}")
+    print(f"{result.seconds:.1f} s for {sum(len(t) for t in result.token_ids)} tokens "
+          f"(CPU numbers are not performance)")
+    return 0
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("generate", help="generate greedily with vLLM through glm5lab's sparse-MLA backend "
+                                        "and DSA indexer (CPU or GPU)")
+    p.add_argument("--model", default="tiny", help="'tiny' (glm5lab's tiny GLM-5), an HF directory or a .gguf")
+    p.add_argument("--gguf", action="store_true", help="with --model tiny: load its GGUF through "
+                                                        "vllm-gguf-plugin + glm5lab's adapter")
+    p.add_argument("--qtype", default="F16", help="GGUF type of the tiny model with --gguf (F16, Q8_0)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_run)
