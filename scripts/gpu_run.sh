@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
+# vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
+#   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order)
+# Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
+# The tree travels without .git: pass the commit it was taken from as GLM5LAB_GIT_SHA=$(git rev-parse --short=12 HEAD)
+# so every result row names it.
+# Parts run one after another and each is isolated: a failing part is logged, the others still run.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+stage=$(mktemp -d)/gpu
+mkdir -p "$stage"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export GLM5LAB_CACHE=/tmp/glm5lab-cache GLM5LAB_FLASHMLA_DIR=${GLM5LAB_FLASHMLA_DIR:-$PWD/.anchor}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$stage/gpu_run.log"; }
+parts=${*:-tests bench tp notebooks}
+part() {  # part NAME SECONDS CMD...: run one part (if asked for) with a time limit, log its exit status
+  local name=$1 limit=$2; shift 2
+  case " $parts " in *" $name "*) ;; *) return 0 ;; esac
+  log "start $name (limit ${limit}s): $*"
+  local t0=$(date +%s)
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > "$stage/$name.log" 2>&1
+  local rc=$?
+  log "end   $name rc=$rc in $(( $(date +%s) - t0 )) s"
+  tail -n 25 "$stage/$name.log"
+  pack  # after every part, so a run stopped at its limit still returns what it measured
+}
+pack() { tar -C "$(dirname "$stage")" -czf "$out/gpu_results_${parts// /_}.tar.gz" gpu; cp "$stage/gpu_run.log" "$out/" 2>/dev/null; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$stage/nvidia-smi.csv"
+python3 -m glm5lab env --json > "$stage/env.json" 2>&1; cat "$stage/env.json"
+echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
+# a notebooks-only run reads the GPU measurements already committed under results/
+mkdir -p "$stage/results"
+case " $parts " in *" bench "*) ;; *) for d in bench kernels indexer tp; do
+  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done ;; esac
+
+# 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
+part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
+  --junitxml="$stage/gpu_tests.xml" tests/test_sparse_mla_kernel.py tests/test_fp8_ds_mla.py \
+  tests/test_paged_mla_decode.py tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py
+# 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)
+# (GLM5LAB_BENCH_FP8_V4=1 adds the fp8_ds_mla 'reload' kernel paths beside the default, same inputs)
+export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
+part bench ${BENCH_S:-380} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-280} \
+  --results "$stage/results" --no-progress
+# 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \
+  --out "$stage/results/tp/tp_attention_stack.csv"
+# 4. the notebooks on the gpu profile, reading what the suite wrote
+# (01-03 need vLLM or are CPU stories: the device has no vLLM, so the GPU profile runs 04, 05, 05b, 06)
+part notebooks ${NOTEBOOKS_S:-150} python3 -m glm5lab notebooks run --profile gpu --only ${GPU_NOTEBOOKS:-04 05 06} --results "$stage/results" --no-progress
+
+pack
+ls -la "$out"
