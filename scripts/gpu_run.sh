@@ -40,9 +40,10 @@ case " $parts " in *" bench "*) ;; *) for d in bench kernels indexer tp; do
   [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done ;; esac
 
 # 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
+gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
+  tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py}
 part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
-  --junitxml="$stage/gpu_tests.xml" tests/test_sparse_mla_kernel.py tests/test_fp8_ds_mla.py \
-  tests/test_paged_mla_decode.py tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py
+  --junitxml="$stage/gpu_tests.xml" $gpu_tests
 # 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)
 # (GLM5LAB_BENCH_FP8_V4=1 adds the fp8_ds_mla 'reload' kernel paths beside the default, same inputs)
 export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
