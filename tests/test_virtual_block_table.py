@@ -432,9 +432,7 @@ def test_matches_vllm_conversion_and_vllm_decode_kernel(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- GPU
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_full_size_virtual_block_table(dtype):
+def _gpu_full_size_batch(dtype):
     """GLM-5 shapes: top-k 2048 over 8k-token requests, 64-token pages, 16 heads."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -447,12 +445,28 @@ def test_gpu_full_size_virtual_block_table(dtype):
     ti = torch.randint(0, ctx, (req_id.numel(), topk), device=dev, generator=g, dtype=torch.int32)
     ti[torch.rand(ti.shape, device=dev, generator=g) < 0.1] = -1
     q = torch.randn(req_id.numel(), heads, 576, device=dev, generator=g).to(dtype)
+    return q, kv, bt, req_id, ti, page, topk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_full_size_virtual_block_table(dtype):
+    q, kv, bt, req_id, ti, page, _ = _gpu_full_size_batch(dtype)
     slots = req_index_to_global_slots(ti, req_id, bt, page)
     out, lse = virtual_block_table_attention(q, kv, slots, SCALE)
     ref_out, ref_lse = sparse_mla_reference(q, kv, slots, SCALE, compute_dtype=torch.float32)
     tol_o, tol_l = TOL[dtype]
     torch.testing.assert_close(out.float(), ref_out, atol=tol_o, rtol=tol_o)
     torch.testing.assert_close(lse, ref_lse, atol=tol_l, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_full_size_conversion_equals_vllm():
+    """Needs vLLM with CUDA (not on the lent H200, which has no vLLM)."""
+    pytest.importorskip("vllm")
     from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
+
+    q, kv, bt, req_id, ti, page, topk = _gpu_full_size_batch(torch.bfloat16)
+    slots = req_index_to_global_slots(ti, req_id, bt, page)
     vllm_slots = triton_convert_req_index_to_global_index(req_id, bt, ti, BLOCK_SIZE=page, NUM_TOPK_TOKENS=topk)
     assert torch.equal(vllm_slots, slots)
