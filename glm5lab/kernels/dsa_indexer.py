@@ -325,6 +325,29 @@ def _order_key(x):
 
 
 @triton.jit
+def _write_selected(base, obase, n, K, thr, need_eq, take_all, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Shared tail of the one-program-per-row top-k kernels: given the k-th key `thr` and how many ties at it
+    to take (`need_eq`, lowest position first), write the chosen positions in ascending order, then -1."""
+    written = tl.zeros([], dtype=tl.int32)
+    eq_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        eq = (m & (key == thr)).to(tl.int32)
+        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
+        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
+        sel_i = sel.to(tl.int32)
+        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
+        tl.store(obase + pos, offs, mask=sel & (pos < K))
+        written += tl.sum(sel_i, axis=0)
+        eq_seen += tl.sum(eq, axis=0)
+    for start in range(0, K, BLOCK_K):
+        offs = start + tl.arange(0, BLOCK_K)
+        tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
+
+
+@triton.jit
 def _topk_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
@@ -357,26 +380,8 @@ def _topk_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
         m = offs < n
         key = _order_key(tl.load(base + offs, mask=m, other=0.0))
         gt_total += tl.sum((m & (key > thr)).to(tl.int32), axis=0)
-    need_eq = K - gt_total
-    # 3) write the chosen positions in ascending order
-    written = tl.zeros([], dtype=tl.int32)
-    eq_seen = tl.zeros([], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
-        eq = (m & (key == thr)).to(tl.int32)
-        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
-        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
-        sel_i = sel.to(tl.int32)
-        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
-        tl.store(obase + pos, offs, mask=sel & (pos < K))
-        written += tl.sum(sel_i, axis=0)
-        eq_seen += tl.sum(eq, axis=0)
-    # 4) -1 after the chosen ones
-    for start in range(0, K, BLOCK_K):
-        offs = start + tl.arange(0, BLOCK_K)
-        tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
+    # 3) write the chosen positions in ascending order, then -1
+    _write_selected(base, obase, n, K, thr, K - gt_total, take_all, BLOCK, BLOCK_K)
 
 
 @triton.jit
@@ -409,24 +414,7 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
         prefix = prefix + (j.to(tl.int64) << shift)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
-    need_eq = K - above
-    written = tl.zeros([], dtype=tl.int32)
-    eq_seen = tl.zeros([], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
-        eq = (m & (key == thr)).to(tl.int32)
-        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
-        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
-        sel_i = sel.to(tl.int32)
-        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
-        tl.store(obase + pos, offs, mask=sel & (pos < K))
-        written += tl.sum(sel_i, axis=0)
-        eq_seen += tl.sum(eq, axis=0)
-    for start in range(0, K, BLOCK_K):
-        offs = start + tl.arange(0, BLOCK_K)
-        tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
+    _write_selected(base, obase, n, K, thr, K - above, take_all, BLOCK, BLOCK_K)
 
 
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
