@@ -68,19 +68,13 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
     import torch
 
     from glm5lab.bench.records import append_rows
-    from glm5lab.bench.timing import bench, copy_bandwidth_gbps
-    from glm5lab.errors import Glm5labError
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
     from glm5lab.kernels.dsa_indexer import (dequantize_index_key_cache, indexer_logits_decode, indexer_topk,
                                              write_index_key_cache)
     from glm5lab.sparse.indexer_reference import topk_sets_agree
 
-    if profile not in PROFILES:
-        raise Glm5labError(f"unknown benchmark profile {profile!r}; expected one of {sorted(PROFILES)}")
-    prof = PROFILES[profile]
-    cuda = torch.cuda.is_available()
-    if profile == "gpu" and not cuda:
-        raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
-    dev = "cuda" if cuda else "cpu"
+    prof, dev = pick_profile(PROFILES, profile)
+    cuda = dev == "cuda"
     contexts = tuple(contexts or prof.contexts)
     batches = tuple(batches or prof.batches)
     H, D, K, page = prof.heads, prof.head_dim, prof.topk, prof.page

@@ -145,20 +145,15 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
 
     from glm5lab.bench import flashmla_anchor
     from glm5lab.bench.records import append_rows
-    from glm5lab.bench.timing import bench, copy_bandwidth_gbps
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, sparse_mla_attention,
                                             sparse_mla_flops, sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
-    if profile not in PROFILES:
-        raise Glm5labError(f"unknown benchmark profile {profile!r}; expected one of {sorted(PROFILES)}")
-    prof = PROFILES[profile]
-    cuda = torch.cuda.is_available()
-    if profile == "gpu" and not cuda:
-        raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
-    dev = "cuda" if cuda else "cpu"
+    prof, dev = pick_profile(PROFILES, profile)
+    cuda = dev == "cuda"
     heads = tuple(heads or prof.heads)
     if fp8_v4 is None:
         fp8_v4 = os.environ.get(FP8_V4_ENV, "0") not in ("", "0")

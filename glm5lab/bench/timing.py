@@ -33,6 +33,21 @@ def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 10
     return {"p20": q[0], "p50": statistics.median(times), "p80": q[3]}
 
 
+def pick_profile(profiles: dict, profile: str):
+    """(the profile's settings, device) for a benchmark; the gpu profile refuses to run without CUDA so CPU
+    timings are never recorded as GPU numbers."""
+    import torch
+
+    from glm5lab.errors import Glm5labError
+
+    if profile not in profiles:
+        raise Glm5labError(f"unknown benchmark profile {profile!r}; expected one of {sorted(profiles)}")
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
+    return profiles[profile], ("cuda" if cuda else "cpu")
+
+
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float | None:
     """Device-to-device copy bandwidth (bytes read + written per second, GB/s); the memory ceiling that
     roofline fractions are taken against, measured in the same run. None without a GPU."""
