@@ -125,8 +125,17 @@ def _topk(logits, k, lengths, out, path):
         return
     from glm5lab.kernels.dsa_indexer import indexer_topk
 
-    # on a GPU the multi-program top-k keeps small decode batches from running on a few SMs
-    indexer_topk(logits, k, lengths.int(), out=out, method="split" if logits.is_cuda else "radix16")
+    indexer_topk(logits, k, lengths.int(), out=out, method=topk_method(logits))
+
+
+def topk_method(logits: torch.Tensor) -> str:
+    """Which top-k kernel for these logits. Measured on the H200 (results/bench/gpu/indexer.csv, top-k 2048,
+    batch 1-256): the histogram select is fastest up to 16k positions (28-40 us at 4k, 94-139 us at 16k; the
+    multi-program "split" took 170-310 us there), "split" wins beyond (248-292 us vs 367-373 us at 64k for
+    batch <= 128). The CPU interpreter runs the simplest kernel."""
+    if not logits.is_cuda:
+        return "radix16"
+    return "hist" if logits.shape[-1] <= 16384 else "split"
 
 
 def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.Tensor | None,
