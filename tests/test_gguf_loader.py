@@ -284,3 +284,17 @@ def test_fix_table_names_existing_tests():
         for ref in (t.strip() for t in tests.split(",")):
             path, name = ref.split("::")
             assert re.search(rf"def {name}\(", (root / path).read_text()), ref
+
+
+def test_adapter_summaries_turn_a_bad_file_into_an_error_row(tmp_path, tiny_paths):
+    from glm5lab.vllm_plugin.loader_check import adapter_summaries
+
+    bad = tmp_path / "not-a.gguf"
+    bad.write_bytes(b"this is not a GGUF file at all")
+    reports, summary = adapter_summaries({"F16": tiny_paths.gguf("F16"), "BAD": bad}, tiny_paths.hf_dir,
+                                         out_dir=tmp_path)
+    assert list(reports) == ["F16"] and [r["gguf"] for r in summary] == ["F16", "BAD"]
+    assert summary[0]["all ok"] and summary[0]["missing"] == 0 and summary[0]["unexpected"] == 0
+    assert "not-a.gguf" in summary[1]["error"]
+    assert (tmp_path / "adapter_check_F16.csv").exists()
+    assert not (tmp_path / "adapter_check_BAD.csv").exists()

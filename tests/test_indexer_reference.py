@@ -155,3 +155,27 @@ def test_bad_shapes_raise_one_line_errors():
         indexer_logits_reference(torch.randn(2, 2, 8), torch.randn(3, 8), torch.randn(2, 3))
     with pytest.raises(Glm5labError, match="tokens"):
         indexer_reference(w, torch.randn(3, 16), torch.randn(4, 8))
+
+
+def test_end_to_end_table_shows_selection_matters_and_errors_as_rows():
+    """Notebook 05b's table: with the reference top-k the layer output equals transformers', dense causal
+    attention does not; a broken selection becomes an error row, not an exception."""
+    from glm5lab.model.tiny import build_tiny_model
+    from glm5lab.sparse import indexer_demo as demo
+
+    model = build_tiny_model(seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    captured = demo.capture_layers(model, ids)
+    first = captured[0]
+    T = first["hidden"].shape[0]
+    hf = first["hf_topk"]
+    ref_top = torch.where(hf <= torch.arange(T)[:, None], hf, torch.full_like(hf, -1))  # causal, -1 padded
+    bad_top = torch.full((3, 2), 10**6, dtype=torch.long)          # wrong shape: must not raise
+    table = demo.end_to_end_table(model, captured, ref_top, bad_top)
+    assert set(table["selection"]) == {"transformers' top-k", "glm5lab reference top-k",
+                                       "glm5lab Triton top-k (fp32 cache)", "dense causal (no top-k)"}
+    ok = table[table["selection"] == "glm5lab reference top-k"].iloc[0]
+    dense = table[table["selection"] == "dense causal (no top-k)"].iloc[0]
+    assert float(ok["relative error"]) < 1e-3 < 0.1 < float(dense["relative error"])
+    broken = table[table["selection"] == "glm5lab Triton top-k (fp32 cache)"]
+    assert "error" in table.columns and broken["error"].notna().all()

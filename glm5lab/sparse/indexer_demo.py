@@ -183,3 +183,28 @@ def selection_figure(topk: torch.Tensor, path, title: str):
 
 __all__ = ["capture_layers", "compare_reference_with_transformers", "kernel_topk_paged", "layer_attention",
            "selection_figure", "topk_set_is_valid"]
+
+
+def end_to_end_table(model, captured: list[dict], reference_topk: torch.Tensor, kernel_topk: torch.Tensor):
+    """Layer 0's attention output against transformers' for each source of the top-k (transformers', the glm5lab
+    reference, the glm5lab Triton kernels, none = dense causal), with the reference attention and, for the
+    Triton top-k, glm5lab's fused kernel too. A failure becomes an `error` row, never an exception."""
+    import pandas as pd
+
+    first = captured[0]
+    T = first["hidden"].shape[0]
+    hf_top = first["hf_topk"]
+    hf_top = torch.where(hf_top <= torch.arange(T)[:, None], hf_top, torch.full_like(hf_top, -1))
+    selections = {"transformers' top-k": hf_top, "glm5lab reference top-k": reference_topk,
+                  "glm5lab Triton top-k (fp32 cache)": kernel_topk, "dense causal (no top-k)": None}
+    rows = []
+    for name, top in selections.items():
+        # the fused kernel runs in the interpreter on CPU: one run (on the Triton top-k) is enough to show it
+        impls = ["reference", "kernel"] if name == "glm5lab Triton top-k (fp32 cache)" else ["reference"]
+        for impl in impls:
+            try:
+                r = layer_attention(model, first, top, impl)
+            except Exception as exc:   # shown as data in the notebook, never raised
+                r = {"attention": impl, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append({"selection": name, **r})
+    return pd.DataFrame(rows)

@@ -105,10 +105,10 @@ def adapter_report(gguf_path, hf_dir):
 
     from glm5lab.gguf.reader import open_gguf
 
+    s = open_gguf(gguf_path)  # validates first: a bad file is a one-line error naming it, not a plugin traceback
     hf_config = model_config_for(gguf_path, hf_dir)
     weights, adapter, spec = adapter_weights(gguf_path, hf_config)
     reference = _hf_checkpoint(hf_dir)
-    s = open_gguf(gguf_path)
     inv = {hf: g for g, hf in spec.gguf_to_hf_name_map.items()}
 
     def source_type(hf_name: str) -> str:
@@ -402,3 +402,22 @@ def plot_adapter_errors(reports: dict, path, title: str):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return fig
+
+
+def adapter_summaries(ggufs: dict, hf_dir, out_dir=None) -> tuple[dict, list[dict]]:
+    """`adapter_report` for each {qtype: gguf path}: (the reports that ran, one summary row per file; a
+    file that fails gives a row with its error). Reports are written to out_dir/adapter_check_<qtype>.csv."""
+    reports, summary = {}, []
+    for qtype, path in ggufs.items():
+        df, err = safely(adapter_report, path, hf_dir)
+        if err:
+            summary.append({"gguf": qtype, "error": err})
+            continue
+        reports[qtype] = df
+        if out_dir is not None:
+            df.to_csv(Path(out_dir) / f"adapter_check_{qtype}.csv", index=False)
+        summary.append({"gguf": qtype, "tensors": int(df["delivered"].sum()),
+                        "missing": int((~df["delivered"]).sum()), "unexpected": int((~df["in_checkpoint"]).sum()),
+                        "max |err|": float(df["max_abs_err"].max()),
+                        "max err / bound": float(df["max_err_over_bound"].max()), "all ok": bool(df["ok"].all())})
+    return reports, summary
