@@ -70,8 +70,6 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
             results_dir: Path | None = None, only: list[str] | None = None,
             progress: bool = True) -> list[Path]:
     """The main job: every notebook in order under one profile, with provenance written beside them."""
-    from glm5lab.env import collect
-
     profile = profile or detect_profile()
     if profile not in PROFILES:
         raise Glm5labError(f"unknown profile {profile!r}; expected one of {PROFILES}")
@@ -88,11 +86,30 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
         params = {"profile": profile, "results_dir": str(results_dir)}
         done.append(run_notebook(book, out_dir, params, progress=progress))
         print(f"[{i}/{len(books)}] {book.name} done in {time.time() - t0:.0f} s", file=sys.stderr)
-    prov = collect()
-    prov.update(profile=profile, command=" ".join(["glm5lab"] + sys.argv[1:]) if sys.argv else "",
-                notebooks=[p.name for p in done])
-    (out_dir / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+    record_provenance(out_dir / "provenance.json", profile, done)
     return done
+
+
+def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:
+    """provenance.json beside the executed notebooks: for each notebook, the machine, versions, git SHA and
+    command of the run that last executed it (a run of some notebooks keeps the others' entries)."""
+    from glm5lab.env import collect
+
+    try:
+        book = json.loads(path.read_text())
+        if not isinstance(book.get("notebooks"), dict):
+            book = {}
+    except (OSError, ValueError):
+        book = {}
+    run = collect()
+    run.update(profile=profile, command=" ".join(["glm5lab"] + sys.argv[1:]))
+    notebooks = book.get("notebooks", {})
+    notebooks.update({p.name: run for p in executed})
+    book = {"profile": profile, "notebooks": dict(sorted(notebooks.items()))}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(book, indent=2) + "\n")
+    tmp.replace(path)
+    return book
 
 
 def _run(args) -> int:

@@ -105,9 +105,16 @@ def test_runner_executes_notebooks_in_order_and_injects_parameters(tmp_path):
     first = nbformat.read(done[0], as_version=4)
     text = "".join(o.get("text", "") for c in first.cells if c.cell_type == "code" for o in c.outputs)
     assert "profile cpu 1" in text  # injected profile, interpreter mode for the cpu profile
-    prov = json.loads((results / "notebooks" / "cpu" / "provenance.json").read_text())
-    assert prov["profile"] == "cpu" and prov["notebooks"] == ["01_first.ipynb", "02_second.ipynb"]
-    assert prov["torch"] == metadata.version("torch")
+    prov_path = results / "notebooks" / "cpu" / "provenance.json"
+    prov = json.loads(prov_path.read_text())
+    assert prov["profile"] == "cpu" and sorted(prov["notebooks"]) == ["01_first.ipynb", "02_second.ipynb"]
+    assert prov["notebooks"]["01_first.ipynb"]["torch"] == metadata.version("torch")
+    first_stamp = prov["notebooks"]["01_first.ipynb"]["timestamp"]
+    # a run of one notebook keeps the other's entry
+    run_all("cpu", notebook_dir=books, results_dir=results, only=["02"], progress=False)
+    prov = json.loads(prov_path.read_text())
+    assert sorted(prov["notebooks"]) == ["01_first.ipynb", "02_second.ipynb"]
+    assert prov["notebooks"]["01_first.ipynb"]["timestamp"] == first_stamp
 
 
 def test_runner_failure_names_notebook_and_cell_and_keeps_earlier_outputs(tmp_path):
