@@ -325,14 +325,13 @@ def _order_key(x):
 
 
 @triton.jit
-def _write_selected(base, obase, n, K, thr, need_eq, take_all, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Shared tail of the one-program-per-row top-k kernels: given the k-th key `thr` and how many ties at it
-    to take (`need_eq`, lowest position first), write the chosen positions in ascending order, then -1."""
-    written = tl.zeros([], dtype=tl.int32)
-    eq_seen = tl.zeros([], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
+def _select_range(base, obase, lo, hi, K, thr, need_eq, take_all, written, eq_seen, BLOCK: tl.constexpr):
+    """The selection rule, over positions [lo, hi) of one row: take every key above the k-th key `thr`, and
+    the first `need_eq` keys equal to it (lowest position first; `eq_seen` ties came before lo); write the
+    chosen positions in ascending order from output slot `written`. Returns the next free slot."""
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = offs < n
+        m = offs < hi
         key = _order_key(tl.load(base + offs, mask=m, other=0.0))
         eq = (m & (key == thr)).to(tl.int32)
         eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
@@ -342,6 +341,15 @@ def _write_selected(base, obase, n, K, thr, need_eq, take_all, BLOCK: tl.constex
         tl.store(obase + pos, offs, mask=sel & (pos < K))
         written += tl.sum(sel_i, axis=0)
         eq_seen += tl.sum(eq, axis=0)
+    return written
+
+
+@triton.jit
+def _write_selected(base, obase, n, K, thr, need_eq, take_all, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Shared tail of the one-program-per-row top-k kernels: the chosen positions of the whole row in
+    ascending order, then -1."""
+    zero = tl.zeros([], dtype=tl.int32)
+    written = _select_range(base, obase, 0, n, K, thr, need_eq, take_all, zero, zero, BLOCK)
     for start in range(0, K, BLOCK_K):
         offs = start + tl.arange(0, BLOCK_K)
         tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= written) & (offs < K))
@@ -493,18 +501,8 @@ def _split_write_kernel(L, LEN, PREFIX, ABOVE, COUNTS, OUT, stride_l, stride_o, 
     eq_seen = eq_before
     if take_all:
         written = seg0
-    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = (offs < n) & (offs < seg0 + SEG)
-        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
-        eqv = (m & (key == thr)).to(tl.int32)
-        eq_rank = tl.cumsum(eqv, axis=0) - eqv + eq_seen
-        sel = m & ((key > thr) | ((eqv > 0) & (eq_rank < need_eq)) | take_all)
-        sel_i = sel.to(tl.int32)
-        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
-        tl.store(obase + pos, offs, mask=sel & (pos < K))
-        written += tl.sum(sel_i, axis=0)
-        eq_seen += tl.sum(eqv, axis=0)
+    _select_range(base, obase, seg0, tl.minimum(seg0 + SEG, n), K, thr, need_eq, take_all, written, eq_seen,
+                  BLOCK)
     if seg == 0:   # -1 after the chosen ones: min(K, n) positions are filled
         filled = tl.minimum(n, K)
         for start in range(0, K, BLOCK_K):
