@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
-#   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order)
+#   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
+#                                           # ktests kbench: kernel experiments (see 2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without .git: pass the commit it was taken from as GLM5LAB_GIT_SHA=$(git rev-parse --short=12 HEAD)
 # so every result row names it.
@@ -49,6 +50,13 @@ part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --
 export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
 part bench ${BENCH_S:-380} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-280} \
   --results "$stage/results" --no-progress
+# 2b. kernel experiments only (not in the default parts): the GPU tests of the kernel file, then the kernel
+# benchmark with KERNEL_BENCH_ARGS (e.g. "--v5 --no-variants --heads 8 16 64 --tokens 1 8 128 512")
+part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
+  tests/test_sparse_mla_kernel.py ${KTESTS_K:+-k "$KTESTS_K"}
+mkdir -p "$stage/results/kernels"
+part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}.csv" \
+  --summary "$stage/results/kernels/summary_${KBENCH_TAG:-exp}.csv" ${KERNEL_BENCH_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \

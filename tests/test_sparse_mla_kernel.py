@@ -135,7 +135,8 @@ def test_fp8_every_byte_pattern(device):
 
 # ------------------------------------------------- private fp8 code paths (NOTES.md v4, issue 7 follow-up)
 
-FP8_PATH_CASES = [(path, dt, splits, merge) for path in ("reload", "reload_words")
+FP8_PATHS_TESTED = ("reload", "reload_words", "f16", "f16_reload")
+FP8_PATH_CASES = [(path, dt, splits, merge) for path in FP8_PATHS_TESTED
                   for dt, splits, merge in ((torch.bfloat16, 1, "fused"), (torch.float16, 3, "fused"),
                                             (torch.bfloat16, 3, "separate"))]
 
@@ -150,7 +151,7 @@ def test_fp8_path_matches_reference(device, path, dtype, splits, merge):
     check(out, lse, ref, dtype)
 
 
-@pytest.mark.parametrize("path", ["reload", "reload_words"])
+@pytest.mark.parametrize("path", FP8_PATHS_TESTED)
 def test_fp8_path_every_byte_pattern(device, path):
     """Every e4m3 byte pattern; for reload_words also the byte order inside each int32 word (a swapped
     pair of bytes gives O(1) errors here -- the failure of v3's packed conversion)."""
@@ -263,7 +264,7 @@ def test_gpu_fp16_and_topk_512_1024(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["reload", "reload_words"])
+@pytest.mark.parametrize("path", FP8_PATHS_TESTED)
 @pytest.mark.parametrize("H", [8, 16, 64])
 @pytest.mark.parametrize("T", [1, 130])
 def test_gpu_fp8_path_real_shapes(path, H, T):
@@ -281,7 +282,7 @@ def test_gpu_fp8_paths_every_byte_pattern_and_8_warps():
     """Every e4m3 byte through the compiled paths, with the 4-warp default tile and the 8-warp one the
     benchmark also times."""
     q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=16, topk=512, num_slots=4096)
-    for path in ("reload", "reload_words"):
+    for path in FP8_PATHS_TESTED:
         for cfg in ({"fp8_path": path}, {"fp8_path": path, "num_warps": 8}):
             out, lse = run_poisoned(q, cache, slots, _config=cfg)
             check(out, lse, ref, torch.bfloat16)

@@ -43,6 +43,43 @@ def fp8_v4_variants(H: int, T: int) -> list:
     return out
 
 
+V5_ENV = "GLM5LAB_BENCH_V5"
+V5_SHAPES = {(8, 1), (8, 8), (8, 32), (8, 128), (8, 512), (16, 128), (16, 512), (64, 8), (64, 128), (64, 512)}
+
+
+def v5_variants(H: int, T: int) -> list:
+    """(implementation name, layout, sparse_mla_attention keyword arguments) of NOTES.md "v5", timed at (H, T)
+    in V5_SHAPES: the fp16-domain fp8 paths over tiles and warps, and bf16 split / tile choices at the shapes
+    below their targets (128 tokens; 64 heads)."""
+    if (H, T) not in V5_SHAPES:
+        return []
+    out = []
+    if H <= 16:
+        for tag, cfg in (("16x64-w4", {}), ("16x64-w8", {"num_warps": 8}), ("16x32-w4", {"block_n": 32}),
+                         ("16x32-w8", {"block_n": 32, "num_warps": 8}),
+                         ("16x32-w4-s3", {"block_n": 32, "num_stages": 3})):
+            out.append((f"glm5lab-v5-f16-{tag}", "fp8_ds_mla", {"_config": {"fp8_path": "f16", **cfg}}))
+        out.append(("glm5lab-v5-f16r-16x64-w8", "fp8_ds_mla", {"_config": {"fp8_path": "f16_reload", "num_warps": 8}}))
+        if T <= 8:
+            for n in (4, 8, 32):
+                out.append((f"glm5lab-v5-f16-16x64-w4-sp{n}", "fp8_ds_mla",
+                            {"num_splits": n, "_config": {"fp8_path": "f16"}}))
+        if T == 128:
+            for n in (1, 3, 4, 8):
+                out.append((f"glm5lab-v5-bf16-s{n}", "bf16", {"num_splits": n}))
+            out.append(("glm5lab-v5-bf16-16x32-w4-s3", "bf16", {"_config": {"block_n": 32, "num_stages": 3}}))
+            out.append(("glm5lab-v5-bf16-16x64-w8", "bf16", {"_config": {"num_warps": 8}}))
+            for n in (2, 4, 8):
+                out.append((f"glm5lab-v5-f16-16x32-w4-sp{n}", "fp8_ds_mla",
+                            {"num_splits": n, "_config": {"fp8_path": "f16", "block_n": 32}}))
+    if H == 64:
+        out.append(("glm5lab-v5-f16-64x32-w8", "fp8_ds_mla", {"_config": {"fp8_path": "f16"}}))
+        out.append(("glm5lab-v5-bf16-64x32-w8-s3", "bf16", {"_config": {"block_n": 32, "num_stages": 3}}))
+        out.append(("glm5lab-v5-bf16-64x64-w8-s1", "bf16", {"_config": {"num_stages": 1}}))
+        out.append(("glm5lab-v5-bf16-64x32-w4", "bf16", {"_config": {"block_n": 32, "num_warps": 4}}))
+    return out
+
+
 @dataclass
 class Profile:
     name: str
@@ -134,7 +171,7 @@ def _errors(out, lse, ref_out, ref_lse, n):
 
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
-        fp8_v4: bool | None = None):
+        fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=()):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES."""
@@ -157,6 +194,10 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     heads = tuple(heads or prof.heads)
     if fp8_v4 is None:
         fp8_v4 = os.environ.get(FP8_V4_ENV, "0") not in ("", "0")
+    if v5 is None:
+        v5 = os.environ.get(V5_ENV, "0") not in ("", "0")
+    if variants is None:
+        variants = prof.variants
     tokens = tuple(tokens or prof.tokens)
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
@@ -219,7 +260,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
                         impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
-                if prof.variants:
+                if variants:
                     fp8 = lay == "fp8_ds_mla"
                     cfg = default_config(H, fp8, q.device)
                     tiles = math.ceil(H / cfg["block_h"])
@@ -235,6 +276,12 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                         for n in (2, 4, 8, 16, 32):
                             if n != splits:
                                 impls.append((f"glm5lab-s{n}", lay, functools.partial(make, num_splits=n), True))
+            if v5:
+                caches = {"bf16": kv_bf16, "fp8_ds_mla": kv_fp8}
+                for v5_name, lay, kw in v5_variants(H, T):
+                    def make_v5(q, slots, cache=caches[lay], kw=kw):
+                        return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
+                    impls.append((v5_name, lay, make_v5, True))
             if anchor_ok:
                 impls.append(("flashmla", "fp8_ds_mla",
                               lambda q, slots: flashmla_anchor.SparseDecodeFP8(q, kv_fp8, slots, scale), True))
@@ -248,13 +295,17 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
 
             min_bytes = {lay: sparse_mla_min_bytes(T, H, prof.topk, lay) for lay in ("bf16", "fp8_ds_mla")}
             flops = sparse_mla_flops(T, H, prof.topk)
+            impls = [i for i in impls if i[0] not in skip]
             for name, lay, factory, graphable in impls:
+                g_warm = None
                 try:
                     fn = factory(q, slots)
                     out, lse = fn()
                     rel, e_ln, e_log2 = _errors(out, lse, *ref[lay], n_acc)
                     t = bench(fn)
                     g_us = graph_time_us([fn] + [factory(*st) for st in sets[1:]]) if (cuda and graphable) else None
+                    if cuda and graphable and T <= 8 and name in ("glm5lab", "flashmla"):
+                        g_warm = graph_time_us([fn])   # one input set replayed: its rows stay in L2 (warm)
                 except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
                     log(f"  {shape} {name} {lay}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     continue
@@ -272,6 +323,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     rows.append({**base, "metric": "roofline_fraction", "value": eff / bw, "unit": "fraction"})
                 rows.append({**base, "metric": "tflops", "value": rec["tflops"], "unit": "TFLOP/s"})
                 rec["graph_us"] = g_us if g_us is not None else float("nan")
+                rec["graph_warm_us"] = g_warm if g_warm is not None else float("nan")
+                if g_warm is not None:
+                    rows.append({**base, "metric": "time_graph_warm_l2", "value": g_warm, "unit": "us"})
                 if g_us is not None:
                     rows.append({**base, "metric": "time_graph", "value": g_us, "unit": "us"})
                     if bw:
@@ -282,7 +336,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 rows.append({**base, "metric": "lse_err_log2", "value": e_log2, "unit": "abs"})
                 rows.append({**base, "metric": "min_bytes", "value": min_bytes[lay], "unit": "B"})
                 rows.append({**base, "metric": "flops", "value": flops, "unit": "FLOP"})
-                log(f"  {shape:16s} {name:24s} {lay:10s} {us:9.1f} us  graph {rec['graph_us']:8.1f} us  "
+                warm = f"  warm-L2 {g_warm:6.1f} us" if g_warm is not None else ""
+                log(f"  {shape:16s} {name:24s} {lay:10s} {us:9.1f} us  graph {rec['graph_us']:8.1f} us{warm}  "
                     f"roofline {rec['roofline']:.2f}  "
                     f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
             del q, slots, impls, sets
@@ -306,7 +361,28 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             print_table(df, "graph_us", "CUDA-graph replay (GPU time only, rotating inputs)")
         if fp8_v4:
             print_fp8_v4_table(df)
+        if v5:
+            print_v5_table(df)
     return df
+
+
+def print_v5_table(df) -> None:
+    """Each v5 variant beside the default kernel of its layout (CUDA-graph time when measured): us, x default
+    (default time / this), roofline fraction, error."""
+    v = df[df.impl.str.startswith("glm5lab-v5") | (df.impl == "glm5lab") | (df.impl == "flashmla")]
+    if v.empty or not v.impl.str.startswith("glm5lab-v5").any():
+        return
+    col = "graph_us" if v["graph_us"].notna().any() else "us"
+    print(f"\nv5 variants ({col}); x def = default time / this")
+    for (H, T, lay), g in v.groupby(["H", "T", "layout"]):
+        if not g.impl.str.startswith("glm5lab-v5").any():
+            continue
+        base = g[g.impl == "glm5lab"][col]
+        base = float(base.iloc[0]) if len(base) else float("nan")
+        for r in g.sort_values(col).itertuples():
+            t = getattr(r, col)
+            print(f"  H{H:<3} T{T:<4} {lay:10s} {r.impl:34s} {t:9.1f} us  x def {base / t:5.2f}  "
+                  f"roof {r.roofline:.2f}  err {r.rel_err:.1e}")
 
 
 def print_fp8_v4_table(df) -> None:
@@ -356,6 +432,10 @@ def main(argv=None) -> int:
     p.add_argument("--summary", default=None, help="also write the per-shape summary table to this CSV")
     p.add_argument("--fp8-v4", action="store_true", default=None,
                    help=f"also time the v4 fp8 paths (NOTES.md) at H8 T128, H8 T512, H64 T512 (env {FP8_V4_ENV}=1)")
+    p.add_argument("--v5", action="store_true", default=None,
+                   help=f"also time the v5 variants (NOTES.md) at V5_SHAPES (env {V5_ENV}=1)")
+    p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
+    p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     args = p.parse_args(argv)
     import torch
 
@@ -365,7 +445,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
-                 fp8_v4=args.fp8_v4)
+                 fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip))
     except Glm5labError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -45,11 +45,25 @@ LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
 #              (same values, so the same results): the sm90 build then reaches the dot via ldmatrix.trans
 #              instead of 256 one-byte LDS.U8 a step, and needs 198 registers instead of 255 + spills, but
 #              161 KB of shared memory (one CTA per SM).
-FP8_PATHS = {"default": (False, 0, False), "reload": (True, 0, False), "reload_words": (True, 0, True)}
+#   "f16" / "f16_reload" (v5): the fp16 compute domain. e4m3 -> fp16 is ONE conversion instruction per two
+#              values (e4m3 -> bf16 takes three), so the latent half of Q.K^T and P.V run as fp16 dots: q's
+#              latent part is scaled per head by a power of two into fp16's range (exact), the probabilities
+#              are scaled per step by the largest chunk scale (p * s / s_max in [0, 1], rounded to fp16:
+#              finer than bf16). The rope part stays a dot in q's dtype. On a GPU the conversion is an
+#              opaque inline-PTX op, so Triton cannot move the layout change above it (the default path's
+#              one-byte shared-memory reads); the interpreter uses Triton's own (identical) conversion.
+# Each maps to the kernel's (RELOAD, FP8_DIAG, WORDS, F16).
+FP8_PATHS = {"default": (False, 0, False, False), "reload": (True, 0, False, False),
+             "reload_words": (True, 0, True, False), "f16": (False, 0, False, True),
+             "f16_reload": (True, 0, False, True)}
 # Timing diagnostics that place the fp8 time. They give WRONG results and need _config["_diagnostic"]=True;
 # never exposed to users (the benchmark's fp8-v4 option uses them).
-_FP8_DIAGNOSTICS = {"_diag_reload_no_scales": (True, 1, False),      # "reload" without scale loads/multiplies
-                    "_diag_reload_no_convert": (True, 2, False)}     # ... and bytes -> 16 bits by a shift
+_FP8_DIAGNOSTICS = {"_diag_reload_no_scales": (True, 1, False, False),      # "reload" without scale loads/multiplies
+                    "_diag_reload_no_convert": (True, 2, False, False)}     # ... and bytes -> 16 bits by a shift
+# e4m3 x4 (one 32-bit register) -> fp16 x4 (two registers), the instruction pair Triton itself emits for
+# float8e4nv -> float16 on sm89+; as a non-pure inline op it is a fence for Triton's layout propagation.
+_E4M3X4_TO_F16X4 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
 @triton.jit
@@ -99,6 +113,43 @@ def _load_scale(base, row_stride, rows, valid, c: tl.constexpr):
 
 
 @triton.jit
+def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, ASM: tl.constexpr, AGAIN: tl.constexpr = False):
+    """fp8 chunk c of the gathered rows as fp16 ("f16" paths). ASM: the conversion as an opaque inline-PTX op
+    (GPU); else Triton's own cast (interpreter, CPU) -- the same instruction, so the same values."""
+    offs = c * 128 + tl.arange(0, 128)
+    ptrs = base + rows[:, None] * row_stride + offs[None, :]
+    if AGAIN:
+        x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs, mask=valid[:, None], other=0)
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
+                                         pack=4)
+    return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _pow2_into_f16_range(amax):
+    """Per head, the power of two m with amax * m in [2^14, 2^15): q * m is then exactly representable in
+    fp16 for every value above amax * 2^-28 (smaller ones round as fp16 subnormals -- far below the fp32
+    accumulation error of the dot). Built from the exponent bits, so m is exact."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(14 - e, -126), 127)
+    m = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, m, 1.0)
+
+
+@triton.jit
+def _pv_f16(p, s, v, acc, alpha, r_old):
+    """(acc * alpha + (p * s) @ v) / r_new for the "f16" fp8 paths, r_new = max(r_old, this step's largest
+    scale): the accumulator is kept in units of the running largest scale (like the running max of the
+    online softmax), so p * s / r_new lies in [0, 1] for the fp16 dot and the rescale folds into alpha."""
+    r_new = tl.maximum(r_old, tl.max(s, 0))
+    pv = (p * (s / r_new)[None, :]).to(tl.float16)
+    return tl.dot(pv, v, acc * (alpha * (r_old / r_new))[:, None]), r_new
+
+
+@triton.jit
 def _mm(a, b, acc, UPCAST: tl.constexpr):
     """a @ b + acc with fp32 accumulation.  UPCAST (interpreter + bf16 only): Triton 3.6's interpreter
     multiplies bf16 dot operands as raw bits, so operands go through float32 there -- the same products,
@@ -115,7 +166,8 @@ def _sparse_mla_fwd_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
-    FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False,
+    FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
+    ASM: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
     t = tl.program_id(1).to(tl.int64)
@@ -132,12 +184,29 @@ def _sparse_mla_fwd_kernel(
     q3 = tl.load(q_rows + 384 + d128[None, :], mask=hmask[:, None], other=0)
     qr = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0)
 
+    if FP8 and F16:
+        # fp16 domain (fp8 path "f16"): q's latent part scaled per head by a power of two into fp16 range
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32)), 1), tl.max(tl.abs(q1.to(tl.float32)), 1)),
+                          tl.maximum(tl.max(tl.abs(q2.to(tl.float32)), 1), tl.max(tl.abs(q3.to(tl.float32)), 1)))
+        q_mul = _pow2_into_f16_range(amax)
+        q_unscale = 1.0 / q_mul                                        # exact: a power of two
+        q0 = (q0.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+        q1 = (q1.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+        q2 = (q2.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+        q3 = (q3.to(tl.float32) * q_mul[:, None]).to(tl.float16)
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+
+    # f16 paths: accumulators in units of the running largest chunk scale (starts at the least normal fp32)
+    r0 = 1.1754943508222875e-38
+    r1 = 1.1754943508222875e-38
+    r2 = 1.1754943508222875e-38
+    r3 = 1.1754943508222875e-38
 
     n_start = s * rows_per_split
     n_end = tl.minimum(n_start + rows_per_split, topk)
@@ -147,11 +216,30 @@ def _sparse_mla_fwd_kernel(
         slot = tl.load(slot_row + offs_n, mask=offs_n < n_end, other=-1)
         valid = (slot >= 0) & (slot < num_slots)
         rows = tl.where(valid, slot, 0).to(tl.int64)
-        k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, False, FP8_DIAG)
-        k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, False, FP8_DIAG)
-        k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, False, FP8_DIAG)
-        k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, False, FP8_DIAG)
-        if FP8 and FP8_DIAG > 0:
+        if FP8 and F16:
+            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, ASM)
+            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, ASM)
+            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, ASM)
+            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, ASM)
+        else:
+            k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, False, FP8_DIAG)
+            k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, False, FP8_DIAG)
+            k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, False, FP8_DIAG)
+            k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, False, FP8_DIAG)
+        if FP8 and F16:
+            rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
+            kr = tl.load(rope_ptrs + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0).to(DTYPE)
+            s0 = _load_scale(KV, kv_row_stride, rows, valid, 0)
+            s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
+            s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
+            s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
+            zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            qk = tl.dot(q0, tl.trans(k0), zero) * s0[None, :]
+            qk += tl.dot(q1, tl.trans(k1), zero) * s1[None, :]
+            qk += tl.dot(q2, tl.trans(k2), zero) * s2[None, :]
+            qk += tl.dot(q3, tl.trans(k3), zero) * s3[None, :]
+            qk = _mm(qr, tl.trans(kr), qk * q_unscale[:, None], UPCAST)
+        elif FP8 and FP8_DIAG > 0:
             # timing diagnostics (never user-selectable): no scale loads, no scale multiplies -- the bf16
             # path's loop body on converted tiles; results are WRONG
             rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
@@ -188,7 +276,12 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 and RELOAD:
+        if FP8 and F16 and RELOAD:
+            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, ASM, True)
+            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, ASM, True)
+            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, ASM, True)
+            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, ASM, True)
+        elif FP8 and RELOAD:
             # fp8 "reload": read the chunks again for P.V instead of keeping 4 converted tiles live across
             # the softmax; the bytes come from L1/L2, DRAM traffic is unchanged. With one use per load the
             # pipeliner makes all eight chunk loads cp.async stages (sm90 build, NOTES.md v4).
@@ -202,7 +295,14 @@ def _sparse_mla_fwd_kernel(
                 k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, True, FP8_DIAG)
                 k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, True, FP8_DIAG)
                 k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, True, FP8_DIAG)
-        if FP8 and FP8_DIAG == 0:
+        if FP8 and F16:
+            # P.V in fp16: p * s / r is in [0, 1] (fp16 keeps 11 bits there, bf16 8); r, the largest scale
+            # of the chunk seen so far, comes back as a factor on the accumulator after the loop
+            acc0, r0 = _pv_f16(p, s0, k0, acc0, alpha, r0)
+            acc1, r1 = _pv_f16(p, s1, k1, acc1, alpha, r1)
+            acc2, r2 = _pv_f16(p, s2, k2, acc2, alpha, r2)
+            acc3, r3 = _pv_f16(p, s3, k3, acc3, alpha, r3)
+        elif FP8 and FP8_DIAG == 0:
             acc0 = _mm((p * s0[None, :]).to(DTYPE), k0, acc0 * alpha[:, None], UPCAST)
             acc1 = _mm((p * s1[None, :]).to(DTYPE), k1, acc1 * alpha[:, None], UPCAST)
             acc2 = _mm((p * s2[None, :]).to(DTYPE), k2, acc2 * alpha[:, None], UPCAST)
@@ -215,6 +315,11 @@ def _sparse_mla_fwd_kernel(
             acc3 = _mm(pb, k3, acc3 * alpha[:, None], UPCAST)
         m_i = m_new
 
+    if FP8 and F16:
+        acc0 = acc0 * r0
+        acc1 = acc1 * r1
+        acc2 = acc2 * r2
+        acc3 = acc3 * r3
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -468,13 +573,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:
-        reload, fp8_diag, words = FP8_PATHS[fp8_path]
+        reload, fp8_diag, words, f16 = FP8_PATHS[fp8_path]
     elif fp8_path in _FP8_DIAGNOSTICS and cfg.get("_diagnostic") is True:
-        reload, fp8_diag, words = _FP8_DIAGNOSTICS[fp8_path]
+        reload, fp8_diag, words, f16 = _FP8_DIAGNOSTICS[fp8_path]
     else:
         raise Glm5labError(f"unknown fp8 path {fp8_path!r}; expected one of {tuple(FP8_PATHS)}")
     if not fp8:
-        reload, fp8_diag, words = False, 0, False          # the bf16/fp16 loop has a single path
+        reload, fp8_diag, words, f16 = False, 0, False, False   # the bf16/fp16 loop has a single path
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
@@ -494,13 +599,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words)
+    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
+           f16)
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words,
+                WORDS=words, F16=f16, ASM=(f16 and not _interpreting()),
                 num_warps=cfg["num_warps"], num_stages=stages)
             _STAGES[key] = stages
             break
