@@ -160,6 +160,31 @@ def test_fp8_path_every_byte_pattern(device, path):
     check(out, lse, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("path", ["f16", "reload"])
+@pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
+                         ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
+def test_fp8_path_q_and_scale_ranges(device, path, q_mag, scale_range):
+    """The "f16" path computes in fp16 whatever q's dtype: q values beyond fp16's range (|q| up to ~1e5 >
+    65504) or below its normals (~1e-6 < 6.1e-5), and chunk scales spanning 100x at 1e-8 or 1e2, must
+    give the bf16 reference's accuracy -- a missing power-of-two scaling of q overflows to inf or loses
+    the small values; a missing normalization of p * scale loses small scales to fp16 subnormals."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_slots, T, H, topk = 128, 3, 8, 96
+    cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
+    cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C                      # no NaN patterns
+    lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
+    scales = torch.exp(lo + (hi - lo) * torch.rand(num_slots, 4, generator=g))
+    cache[:, 512:528] = scales.contiguous().view(torch.uint8)
+    cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    q = (torch.randn(T, H, 576, generator=g) * q_mag).to(torch.bfloat16)
+    q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)         # rope part: ordinary size
+    slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
+    out, lse = run_poisoned(q.to(device), cache.reshape(-1, 16, 656).to(device), slots.to(device),
+                            _config={"fp8_path": path})
+    check(out, lse, ref, torch.bfloat16)
+
+
 def test_fp8_paths_unknown_and_diagnostics_need_the_private_flag():
     q = torch.randn(1, 4, 576).bfloat16()
     cache = quantize_fp8_ds_mla(torch.randn(2, 16, 576))
@@ -318,3 +343,41 @@ def test_kernel_bench_fp8_v4_option_adds_the_paths_only_where_asked(tmp_path, mo
     v4 = df[df.impl.str.startswith("glm5lab-fp8-v4")]
     assert set(v4.impl) == {"glm5lab-fp8-v4-reload", "glm5lab-fp8-v4-words-w8"} and set(v4.layout) == {"fp8_ds_mla"}
     assert (v4.rel_err < 1.6e-2).all()
+
+
+def test_kernel_bench_v5_option_times_its_variants_beside_the_default(tmp_path, monkeypatch):
+    """The benchmark's --v5 hook (NOTES.md v5): variants only at V5_SHAPES, each with its tile spelled out
+    (a later change of the defaults must not change what a name measures), all within the bf16 error bound
+    on the CPU profile, and --skip drops implementations by name."""
+    from glm5lab.bench import kernel_bench
+
+    assert kernel_bench.v5_variants(8, 32) == [] and kernel_bench.v5_variants(128, 512) == []
+    for H, T in kernel_bench.V5_SHAPES:
+        for name, layout, kw in kernel_bench.v5_variants(H, T):
+            assert name.startswith("glm5lab-v5-") and layout in ("bf16", "fp8_ds_mla")
+            assert "num_splits" in kw or {"block_h", "block_n", "num_warps"} <= set(kw["_config"]), name
+    monkeypatch.setattr(kernel_bench, "V5_SHAPES", {(8, 1)})
+    df = kernel_bench.run(tmp_path / "bench.csv", "cpu", heads=(8,), tokens=(1,), verbose=False, v5=True,
+                          skip=("torch-gather", "virtual-block-table"))
+    v5 = df[df.impl.str.startswith("glm5lab-v5")]
+    assert set(v5.impl) == {n for n, _, _ in kernel_bench.v5_variants(8, 1)}
+    assert (v5.rel_err < 1.6e-2).all()
+    assert not df.impl.isin(["torch-gather", "virtual-block-table"]).any()
+
+
+def test_latency_anatomy_needs_a_gpu_and_says_so():
+    from glm5lab.bench import latency_anatomy
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the anatomy runs (see the gpu test)")
+    with pytest.raises(Glm5labError, match="needs a GPU"):
+        latency_anatomy.run("unused.csv", verbose=False)
+
+
+@pytest.mark.gpu
+def test_gpu_latency_anatomy_writes_every_case(tmp_path):
+    from glm5lab.bench import latency_anatomy
+
+    rows = latency_anatomy.run(tmp_path / "anatomy.csv", verbose=False)
+    assert len(rows) == 1 + 2 * 2 * len(latency_anatomy.cases())
+    assert all(r["value"] > 0 for r in rows)

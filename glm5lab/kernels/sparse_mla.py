@@ -8,6 +8,9 @@ Why this shape of kernel (notebook 05 walks through it):
 - Rows are processed in 128-wide latent chunks (4 x 128 + 64 rope).  That is what makes the fp8_ds_mla
   layout cheap: each chunk has ONE float32 scale per row, so the scale multiplies the chunk's partial
   score (and the probabilities before P.V) instead of every fp8 value -- the fp8 -> bf16/fp16 cast is exact.
+  At <= 16 heads the fp8 latent products run in fp16 whatever q's dtype ("f16" path, NOTES.md v5): e4m3 ->
+  fp16 is one instruction per two values, e4m3 -> bf16 three; q is scaled per head by a power of two into
+  fp16's range and the probabilities are taken relative to the running largest scale, so nothing is lost.
 - When tokens x head-tiles cannot fill the GPU (decode, small batches), the top-k list is split across
   programs; each writes a partial (normalized out, log2-sum-exp) and the partials are merged with the
   usual log-sum-exp rule, either by a small second kernel or (merge="fused") by the last program of each
@@ -443,17 +446,19 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
     per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
-    bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 with 8 warps and
-    BLOCK_N 32 measured 2x slower than BLOCK_N 64 with 4 warps."""
+    bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 at <= 16 heads runs the
+    fp16-domain path on 16x32 tiles (74 KB of shared memory: three CTAs a SM)."""
     if num_heads <= 16:
-        # fp8 16-head tiles read each chunk twice ("reload"): on the H200 (run of 2026-11-29 11:33 UTC,
-        # results/bench/gpu/kernels.csv) 1.21x faster at 8 heads x 128 tokens, 1.23x at 512, same error.
-        # The 64-head tile keeps "default" (reload measured 0.79x there).
-        cfg = {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
-        return {**cfg, "fp8_path": "reload"} if fp8 else cfg
+        if fp8:
+            # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv): "f16" on 16x32
+            # tiles 1.27-1.30x the v4 default ("reload", 16x64) at 128-512 tokens, 1.08-1.14x at 1-8 tokens;
+            # the 16x64 f16 tile needs 129 KB of shared memory (one CTA a SM) and was slower than "reload".
+            return {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "fp8_path": "f16"}
+        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
     if num_heads <= 32:
         return {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
     if fp8:
+        # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
         return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
     return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 

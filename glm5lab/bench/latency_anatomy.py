@@ -1,0 +1,91 @@
+"""Where one decode token's sparse-MLA call spends its time on the GPU (issue 7's 1-token target).
+
+CUDA-graph replay time (GPU only, as a captured decode step sees it) of: an empty Triton kernel (the floor a
+graph launch costs), glm5lab's kernel for ONE token at top-k 64 / 256 / 2048 with no split, and at top-k 2048
+with 8 / 16 / 32 splits and the default, in both layouts, with the cache cold (524,288 slots, 32 rotating
+input sets: rows and their TLB entries out of L2) and L2-resident (4,096 slots, one input set replayed).
+The differences place the time: launch floor, first gather chain, per-step cost, split and merge cost.
+
+    PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --out results/kernels/latency_anatomy_h200.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import triton
+import triton.language as tl
+
+SUITE = "sparse_mla_latency"
+
+
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+def cases():
+    """(top-k, num_splits or None for the default) measured per layout and cache."""
+    return [(64, 1), (256, 1), (2048, 1), (2048, 8), (2048, 16), (2048, 32), (2048, None)]
+
+
+def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
+    import torch
+
+    from glm5lab.bench.kernel_bench import graph_time_us
+    from glm5lab.bench.records import append_rows
+    from glm5lab.errors import Glm5labError
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    if not torch.cuda.is_available():
+        raise Glm5labError("the latency anatomy times CUDA graphs: it needs a GPU")
+    log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    scale = mla_softmax_scale()
+    rows = []
+
+    x = torch.zeros(1, device="cuda")
+    empty_us = graph_time_us([lambda: _empty_kernel[(1,)](x)] * 32)
+    rows.append({"suite": SUITE, "implementation": "empty-triton-kernel", "shape": "grid1", "dtype": "-",
+                 "layout": "-", "metric": "time_graph", "value": empty_us, "unit": "us"})
+    log(f"empty Triton kernel in a graph: {empty_us:.2f} us")
+
+    for cache_name, slots_n, n_sets in (("cold", 524_288, 32), ("l2", 4_096, 1)):
+        kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
+        caches = {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
+        for layout, cache in caches.items():
+            for topk, splits in cases():
+                sets = [(torch.randn(1, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                         torch.randint(0, slots_n, (1, topk), device="cuda", dtype=torch.int32, generator=gen))
+                        for _ in range(n_sets)]
+                calls = [lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, num_splits=splits)
+                         for q, s in sets]
+                us = graph_time_us(calls)
+                shape = f"T1_H{heads}_K{topk}_S{splits if splits else 'auto'}_{cache_name}"
+                rows.append({"suite": SUITE, "implementation": "glm5lab", "shape": shape, "dtype": "bf16",
+                             "layout": layout, "metric": "time_graph", "value": us, "unit": "us"})
+                log(f"  {layout:10s} {shape:28s} {us:7.2f} us")
+        del kv, caches
+    append_rows(csv_path, rows, command=command or "latency_anatomy")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.latency_anatomy", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="CSV to append long-format rows to")
+    p.add_argument("--heads", type=int, default=8)
+    args = p.parse_args(argv)
+    from glm5lab.errors import Glm5labError
+
+    try:
+        run(args.out, args.heads, command=" ".join(sys.argv))
+    except Glm5labError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
