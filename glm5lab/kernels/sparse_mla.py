@@ -170,7 +170,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, S_PAD: tl.constexpr = 1,
 ):
     pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
     t = tl.program_id(1).to(tl.int64)
@@ -342,7 +342,7 @@ def _sparse_mla_fwd_kernel(
             ticket = tl.atomic_add(COUNTER + t * tl.num_programs(0) + pid_h, 1, sem="acq_rel")
             if ticket == num_splits - 1:
                 _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num_heads,
-                                stride_ot, stride_oh, stride_lt, BLOCK_H)
+                                stride_ot, stride_oh, stride_lt, BLOCK_H, S_PAD)
                 tl.atomic_xchg(COUNTER + t * tl.num_programs(0) + pid_h, 0)
     else:
         o = OUT + t * stride_ot + heads[:, None] * stride_oh + d128[None, :]
@@ -355,31 +355,57 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num_heads,
-                    stride_ot, stride_oh, stride_lt, BLOCK_H: tl.constexpr):
-    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w) (-> ln)."""
+                    stride_ot, stride_oh, stride_lt, BLOCK_H: tl.constexpr, S_PAD: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w) (-> ln).
+    Latency-bound (one program reads splits x heads x 2 KB from L2 while the GPU idles), so: every split's
+    lse in one load (S_PAD >= num_splits), and (16-head tiles) split s+1's partial is loaded before split
+    s is added."""
     d128 = tl.arange(0, 128)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        ls = tl.load(PART_LSE + (t * num_splits + s) * num_heads + heads, mask=hmask,
-                     other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, ls)
+    sidx = tl.arange(0, S_PAD)
+    ls_all = tl.load(PART_LSE + (t * num_splits + sidx[:, None]) * num_heads + heads[None, :],
+                     mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(ls_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wsum = tl.zeros([BLOCK_H], tl.float32)
+    wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
     o0 = tl.zeros([BLOCK_H, 128], tl.float32)
     o1 = tl.zeros([BLOCK_H, 128], tl.float32)
     o2 = tl.zeros([BLOCK_H, 128], tl.float32)
     o3 = tl.zeros([BLOCK_H, 128], tl.float32)
-    for s in range(0, num_splits):
-        part = t * num_splits + s
-        ls = tl.load(PART_LSE + part * num_heads + heads, mask=hmask, other=float("-inf"),
-                     cache_modifier=".cg")
-        w = tl.exp2(ls - m_safe)
-        wsum += w
-        po = PART_O + (part * num_heads + heads[:, None]) * 512 + d128[None, :]
-        o0 += w[:, None] * tl.load(po, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-        o1 += w[:, None] * tl.load(po + 128, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-        o2 += w[:, None] * tl.load(po + 256, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-        o3 += w[:, None] * tl.load(po + 384, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+    hm = hmask[:, None]
+    part0 = t * num_splits
+    po = PART_O + (part0 * num_heads + heads[:, None]) * 512 + d128[None, :]
+    step = num_heads * 512
+    if BLOCK_H <= 16:
+        # prefetch one split ahead (at 32/64-head tiles the second set of tiles spills: sm90 build)
+        n0 = tl.load(po, mask=hm, other=0.0, cache_modifier=".cg")
+        n1 = tl.load(po + 128, mask=hm, other=0.0, cache_modifier=".cg")
+        n2 = tl.load(po + 256, mask=hm, other=0.0, cache_modifier=".cg")
+        n3 = tl.load(po + 384, mask=hm, other=0.0, cache_modifier=".cg")
+        nl = tl.load(PART_LSE + part0 * num_heads + heads, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        for s in range(0, num_splits):
+            c0, c1, c2, c3, cl = n0, n1, n2, n3, nl
+            more = s + 1 < num_splits
+            nb = po + (s + 1) * step
+            n0 = tl.load(nb, mask=hm & more, other=0.0, cache_modifier=".cg")
+            n1 = tl.load(nb + 128, mask=hm & more, other=0.0, cache_modifier=".cg")
+            n2 = tl.load(nb + 256, mask=hm & more, other=0.0, cache_modifier=".cg")
+            n3 = tl.load(nb + 384, mask=hm & more, other=0.0, cache_modifier=".cg")
+            nl = tl.load(PART_LSE + (part0 + s + 1) * num_heads + heads, mask=hmask & more, other=float("-inf"),
+                         cache_modifier=".cg")
+            w = tl.exp2(cl - m_safe)
+            o0 += w[:, None] * c0
+            o1 += w[:, None] * c1
+            o2 += w[:, None] * c2
+            o3 += w[:, None] * c3
+    else:
+        for s in range(0, num_splits):
+            pb = po + s * step
+            w = tl.exp2(tl.load(PART_LSE + (part0 + s) * num_heads + heads, mask=hmask, other=float("-inf"),
+                                cache_modifier=".cg") - m_safe)
+            o0 += w[:, None] * tl.load(pb, mask=hm, other=0.0, cache_modifier=".cg")
+            o1 += w[:, None] * tl.load(pb + 128, mask=hm, other=0.0, cache_modifier=".cg")
+            o2 += w[:, None] * tl.load(pb + 256, mask=hm, other=0.0, cache_modifier=".cg")
+            o3 += w[:, None] * tl.load(pb + 384, mask=hm, other=0.0, cache_modifier=".cg")
     empty = wsum == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
     o = OUT + t * stride_ot + heads[:, None] * stride_oh + d128[None, :]
@@ -393,12 +419,12 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 @triton.jit
 def _merge_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
-                  BLOCK_H: tl.constexpr):
+                  BLOCK_H: tl.constexpr, S_PAD: tl.constexpr):
     pid_h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, heads < num_heads, num_splits, num_heads,
-                    stride_ot, stride_oh, stride_lt, BLOCK_H)
+                    stride_ot, stride_oh, stride_lt, BLOCK_H, S_PAD)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,7 +637,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words, F16=f16, ASM=(f16 and not _interpreting()),
+                WORDS=words, F16=f16, ASM=(f16 and not _interpreting()), S_PAD=triton.next_power_of_2(num_splits),
                 num_warps=cfg["num_warps"], num_stages=stages)
             _STAGES[key] = stages
             break
@@ -622,7 +648,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                                    "memory even single-buffered; pass _config={'block_n': 16}") from None
     if split and merge == "separate":
         _merge_kernel[(head_tiles, T)](part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1),
-                                       lse.stride(0), BLOCK_H=block_h, num_warps=4)
+                                       lse.stride(0), BLOCK_H=block_h, S_PAD=triton.next_power_of_2(num_splits),
+                                       num_warps=4)
     return out, lse
 
 
