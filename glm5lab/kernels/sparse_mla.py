@@ -490,10 +490,11 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
 
 
 def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int, num_sms: int,
-                      min_rows: int = 256) -> int:
+                      min_rows: int = 128) -> int:
     """Enough splits of the top-k that tokens x head tiles x splits gives every SM a program, but never
-    fewer than `min_rows` rows a split: on the H200 the merge (the last program reads splits x heads x 2 KB
-    of partials) ate the gain past ~8 splits of a 2048 top-k in bf16, ~16 in fp8 (more work per row)."""
+    fewer than `min_rows` rows a split: the merge (the last program reads splits x heads x 2 KB of partials)
+    eats the gain past ~16 splits of a 2048 top-k (H200: 16 splits 18.5 us at 1 token in bf16, 8 splits
+    22.4, 32 splits 21.2 -- results/kernels/latency_anatomy_h200.csv)."""
     programs = num_tokens * head_tiles
     if programs >= num_sms:
         return 1
@@ -613,8 +614,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         reload, fp8_diag, words, f16 = False, 0, False, False   # the bf16/fp16 loop has a single path
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
-                                       min_rows=128 if fp8 else 256)
+        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device))
     num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
     rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
