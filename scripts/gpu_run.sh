@@ -37,8 +37,10 @@ python3 -m glm5lab env --json > "$stage/env.json" 2>&1; cat "$stage/env.json"
 echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
 # a notebooks-only run reads the GPU measurements already committed under results/
 mkdir -p "$stage/results"
-case " $parts " in *" bench "*) ;; *) for d in bench kernels indexer tp; do
-  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done ;; esac
+# (so does a bench run of some suite parts only: BENCH_PARTS="indexer attention_stack projection plots")
+case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;; *) seed=1 ;; esac
+if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
+  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done; fi
 
 # 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
 gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
@@ -49,7 +51,7 @@ part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --
 # (GLM5LAB_BENCH_FP8_V4=1 adds the fp8_ds_mla 'reload' kernel paths beside the default, same inputs)
 export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
 part bench ${BENCH_S:-380} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-280} \
-  --results "$stage/results" --no-progress
+  --results "$stage/results" --no-progress ${BENCH_PARTS:+--parts $BENCH_PARTS}
 # 2b. kernel experiments only (not in the default parts): the GPU tests of the kernel file, then the kernel
 # benchmark with KERNEL_BENCH_ARGS (e.g. "--v5 --no-variants --heads 8 16 64 --tokens 1 8 128 512")
 part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
