@@ -256,7 +256,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     fp8 = lay == "fp8_ds_mla"
                     cfg = default_config(H, fp8, q.device)
                     tiles = math.ceil(H / cfg["block_h"])
-                    splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device))
+                    splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device),
+                                               min_rows=128 if cfg["block_h"] <= 16 else 256)
                     impls.append(("glm5lab-v1-tiles", lay, functools.partial(make, _config=V1_CONFIG(H)), True))
                     if fp8:   # sm90 SASS: the pipelined fp8 tiles are read from shared memory a byte at a time
                         impls.append(("glm5lab-stages1", lay, functools.partial(make, _config={"num_stages": 1}), True))
