@@ -63,6 +63,8 @@ def v5_variants(H: int, T: int) -> list:
         for tag, bn, w, st in (("16x64-w8", 64, 8, 2), ("16x32-w4-s3", 32, 4, 3), ("16x32-w2", 32, 2, 2)):
             out.append((f"glm5lab-v5-f16-{tag}", fp8, {"_config": {"fp8_path": "f16", "block_h": 16, "block_n": bn,
                                                                     "num_warps": w, "num_stages": st}}))
+        out.append(("glm5lab-v5-f16-16x32-w4-r168", fp8, {"_config": {"fp8_path": "f16", "block_h": 16, "block_n": 32,
+                                                                       "num_warps": 4, "maxnreg": 168}}))
         if T == 128:
             out.append(("glm5lab-v5-f16-16x32-w4-sp1", fp8, {"num_splits": 1}))
     if H == 64:

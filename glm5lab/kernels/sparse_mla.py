@@ -443,6 +443,12 @@ def _stage_ladder(key, stages: int):
 _SM_COUNT: dict = {}
 
 
+def _register_cap(cfg: dict) -> dict:
+    """{"maxnreg": n} when the config caps registers a thread (more CTAs a SM: 168 lets three 4-warp CTAs share
+    an SM's 64K registers); nothing under the interpreter, which has no registers."""
+    return {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not _interpreting() else {}
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -635,14 +641,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
-           f16)
+           f16, cfg.get("maxnreg"))
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
                 WORDS=words, F16=f16, ASM=(f16 and not _interpreting()), S_PAD=triton.next_power_of_2(num_splits),
-                num_warps=cfg["num_warps"], num_stages=stages)
+                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             break
         except OutOfResources:
