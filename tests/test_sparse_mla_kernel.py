@@ -381,3 +381,19 @@ def test_gpu_latency_anatomy_writes_every_case(tmp_path):
     rows = latency_anatomy.run(tmp_path / "anatomy.csv", verbose=False)
     assert len(rows) == 1 + 2 * 2 * len(latency_anatomy.cases())
     assert all(r["value"] > 0 for r in rows)
+
+
+def test_fp8_without_native_e4m3_runs_the_f16_path_with_bit_conversion(device, monkeypatch):
+    """On GPUs where Triton has no float8e4nv (SM80/86, ROCm) every fp8_ds_mla tile -- the 64-head one too, whose
+    default is the "default" path -- runs the "f16" path with the bit-level e4m3 -> fp16 conversion, and a
+    private path that needs float8e4nv is refused by name. (The interpreter has float8e4nv; the test takes it
+    away.) Every byte pattern, so the bit conversion is checked on subnormals, +-448 and -0 too."""
+    from glm5lab.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "_native_e4m3", lambda dev: False)
+    for H in (8, 64):
+        q, cache, slots, ref = _raw_fp8_case(device, H=H)
+        out, lse = run_poisoned(q, cache, slots)
+        check(out, lse, ref, torch.bfloat16)
+    with pytest.raises(Glm5labError, match="needs Triton's float8e4nv"):
+        sparse_mla_attention(q, cache, slots, SCALE, _config={"fp8_path": "reload"})

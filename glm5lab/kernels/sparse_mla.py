@@ -11,6 +11,7 @@ Why this shape of kernel (notebook 05 walks through it):
   At <= 16 heads the fp8 latent products run in fp16 whatever q's dtype ("f16" path, NOTES.md v5): e4m3 ->
   fp16 is one instruction per two values, e4m3 -> bf16 three; q is scaled per head by a power of two into
   fp16's range and the probabilities are taken relative to the running largest scale, so nothing is lost.
+  GPUs whose Triton has no float8e4nv (SM80/86, ROCm) run every fp8 tile that way, with a bit-level conversion.
 - When tokens x head-tiles cannot fill the GPU (decode, small batches), the top-k list is split across
   programs; each writes a partial (normalized out, log2-sum-exp) and the partials are merged with the
   usual log-sum-exp rule, either by a small second kernel or (merge="fused") by the last program of each
@@ -52,9 +53,10 @@ LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
 #              values (e4m3 -> bf16 takes three), so the latent half of Q.K^T and P.V run as fp16 dots: q's
 #              latent part is scaled per head by a power of two into fp16's range (exact), the probabilities
 #              are scaled per step by the largest chunk scale (p * s / s_max in [0, 1], rounded to fp16:
-#              finer than bf16). The rope part stays a dot in q's dtype. On a GPU the conversion is an
+#              finer than bf16). The rope part stays a dot in q's dtype. On sm_89+ the conversion is an
 #              opaque inline-PTX op, so Triton cannot move the layout change above it (the default path's
-#              one-byte shared-memory reads); the interpreter uses Triton's own (identical) conversion.
+#              one-byte shared-memory reads); elsewhere, and in the interpreter, an exact bit-level conversion
+#              (CVT_BITS). On GPUs without float8e4nv (SM80/86, ROCm) every fp8 tile runs this path.
 # Each maps to the kernel's (RELOAD, FP8_DIAG, WORDS, F16).
 FP8_PATHS = {"default": (False, 0, False, False), "reload": (True, 0, False, False),
              "reload_words": (True, 0, True, False), "f16": (False, 0, False, True),
@@ -115,20 +117,29 @@ def _load_scale(base, row_stride, rows, valid, c: tl.constexpr):
     return tl.load(ptrs, mask=valid, other=0.0)
 
 
+# How the "f16" paths turn e4m3 bytes into fp16 (constexpr CVT):
+CVT_ASM = 1    # NVIDIA sm_89+: inline PTX cvt.rn.f16x2.e4m3x2 (one instruction per two values)
+CVT_BITS = 2   # anywhere (SM80/86, ROCm, the interpreter): sign and the 7 exponent+mantissa bits moved into an fp16
+               # pattern, which is the value times 2^-8 -- the 2^8 goes into the chunk scale, so it is exact
+
+
 @triton.jit
-def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, ASM: tl.constexpr, AGAIN: tl.constexpr = False):
-    """fp8 chunk c of the gathered rows as fp16 ("f16" paths). ASM: the conversion as an opaque inline-PTX op
-    (GPU); else Triton's own cast (interpreter, CPU) -- the same instruction, so the same values."""
+def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, CVT: tl.constexpr, AGAIN: tl.constexpr = False):
+    """fp8 chunk c of the gathered rows as fp16 ("f16" paths): the e4m3 values themselves (CVT_ASM) or the values
+    times 2^-8 (CVT_BITS; the caller scales by 2^8). The inline PTX is an opaque op, so Triton cannot move the
+    layout change for the dots above it (which makes the default path read bytes one at a time)."""
     offs = c * 128 + tl.arange(0, 128)
     ptrs = base + rows[:, None] * row_stride + offs[None, :]
     if AGAIN:
         x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
     else:
         x = tl.load(ptrs, mask=valid[:, None], other=0)
-    if ASM:
+    if CVT == 1:
         return tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
                                          pack=4)
-    return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: exponent bias 7 vs 15, subnormals onto subnormals
+    b = x.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -170,7 +181,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
-    ASM: tl.constexpr = False, S_PAD: tl.constexpr = 1,
+    CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1,
 ):
     pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
     t = tl.program_id(1).to(tl.int64)
@@ -220,10 +231,10 @@ def _sparse_mla_fwd_kernel(
         valid = (slot >= 0) & (slot < num_slots)
         rows = tl.where(valid, slot, 0).to(tl.int64)
         if FP8 and F16:
-            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, ASM)
-            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, ASM)
-            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, ASM)
-            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, ASM)
+            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, CVT)
+            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, CVT)
+            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, CVT)
+            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, CVT)
         else:
             k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, False, FP8_DIAG)
             k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, False, FP8_DIAG)
@@ -236,6 +247,11 @@ def _sparse_mla_fwd_kernel(
             s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
             s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
             s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
+            if CVT == 2:   # the tiles hold the values times 2^-8
+                s0 = s0 * 256.0
+                s1 = s1 * 256.0
+                s2 = s2 * 256.0
+                s3 = s3 * 256.0
             zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
             qk = tl.dot(q0, tl.trans(k0), zero) * s0[None, :]
             qk += tl.dot(q1, tl.trans(k1), zero) * s1[None, :]
@@ -280,10 +296,10 @@ def _sparse_mla_fwd_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8 and F16 and RELOAD:
-            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, ASM, True)
-            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, ASM, True)
-            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, ASM, True)
-            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, ASM, True)
+            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, CVT, True)
+            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, CVT, True)
+            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, CVT, True)
+            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, CVT, True)
         elif FP8 and RELOAD:
             # fp8 "reload": read the chunks again for P.V instead of keeping 4 converted tiles live across
             # the softmax; the bytes come from L1/L2, DRAM traffic is unchanged. With one use per load the
@@ -447,6 +463,17 @@ def _register_cap(cfg: dict) -> dict:
     """{"maxnreg": n} when the config caps registers a thread (more CTAs a SM: 168 lets three 4-warp CTAs share
     an SM's 64K registers); nothing under the interpreter, which has no registers."""
     return {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not _interpreting() else {}
+
+
+def _native_e4m3(device: torch.device) -> bool:
+    """Whether Triton's float8e4nv and the PTX e4m3 conversion exist here: NVIDIA sm_89+ (and the interpreter,
+    for Triton's cast). SM80/86 and ROCm have neither (Triton 3.6: "type fp8e4nv not supported in this
+    architecture"): there fp8_ds_mla runs the "f16" path with the bit-level conversion."""
+    if _interpreting():
+        return True
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _interpreting() -> bool:
@@ -618,6 +645,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         raise Glm5labError(f"unknown fp8 path {fp8_path!r}; expected one of {tuple(FP8_PATHS)}")
     if not fp8:
         reload, fp8_diag, words, f16 = False, 0, False, False   # the bf16/fp16 loop has a single path
+    native = _native_e4m3(q.device)
+    if fp8 and not native and not f16:
+        if "fp8_path" in (_config or {}):
+            raise Glm5labError(f"fp8 path {fp8_path!r} needs Triton's float8e4nv (NVIDIA sm_89+); this GPU runs "
+                               "fp8_ds_mla through the 'f16' path")
+        reload, fp8_diag, words, f16 = False, 0, False, True     # the default tiles, in the fp16 domain
+    cvt = CVT_ASM if (native and not _interpreting()) else CVT_BITS
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
         # 16-head tiles: >= 128 rows a split (their merge prefetches); wider tiles merge 4x the bytes a split
@@ -641,13 +675,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
-           f16, cfg.get("maxnreg"))
+           f16, cvt, cfg.get("maxnreg"))
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words, F16=f16, ASM=(f16 and not _interpreting()), S_PAD=triton.next_power_of_2(num_splits),
+                WORDS=words, F16=f16, CVT=cvt, S_PAD=triton.next_power_of_2(num_splits),
                 num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             break
