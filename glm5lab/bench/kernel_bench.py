@@ -354,22 +354,25 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         if cuda:
             print_table(df, "graph_us", "CUDA-graph replay (GPU time only, rotating inputs)")
         if fp8_v4:
-            print_fp8_v4_table(df)
+            print_variant_table(df, "glm5lab-fp8-v4", "fp8_ds_mla v4 paths (diag rows: wrong results by design)",
+                                fp8_only=True)
         if v5:
-            print_v5_table(df)
+            print_variant_table(df, "glm5lab-v5", "v5 variants")
     return df
 
 
-def print_v5_table(df) -> None:
-    """Each v5 variant beside the default kernel of its layout (CUDA-graph time when measured): us, x default
-    (default time / this), roofline fraction, error."""
-    v = df[df.impl.str.startswith("glm5lab-v5") | (df.impl == "glm5lab") | (df.impl == "flashmla")]
-    if v.empty or not v.impl.str.startswith("glm5lab-v5").any():
+def print_variant_table(df, prefix: str, title: str, fp8_only: bool = False) -> None:
+    """Variants whose name starts with `prefix` beside the default kernel of their layout and FlashMLA, per shape:
+    CUDA-graph time when measured (else do_bench), x def = default time / this, roofline fraction, error."""
+    v = df[df.impl.str.startswith(prefix) | df.impl.isin(["glm5lab", "flashmla"])]
+    if fp8_only:
+        v = v[v.layout == "fp8_ds_mla"]
+    if v.empty or not v.impl.str.startswith(prefix).any():
         return
     col = "graph_us" if v["graph_us"].notna().any() else "us"
-    print(f"\nv5 variants ({col}); x def = default time / this")
+    print(f"\n{title} ({col}); x def = default time / this")
     for (H, T, lay), g in v.groupby(["H", "T", "layout"]):
-        if not g.impl.str.startswith("glm5lab-v5").any():
+        if not g.impl.str.startswith(prefix).any():
             continue
         base = g[g.impl == "glm5lab"][col]
         base = float(base.iloc[0]) if len(base) else float("nan")
@@ -377,25 +380,6 @@ def print_v5_table(df) -> None:
             t = getattr(r, col)
             print(f"  H{H:<3} T{T:<4} {lay:10s} {r.impl:34s} {t:9.1f} us  x def {base / t:5.2f}  "
                   f"roof {r.roofline:.2f}  err {r.rel_err:.1e}")
-
-
-def print_fp8_v4_table(df) -> None:
-    """The v4 fp8 paths beside the default fp8 path and FlashMLA's fp8 decode, CUDA-graph time (do_bench on
-    the CPU profile), us, and the speed-up over the default path."""
-    v = df[(df.layout == "fp8_ds_mla") & (df.impl.str.startswith("glm5lab-fp8-v4") | df.impl.isin(["glm5lab", "flashmla"]))]
-    if v.empty:
-        return
-    col = "graph_us" if v["graph_us"].notna().any() else "us"
-    print(f"\nfp8_ds_mla v4 paths ({col}); x def = default fp8 time / this; diag rows have wrong results by design")
-    for (H, T), g in v.groupby(["H", "T"]):
-        if not g.impl.str.startswith("glm5lab-fp8-v4").any():
-            continue
-        base = g[g.impl == "glm5lab"][col]
-        base = float(base.iloc[0]) if len(base) else float("nan")
-        for r in g.sort_values(col).itertuples():
-            t = getattr(r, col)
-            print(f"  H{H:<3} T{T:<4} {r.impl:32s} {t:9.1f} us  x def {base / t:5.2f}  roof {r.roofline:.2f}  "
-                  f"err {r.rel_err:.1e}")
 
 
 def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flushed, launch overhead included)") -> None:

@@ -72,18 +72,23 @@ _E4M3X4_TO_F16X4 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
 
 
 @triton.jit
-def _load_latent_chunk(base, row_stride, rows, valid, c: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
-                       AGAIN: tl.constexpr = False, DIAG: tl.constexpr = 0):
-    """[BLOCK_N, 128] latent values of chunk c of the gathered rows, in the compute dtype. AGAIN marks the
-    second read of the same bytes (an L1 hit; a different eviction hint keeps the compiler from merging it
-    with the first read). DIAG 2 (timing diagnostic only, WRONG values): the fp8 bytes become 16-bit
-    patterns by an integer shift instead of the e4m3 conversion."""
+def _gather_chunk(base, row_stride, rows, valid, c: tl.constexpr, AGAIN: tl.constexpr):
+    """The stored elements [128c, 128c + 128) of the gathered rows (0 for invalid rows). AGAIN marks the second
+    read of the same bytes (an L1 hit; a different eviction hint keeps the compiler from merging the two)."""
     offs = c * 128 + tl.arange(0, 128)
     ptrs = base + rows[:, None] * row_stride + offs[None, :]
     if AGAIN:
-        x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptrs, mask=valid[:, None], other=0)
+        return tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=valid[:, None], other=0)
+
+
+@triton.jit
+def _load_latent_chunk(base, row_stride, rows, valid, c: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
+                       AGAIN: tl.constexpr = False, DIAG: tl.constexpr = 0):
+    """[BLOCK_N, 128] latent values of chunk c of the gathered rows, in the compute dtype. DIAG 2 (timing
+    diagnostic only, WRONG values): the fp8 bytes become 16-bit patterns by an integer shift instead of the
+    e4m3 conversion."""
+    x = _gather_chunk(base, row_stride, rows, valid, c, AGAIN)
     if FP8:
         if DIAG == 2:
             x = (x.to(tl.int16) << 4).to(DTYPE, bitcast=True)
@@ -128,18 +133,36 @@ def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, CVT: tl.cons
     """fp8 chunk c of the gathered rows as fp16 ("f16" paths): the e4m3 values themselves (CVT_ASM) or the values
     times 2^-8 (CVT_BITS; the caller scales by 2^8). The inline PTX is an opaque op, so Triton cannot move the
     layout change for the dots above it (which makes the default path read bytes one at a time)."""
-    offs = c * 128 + tl.arange(0, 128)
-    ptrs = base + rows[:, None] * row_stride + offs[None, :]
-    if AGAIN:
-        x = tl.load(ptrs, mask=valid[:, None], other=0, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptrs, mask=valid[:, None], other=0)
+    x = _gather_chunk(base, row_stride, rows, valid, c, AGAIN)
     if CVT == 1:
         return tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
                                          pack=4)
     # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: exponent bias 7 vs 15, subnormals onto subnormals
     b = x.to(tl.uint16)
     return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _latent_chunks(KV, row_stride, rows, valid, FP8: tl.constexpr, DTYPE: tl.constexpr, F16: tl.constexpr,
+                   CVT: tl.constexpr, AGAIN: tl.constexpr, WORDS: tl.constexpr, DIAG: tl.constexpr):
+    """The 4 latent chunks of the gathered rows as the path reads them: fp16 ("f16" paths), int32 words (the
+    second read of "reload_words"), or the compute dtype."""
+    if FP8 and F16:
+        k0 = _load_chunk_f16(KV, row_stride, rows, valid, 0, CVT, AGAIN)
+        k1 = _load_chunk_f16(KV, row_stride, rows, valid, 1, CVT, AGAIN)
+        k2 = _load_chunk_f16(KV, row_stride, rows, valid, 2, CVT, AGAIN)
+        k3 = _load_chunk_f16(KV, row_stride, rows, valid, 3, CVT, AGAIN)
+    elif WORDS:
+        k0 = _load_latent_chunk_words(KV, row_stride, rows, valid, 0, DTYPE)
+        k1 = _load_latent_chunk_words(KV, row_stride, rows, valid, 1, DTYPE)
+        k2 = _load_latent_chunk_words(KV, row_stride, rows, valid, 2, DTYPE)
+        k3 = _load_latent_chunk_words(KV, row_stride, rows, valid, 3, DTYPE)
+    else:
+        k0 = _load_latent_chunk(KV, row_stride, rows, valid, 0, FP8, DTYPE, AGAIN, DIAG)
+        k1 = _load_latent_chunk(KV, row_stride, rows, valid, 1, FP8, DTYPE, AGAIN, DIAG)
+        k2 = _load_latent_chunk(KV, row_stride, rows, valid, 2, FP8, DTYPE, AGAIN, DIAG)
+        k3 = _load_latent_chunk(KV, row_stride, rows, valid, 3, FP8, DTYPE, AGAIN, DIAG)
+    return k0, k1, k2, k3
 
 
 @triton.jit
@@ -230,35 +253,8 @@ def _sparse_mla_fwd_kernel(
         slot = tl.load(slot_row + offs_n, mask=offs_n < n_end, other=-1)
         valid = (slot >= 0) & (slot < num_slots)
         rows = tl.where(valid, slot, 0).to(tl.int64)
-        if FP8 and F16:
-            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, CVT)
-            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, CVT)
-            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, CVT)
-            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, CVT)
-        else:
-            k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, False, FP8_DIAG)
-            k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, False, FP8_DIAG)
-            k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, False, FP8_DIAG)
-            k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, False, FP8_DIAG)
-        if FP8 and F16:
-            rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
-            kr = tl.load(rope_ptrs + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0).to(DTYPE)
-            s0 = _load_scale(KV, kv_row_stride, rows, valid, 0)
-            s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
-            s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
-            s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
-            if CVT == 2:   # the tiles hold the values times 2^-8
-                s0 = s0 * 256.0
-                s1 = s1 * 256.0
-                s2 = s2 * 256.0
-                s3 = s3 * 256.0
-            zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-            qk = tl.dot(q0, tl.trans(k0), zero) * s0[None, :]
-            qk += tl.dot(q1, tl.trans(k1), zero) * s1[None, :]
-            qk += tl.dot(q2, tl.trans(k2), zero) * s2[None, :]
-            qk += tl.dot(q3, tl.trans(k3), zero) * s3[None, :]
-            qk = _mm(qr, tl.trans(kr), qk * q_unscale[:, None], UPCAST)
-        elif FP8 and FP8_DIAG > 0:
+        k0, k1, k2, k3 = _latent_chunks(KV, kv_row_stride, rows, valid, FP8, DTYPE, F16, CVT, False, False, FP8_DIAG)
+        if FP8 and FP8_DIAG > 0:
             # timing diagnostics (never user-selectable): no scale loads, no scale multiplies -- the bf16
             # path's loop body on converted tiles; results are WRONG
             rope_ptrs = (KV + rows[:, None] * kv_row_stride + 528).to(tl.pointer_type(tl.bfloat16))
@@ -275,11 +271,19 @@ def _sparse_mla_fwd_kernel(
             s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
             s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
             s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
+            if F16 and CVT == 2:   # the tiles hold the values times 2^-8
+                s0 = s0 * 256.0
+                s1 = s1 * 256.0
+                s2 = s2 * 256.0
+                s3 = s3 * 256.0
+            LAT_UPCAST: tl.constexpr = UPCAST and not F16       # the f16 paths' latent dots are fp16 x fp16
             zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-            qk = _mm(q0, tl.trans(k0), zero, UPCAST) * s0[None, :]
-            qk += _mm(q1, tl.trans(k1), zero, UPCAST) * s1[None, :]
-            qk += _mm(q2, tl.trans(k2), zero, UPCAST) * s2[None, :]
-            qk += _mm(q3, tl.trans(k3), zero, UPCAST) * s3[None, :]
+            qk = _mm(q0, tl.trans(k0), zero, LAT_UPCAST) * s0[None, :]
+            qk += _mm(q1, tl.trans(k1), zero, LAT_UPCAST) * s1[None, :]
+            qk += _mm(q2, tl.trans(k2), zero, LAT_UPCAST) * s2[None, :]
+            qk += _mm(q3, tl.trans(k3), zero, LAT_UPCAST) * s3[None, :]
+            if F16:
+                qk = qk * q_unscale[:, None]
             qk = _mm(qr, tl.trans(kr), qk, UPCAST)
         else:
             kr = tl.load(KV + rows[:, None] * kv_row_stride + 512 + tl.arange(0, 64)[None, :],
@@ -295,25 +299,11 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 and F16 and RELOAD:
-            k0 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 0, CVT, True)
-            k1 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 1, CVT, True)
-            k2 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 2, CVT, True)
-            k3 = _load_chunk_f16(KV, kv_row_stride, rows, valid, 3, CVT, True)
-        elif FP8 and RELOAD:
+        if FP8 and RELOAD:
             # fp8 "reload": read the chunks again for P.V instead of keeping 4 converted tiles live across
             # the softmax; the bytes come from L1/L2, DRAM traffic is unchanged. With one use per load the
             # pipeliner makes all eight chunk loads cp.async stages (sm90 build, NOTES.md v4).
-            if WORDS:
-                k0 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 0, DTYPE)
-                k1 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 1, DTYPE)
-                k2 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 2, DTYPE)
-                k3 = _load_latent_chunk_words(KV, kv_row_stride, rows, valid, 3, DTYPE)
-            else:
-                k0 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 0, FP8, DTYPE, True, FP8_DIAG)
-                k1 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 1, FP8, DTYPE, True, FP8_DIAG)
-                k2 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 2, FP8, DTYPE, True, FP8_DIAG)
-                k3 = _load_latent_chunk(KV, kv_row_stride, rows, valid, 3, FP8, DTYPE, True, FP8_DIAG)
+            k0, k1, k2, k3 = _latent_chunks(KV, kv_row_stride, rows, valid, FP8, DTYPE, F16, CVT, True, WORDS, FP8_DIAG)
         if FP8 and F16:
             # P.V in fp16: p * s / r is in [0, 1] (fp16 keeps 11 bits there, bf16 8); r, the largest scale
             # of the chunk seen so far, comes back as a factor on the accumulator after the loop
