@@ -1,0 +1,134 @@
+"""Offline GPU build of the sparse-MLA kernel, no GPU needed: registers, spills, shared memory and the
+instruction mix of the main loop, per configuration (the method behind results/kernels/NOTES.md v4/v5).
+
+Triton compiles for any NVIDIA target on a CPU machine with its bundled ptxas; cuobjdump (also bundled) reads
+the cubin. The main loop is the longest backward branch of the SASS.
+
+    PYTHONPATH=. python scripts/sass_report.py --sm 90 \
+        --config '{"BLOCK_H": 16, "BLOCK_N": 32, "FP8": true, "F16": true, "CVT": 1, "num_warps": 4}'
+    PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
+
+--dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)   # a real build, even when the shell has the interpreter on
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL", "STL", "F2FP", "F2F", "PRMT",
+        "FMUL", "FFMA", "MUFU", "SHFL", "BAR"]
+KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
+                   "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
+POINTERS = {"SLOTS": "*i32", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTER": "*i32",
+            "qk_scale_log2": "fp32"}
+ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", "stride_oh", "rows_per_split")
+
+
+def build(config: dict, sm: int = 90):
+    """Compile _sparse_mla_fwd_kernel for sm_<sm> with the constexprs and options in `config`."""
+    from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
+
+    cfg = dict(config)
+    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    opts.setdefault("num_warps", 4)
+    opts.setdefault("num_stages", 2)
+    qdt = cfg.pop("q_dtype", "bf16")
+    consts = {**KERNEL_DEFAULTS, **cfg}
+    names = list(kern.arg_names)
+    unknown = set(consts) - set(names)
+    if unknown:
+        raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
+    ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if consts.get("FP8") else f"*{qdt}", **POINTERS}
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ALIGNED}
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
+
+
+def report(compiled) -> dict:
+    """Registers / stack / shared memory and the main loop's instruction counts of a compiled kernel."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", res))
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+(.*?);", sass)]
+    loop = None
+    for addr, text in ins:
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and (loop is None or addr - int(m.group(1), 16) > loop[1] - loop[0]):
+            loop = (int(m.group(1), 16), addr)
+    body = [t for a, t in ins if loop and loop[0] <= a <= loop[1]]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+
+    def count(key):
+        if key == "LDS":
+            return sum(v for o, v in ops.items() if o.startswith("LDS") and not o.startswith("LDSM"))
+        return sum(v for o, v in ops.items() if o == key or o.startswith(key + "."))
+
+    return {"regs": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
+            "smem": compiled.metadata.shared, "loop": len(body), **{k: count(k) for k in KEYS if count(k)},
+            "_sass": sass}
+
+
+def default_configs() -> list:
+    from glm5lab.kernels.sparse_mla import FP8_PATHS, default_config
+
+    out = []
+    for heads in (8, 32, 64):
+        for fp8 in (False, True):
+            c = default_config(heads, fp8)
+            reload, diag, words, f16 = FP8_PATHS[c.get("fp8_path", "default")] if fp8 else (False, 0, False, False)
+            out.append({"BLOCK_H": c["block_h"], "BLOCK_N": c["block_n"], "FP8": fp8, "RELOAD": reload,
+                        "FP8_DIAG": diag, "WORDS": words, "F16": f16, "num_warps": c["num_warps"],
+                        "num_stages": c["num_stages"]})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sm", type=int, default=90, help="target compute capability x10 (80, 89, 90, 120, ...)")
+    p.add_argument("--config", action="append", default=[], help="JSON object: kernel constexprs + options")
+    p.add_argument("--defaults", action="store_true", help="the default tile of 8/32/64 heads, both layouts")
+    p.add_argument("--dump", default=None, help="folder for sass.txt / ttgir.txt / ptx.txt of each build")
+    args = p.parse_args(argv)
+    configs = [json.loads(c) for c in args.config] + (default_configs() if args.defaults else [])
+    if not configs:
+        p.error("give --config and/or --defaults")
+    for i, cfg in enumerate(configs):
+        try:
+            compiled = build(cfg, args.sm)
+        except Exception as exc:  # noqa: BLE001 (report every configuration)
+            root = exc
+            while root.__cause__ is not None:     # Triton wraps the reason in CompilationErrors per call level
+                root = root.__cause__
+            print(f"sm_{args.sm} {json.dumps(cfg)}: BUILD FAILED {type(root).__name__}: {str(root)[:300]}")
+            continue
+        rep = report(compiled)
+        sass = rep.pop("_sass")
+        print(f"sm_{args.sm} {json.dumps(cfg)}: {rep}")
+        if args.dump:
+            d = os.path.join(args.dump, f"config{i}")
+            os.makedirs(d, exist_ok=True)
+            for name, text in (("sass.txt", sass), ("ttgir.txt", compiled.asm["ttgir"]), ("ptx.txt", compiled.asm["ptx"])):
+                with open(os.path.join(d, name), "w") as fh:
+                    fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
