@@ -8,7 +8,8 @@ the cubin. The main loop is the longest backward branch of the SASS.
         --config '{"BLOCK_H": 16, "BLOCK_N": 32, "FP8": true, "F16": true, "CVT": 1, "num_warps": 4}'
     PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
 
---dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration.
+--dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
+Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", action="append", default=[], help="JSON object: kernel constexprs + options")
     p.add_argument("--defaults", action="store_true", help="the default tile of 8/32/64 heads, both layouts")
     p.add_argument("--dump", default=None, help="folder for sass.txt / ttgir.txt / ptx.txt of each build")
+    p.add_argument("--json", action="store_true", help="one JSON object a line: config, sm, report or error")
     args = p.parse_args(argv)
     configs = [json.loads(c) for c in args.config] + (default_configs() if args.defaults else [])
     if not configs:
@@ -116,11 +118,15 @@ def main(argv=None) -> int:
             root = exc
             while root.__cause__ is not None:     # Triton wraps the reason in CompilationErrors per call level
                 root = root.__cause__
-            print(f"sm_{args.sm} {json.dumps(cfg)}: BUILD FAILED {type(root).__name__}: {str(root)[:300]}")
+            if args.json:
+                print(json.dumps({"sm": args.sm, "config": cfg, "error": f"{type(root).__name__}: {root}"}))
+            else:
+                print(f"sm_{args.sm} {json.dumps(cfg)}: BUILD FAILED {type(root).__name__}: {str(root)[:300]}")
             continue
         rep = report(compiled)
         sass = rep.pop("_sass")
-        print(f"sm_{args.sm} {json.dumps(cfg)}: {rep}")
+        print(json.dumps({"sm": args.sm, "config": cfg, "report": rep}) if args.json
+              else f"sm_{args.sm} {json.dumps(cfg)}: {rep}")
         if args.dump:
             d = os.path.join(args.dump, f"config{i}")
             os.makedirs(d, exist_ok=True)
