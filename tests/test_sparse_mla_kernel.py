@@ -319,6 +319,8 @@ def test_split_choice_fills_the_gpu_but_keeps_rows_per_split():
     assert choose_num_splits(512, 1, 2048, 64, 132) == 1               # enough programs already
     assert choose_num_splits(1, 1, 2048, 64, 132) == 16                 # >= 128 rows a split
     assert choose_num_splits(1, 1, 2048, 64, 132, min_rows=256) == 8
+    from glm5lab.kernels.sparse_mla import min_rows_per_split
+    assert min_rows_per_split(16) == 128 and min_rows_per_split(32) == min_rows_per_split(64) == 256
     assert choose_num_splits(32, 1, 2048, 64, 132) == 5                 # ceil(132 / 32)
     assert choose_num_splits(4, 1, 100, 64, 132) == 1                   # short top-k: no split
 

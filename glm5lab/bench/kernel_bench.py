@@ -179,8 +179,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, sparse_mla_attention,
-                                            sparse_mla_flops, sparse_mla_min_bytes)
+    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, min_rows_per_split,
+                                            sparse_mla_attention, sparse_mla_flops, sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
     prof, dev = pick_profile(PROFILES, profile)
@@ -247,9 +247,12 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 ref[lay] = sparse_mla_reference(q[:n_acc], cache, slots[:n_acc], scale)
 
             impls = []   # (name, layout, factory(q, slots) -> zero-argument call, time it in a CUDA graph?)
-            for lay, cache in (("bf16", kv_bf16), ("fp8_ds_mla", kv_fp8)):
-                def make(q, slots, cache=cache, **kw):
-                    return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
+            caches = {"bf16": kv_bf16, "fp8_ds_mla": kv_fp8}
+
+            def call(q, slots, cache, **kw):
+                return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
+            for lay, cache in caches.items():
+                make = functools.partial(call, cache=cache)
                 impls.append(("glm5lab", lay, make, True))
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
@@ -259,7 +262,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     cfg = default_config(H, fp8, q.device)
                     tiles = math.ceil(H / cfg["block_h"])
                     splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device),
-                                               min_rows=128 if cfg["block_h"] <= 16 else 256)
+                                               min_rows=min_rows_per_split(cfg["block_h"]))
                     impls.append(("glm5lab-v1-tiles", lay, functools.partial(make, _config=V1_CONFIG(H)), True))
                     if fp8:   # sm90 SASS: the pipelined fp8 tiles are read from shared memory a byte at a time
                         impls.append(("glm5lab-stages1", lay, functools.partial(make, _config={"num_stages": 1}), True))
@@ -271,11 +274,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                             if n != splits:
                                 impls.append((f"glm5lab-s{n}", lay, functools.partial(make, num_splits=n), True))
             if v5:
-                caches = {"bf16": kv_bf16, "fp8_ds_mla": kv_fp8}
                 for v5_name, lay, kw in v5_variants(H, T):
-                    def make_v5(q, slots, cache=caches[lay], kw=kw):
-                        return lambda: sparse_mla_attention(q, cache, slots, scale, **kw)
-                    impls.append((v5_name, lay, make_v5, True))
+                    impls.append((v5_name, lay, functools.partial(call, cache=caches[lay], **kw), True))
             if anchor_ok:
                 impls.append(("flashmla", "fp8_ds_mla",
                               lambda q, slots: flashmla_anchor.SparseDecodeFP8(q, kv_fp8, slots, scale), True))

@@ -52,7 +52,7 @@ LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
 #   "f16" / "f16_reload" (v5): the fp16 compute domain. e4m3 -> fp16 is ONE conversion instruction per two
 #              values (e4m3 -> bf16 takes three), so the latent half of Q.K^T and P.V run as fp16 dots: q's
 #              latent part is scaled per head by a power of two into fp16's range (exact), the probabilities
-#              are scaled per step by the largest chunk scale (p * s / s_max in [0, 1], rounded to fp16:
+#              enter P.V relative to the running largest chunk scale (p * s / r in [0, 1], rounded to fp16:
 #              finer than bf16). The rope part stays a dot in q's dtype. On sm_89+ the conversion is an
 #              opaque inline-PTX op, so Triton cannot move the layout change above it (the default path's
 #              one-byte shared-memory reads); elsewhere, and in the interpreter, an exact bit-level conversion
@@ -123,8 +123,8 @@ def _load_scale(base, row_stride, rows, valid, c: tl.constexpr):
 
 
 # How the "f16" paths turn e4m3 bytes into fp16 (constexpr CVT):
-CVT_ASM = 1    # NVIDIA sm_89+: inline PTX cvt.rn.f16x2.e4m3x2 (one instruction per two values)
-CVT_BITS = 2   # anywhere (SM80/86, ROCm, the interpreter): sign and the 7 exponent+mantissa bits moved into an fp16
+CVT_ASM = tl.constexpr(1)    # NVIDIA sm_89+: inline PTX cvt.rn.f16x2.e4m3x2 (one instruction per two values)
+CVT_BITS = tl.constexpr(2)   # anywhere (SM80/86, ROCm, the interpreter): sign and the 7 exponent+mantissa bits moved into an fp16
                # pattern, which is the value times 2^-8 -- the 2^8 goes into the chunk scale, so it is exact
 
 
@@ -134,7 +134,7 @@ def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, CVT: tl.cons
     times 2^-8 (CVT_BITS; the caller scales by 2^8). The inline PTX is an opaque op, so Triton cannot move the
     layout change for the dots above it (which makes the default path read bytes one at a time)."""
     x = _gather_chunk(base, row_stride, rows, valid, c, AGAIN)
-    if CVT == 1:
+    if CVT == CVT_ASM:
         return tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
                                          pack=4)
     # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: exponent bias 7 vs 15, subnormals onto subnormals
@@ -271,7 +271,7 @@ def _sparse_mla_fwd_kernel(
             s1 = _load_scale(KV, kv_row_stride, rows, valid, 1)
             s2 = _load_scale(KV, kv_row_stride, rows, valid, 2)
             s3 = _load_scale(KV, kv_row_stride, rows, valid, 3)
-            if F16 and CVT == 2:   # the tiles hold the values times 2^-8
+            if F16 and CVT == CVT_BITS:   # the tiles hold the values times 2^-8
                 s0 = s0 * 256.0
                 s1 = s1 * 256.0
                 s2 = s2 * 256.0
@@ -496,7 +496,7 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
     per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
     bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 at <= 16 heads runs the
-    fp16-domain path on 16x32 tiles (74 KB of shared memory: three CTAs a SM)."""
+    fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM)."""
     if num_heads <= 16:
         if fp8:
             # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv): "f16" on 16x32
@@ -510,6 +510,13 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
         # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
         return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
     return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def min_rows_per_split(block_h: int) -> int:
+    """Fewest top-k rows a split gets by default: 128 for 16-head tiles (their merge prefetches), 256 for wider
+    tiles, which merge 4x the bytes a split without prefetch (H200, NOTES.md v5: 16 splits made 64 heads x 1
+    token 54.5 us, 8 splits 43.4 us)."""
+    return 128 if block_h <= 16 else 256
 
 
 def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int, num_sms: int,
@@ -644,11 +651,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     cvt = CVT_ASM if (native and not _interpreting()) else CVT_BITS
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
-        # 16-head tiles: >= 128 rows a split (their merge prefetches); wider tiles merge 4x the bytes a split
-        # without prefetch: >= 256 (H200 run of 12:52 UTC: 16 splits made 64 heads x 1 token 54.5 us, 8 splits
-        # 43.4 us in the run before)
         num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
-                                       min_rows=128 if block_h <= 16 else 256)
+                                       min_rows=min_rows_per_split(block_h))
     num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
     rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
