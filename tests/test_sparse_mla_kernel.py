@@ -93,6 +93,25 @@ def test_matches_reference(device, dtype, layout, splits, merge):
     check(out, lse, ref, dtype)
 
 
+@pytest.mark.parametrize("H,splits", [(12, 37), (3, 64)])
+def test_column_merge_many_splits(device, H, splits):
+    """The separate (column-parallel) merge with more splits than one load round holds (12 heads -> 16-head
+    tiles: 37 splits padded to 64, 2 rounds of 32) and with 3 heads in a 4-head tile (64 splits, one round);
+    one 16-row step a split, a token with no valid slot, fp8 (the latency path)."""
+    from glm5lab.kernels.sparse_mla import merge_tiles
+
+    mh, dc, sc = merge_tiles(H, splits)
+    assert mh * dc * sc <= 8192 and sc <= triton_next_pow2(splits)
+    q, cache, slots, ref = make_case(2, H, 16 * splits - 5, 700, torch.bfloat16, "fp8_ds_mla", device)
+    out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", num_splits=splits, merge="separate",
+                            _config={"block_n": 16})
+    check(out, lse, ref, torch.bfloat16)
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.integers(1, 3), H=st.sampled_from([1, 3, 8, 16, 17, 33]), topk=st.integers(1, 140),
        fp8=st.booleans(), bf16=st.booleans(), splits=st.sampled_from([None, 1, 2, 5]),

@@ -5,8 +5,11 @@ graph launch costs), glm5lab's kernel for ONE token at top-k 64 / 256 / 2048 wit
 with 8 / 16 / 32 splits and the default, in both layouts, with the cache cold (524,288 slots, 32 rotating
 input sets: rows and their TLB entries out of L2) and L2-resident (4,096 slots, one input set replayed).
 The differences place the time: launch floor, first gather chain, per-step cost, split and merge cost.
+--sweep instead times 1-8 tokens (8 and 64 heads, cold cache, top-k 2048) over split counts, both merges and
+a narrower step (v6: the split/merge policy for small batches comes from it).
 
     PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --out results/kernels/latency_anatomy_h200.csv
+    PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --sweep --out results/kernels/small_batch_sweep_h200.csv
 """
 from __future__ import annotations
 
@@ -27,6 +30,50 @@ def _empty_kernel(X):
 def cases():
     """(top-k, num_splits or None for the default) measured per layout and cache."""
     return [(64, 1), (256, 1), (2048, 1), (2048, 8), (2048, 16), (2048, 32), (2048, None)]
+
+
+def sweep_cases(layout: str):
+    """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout."""
+    narrow = {"block_n": 16} if layout == "fp8_ds_mla" else {"block_n": 32}
+    out = [(splits, merge, None) for splits in (None, 8, 16, 32, 64) for merge in ("fused", "separate")]
+    return out + [(splits, "separate", narrow) for splits in (64, 128)]
+
+
+def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64)):
+    """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.kernel_bench import graph_time_us
+    from glm5lab.bench.records import append_rows
+    from glm5lab.errors import Glm5labError
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    if not torch.cuda.is_available():
+        raise Glm5labError("the small-batch sweep times CUDA graphs: it needs a GPU")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    scale, slots_n, topk = mla_softmax_scale(), 524_288, 2048
+    kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    caches = {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay)]
+    rows = []
+    for lay, h, t, (splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
+        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
+                for _ in range(32)]
+        calls = [lambda q=q, s=s: sparse_mla_attention(q, caches[lay], s, scale, num_splits=splits, merge=merge,
+                                                       _config=cfg) for q, s in sets]
+        us = graph_time_us(calls)
+        narrow = f"_N{cfg['block_n']}" if cfg else ""
+        shape = f"T{t}_H{h}_K{topk}_S{splits if splits else 'auto'}_{merge}{narrow}"
+        rows.append({"suite": SUITE, "implementation": "glm5lab", "shape": shape, "dtype": "bf16", "layout": lay,
+                     "metric": "time_graph", "value": us, "unit": "us"})
+        if verbose:
+            tqdm.write(f"  {lay:10s} {shape:36s} {us:7.2f} us")
+    append_rows(csv_path, rows, command=command or "latency_anatomy --sweep")
+    return rows
 
 
 def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
@@ -76,11 +123,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm5lab.bench.latency_anatomy", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--sweep", action="store_true", help="the small-batch split/merge sweep instead")
     args = p.parse_args(argv)
     from glm5lab.errors import Glm5labError
 
     try:
-        run(args.out, args.heads, command=" ".join(sys.argv))
+        if args.sweep:
+            sweep(args.out, command=" ".join(sys.argv))
+        else:
+            run(args.out, args.heads, command=" ".join(sys.argv))
     except Glm5labError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

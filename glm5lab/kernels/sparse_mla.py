@@ -424,13 +424,52 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 
 @triton.jit
-def _merge_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
-                  BLOCK_H: tl.constexpr, S_PAD: tl.constexpr):
+def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
+                          MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr):
+    """The separate merge, parallel over columns: program (head tile, token, column block) merges DC of the
+    512 output columns of MH heads, reading SC splits' partials in ONE load each round (all in flight at
+    once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
+    at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v5, v6)."""
     pid_h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
-    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, heads < num_heads, num_splits, num_heads,
-                    stride_ot, stride_oh, stride_lt, BLOCK_H, S_PAD)
+    pid_d = tl.program_id(2)
+    heads = pid_h * MH + tl.arange(0, MH)
+    hmask = heads < num_heads
+    cols = pid_d * DC + tl.arange(0, DC)
+    part0 = t * num_splits
+    sidx = tl.arange(0, S_PAD)
+    ls_all = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :],
+                     mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(ls_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
+    acc = tl.zeros([MH, DC], tl.float32)
+    for s0 in range(0, num_splits, SC):
+        sc = s0 + tl.arange(0, SC)
+        smask = (sc[:, None] < num_splits) & hmask[None, :]                               # [SC, MH]
+        ls = tl.load(PART_LSE + (part0 + sc[:, None]) * num_heads + heads[None, :], mask=smask,
+                     other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(ls - m_safe[None, :])                                                 # [SC, MH]
+        po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
+        o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")         # [SC, MH, DC]
+        acc += tl.sum(w[:, :, None] * o, 0)
+    empty = wsum == 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    if pid_d == 0:
+        lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
+        tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+
+
+def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
+    """(MH heads, DC columns, SC splits a round) of the column-parallel merge: at most 8192 fp32 values a
+    round (64 registers a thread at 4 warps), the columns narrowed first so that many splits load at once."""
+    mh = min(16, triton.next_power_of_2(num_heads))
+    s_pad = triton.next_power_of_2(max(num_splits, 1))
+    dc = max(16, min(128, 8192 // (s_pad * mh)))
+    sc = max(1, min(s_pad, 8192 // (mh * dc)))
+    return mh, dc, sc
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -685,9 +724,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                 raise Glm5labError(f"sparse MLA tile {block_h}x{block_n} does not fit this GPU's shared "
                                    "memory even single-buffered; pass _config={'block_n': 16}") from None
     if split and merge == "separate":
-        _merge_kernel[(head_tiles, T)](part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1),
-                                       lse.stride(0), BLOCK_H=block_h, S_PAD=triton.next_power_of_2(num_splits),
-                                       num_warps=4)
+        mh, dc, sc = merge_tiles(H, num_splits)
+        _merge_columns_kernel[(triton.cdiv(H, mh), T, LATENT // dc)](
+            part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
+            MH=mh, DC=dc, SC=sc, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
     return out, lse
 
 
