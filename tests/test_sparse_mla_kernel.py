@@ -288,9 +288,9 @@ def test_gpu_fp8_every_byte_pattern():
 def test_gpu_fused_merge_is_repeatable_and_resets_counters():
     """The fused merge's counters must come back to zero: many launches in a row give identical bits."""
     q, cache, slots, ref = make_case(3, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    first, first_lse = run_poisoned(q, cache, slots, num_splits=16)
+    first, first_lse = run_poisoned(q, cache, slots, num_splits=16, merge="fused")
     for _ in range(20):
-        out, lse = run_poisoned(q, cache, slots, num_splits=16)
+        out, lse = run_poisoned(q, cache, slots, num_splits=16, merge="fused")
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
     check(first, first_lse, ref, torch.bfloat16)
 
@@ -332,16 +332,31 @@ def test_gpu_fp8_paths_every_byte_pattern_and_8_warps():
             check(out, lse, ref, torch.bfloat16)
 
 
-def test_split_choice_fills_the_gpu_but_keeps_rows_per_split():
-    from glm5lab.kernels.sparse_mla import choose_num_splits
+def test_split_choice_fills_the_program_slots_one_step_a_split_at_least():
+    from glm5lab.kernels.sparse_mla import choose_num_splits, resident_ctas
 
-    assert choose_num_splits(512, 1, 2048, 64, 132) == 1               # enough programs already
-    assert choose_num_splits(1, 1, 2048, 64, 132) == 16                 # >= 128 rows a split
-    assert choose_num_splits(1, 1, 2048, 64, 132, min_rows=256) == 8
-    from glm5lab.kernels.sparse_mla import min_rows_per_split
-    assert min_rows_per_split(16) == 128 and min_rows_per_split(32) == min_rows_per_split(64) == 256
-    assert choose_num_splits(32, 1, 2048, 64, 132) == 5                 # ceil(132 / 32)
+    assert resident_ctas(16) == resident_ctas(32) == 2 and resident_ctas(64) == 1
+    assert choose_num_splits(512, 1, 2048, 64, 132) == 1                # enough programs already
+    assert choose_num_splits(150, 1, 2048, 32, 132) == 1                # over half of the 264 slots: no split
+    assert choose_num_splits(128, 1, 2048, 32, 132) == 2                # 264 // 128
+    assert choose_num_splits(1, 1, 2048, 32, 132) == 64                 # capped at one 32-row step a split
+    assert choose_num_splits(1, 1, 2048, 64, 132) == 32
+    assert choose_num_splits(8, 1, 2048, 32, 132) == 33                 # 264 // 8 (rounded up to 32 rows later)
+    assert choose_num_splits(8, 1, 2048, 64, 132, resident=1) == 16     # 64-head tile: one CTA a SM
+    assert choose_num_splits(1, 2, 2048, 64, 132, resident=1) == 32     # 128 heads = two tiles
     assert choose_num_splits(4, 1, 100, 64, 132) == 1                   # short top-k: no split
+
+
+def test_auto_merge_is_the_column_merge(device):
+    """merge="auto" (the default) gives the same bits as merge="separate" and differs from "fused" only in
+    summation order."""
+    q, cache, slots, ref = make_case(2, 8, 96, 300, torch.float16, "fp16", device)
+    o_auto, l_auto = run_poisoned(q, cache, slots, num_splits=3)
+    o_sep, l_sep = run_poisoned(q, cache, slots, num_splits=3, merge="separate")
+    assert torch.equal(o_auto, o_sep) and torch.equal(l_auto, l_sep)
+    check(o_auto, l_auto, ref, torch.float16)
+    with pytest.raises(Glm5labError, match="merge must be"):
+        sparse_mla_attention(q, cache, slots, SCALE, merge="serial")
 
 
 def test_unevenly_strided_cache_is_a_clear_error():

@@ -165,7 +165,8 @@ def _errors(out, lse, ref_out, ref_lse, n):
 
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
-        fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=()):
+        fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
+        fused_merge: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES."""
@@ -179,7 +180,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, min_rows_per_split,
+    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, resident_ctas,
                                             sparse_mla_attention, sparse_mla_flops, sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
@@ -254,6 +255,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             for lay, cache in caches.items():
                 make = functools.partial(call, cache=cache)
                 impls.append(("glm5lab", lay, make, True))
+                if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
+                    impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
                         impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
@@ -262,12 +265,12 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     cfg = default_config(H, fp8, q.device)
                     tiles = math.ceil(H / cfg["block_h"])
                     splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device),
-                                               min_rows=min_rows_per_split(cfg["block_h"]))
+                                               resident_ctas(cfg["block_h"]))
                     impls.append(("glm5lab-v1-tiles", lay, functools.partial(make, _config=V1_CONFIG(H)), True))
                     if fp8:   # sm90 SASS: the pipelined fp8 tiles are read from shared memory a byte at a time
                         impls.append(("glm5lab-stages1", lay, functools.partial(make, _config={"num_stages": 1}), True))
                     if splits > 1:
-                        impls.append(("glm5lab-separate-merge", lay, functools.partial(make, merge="separate"), True))
+                        impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                         impls.append(("glm5lab-no-split", lay, functools.partial(make, num_splits=1), True))
                     if H == 8 and T <= 32:
                         for n in (2, 4, 8, 16, 32):
@@ -414,6 +417,7 @@ def main(argv=None) -> int:
                    help=f"also time the v5 variants (NOTES.md) at V5_SHAPES (env {V5_ENV}=1)")
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
+    p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
     args = p.parse_args(argv)
     import torch
 
@@ -423,7 +427,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
-                 fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip))
+                 fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
+                 fused_merge=args.fused_merge)
     except Glm5labError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

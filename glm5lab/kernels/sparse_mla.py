@@ -14,8 +14,9 @@ Why this shape of kernel (notebook 05 walks through it):
   GPUs whose Triton has no float8e4nv (SM80/86, ROCm) run every fp8 tile that way, with a bit-level conversion.
 - When tokens x head-tiles cannot fill the GPU (decode, small batches), the top-k list is split across
   programs; each writes a partial (normalized out, log2-sum-exp) and the partials are merged with the
-  usual log-sum-exp rule, either by a small second kernel or (merge="fused") by the last program of each
-  token to finish, found with an atomic counter -- one launch instead of two.
+  usual log-sum-exp rule by a second kernel that is parallel over heads AND output columns (each program
+  loads many splits' partials at once), or (merge="fused") by the last program of each token to finish,
+  found with an atomic counter -- one launch instead of two, but one program reads every partial.
 - Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
   out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
 """
@@ -551,25 +552,24 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
-def min_rows_per_split(block_h: int) -> int:
-    """Fewest top-k rows a split gets by default: 128 for 16-head tiles (their merge prefetches), 256 for wider
-    tiles, which merge 4x the bytes a split without prefetch (H200, NOTES.md v5: 16 splits made 64 heads x 1
-    token 54.5 us, 8 splits 43.4 us)."""
-    return 128 if block_h <= 16 else 256
+def resident_ctas(block_h: int) -> int:
+    """CTAs of one tile that run side by side on an SM (sm90 builds: 16/32-head tiles are register-bound at two,
+    the 64-head tiles shared-memory-bound at one). The split count aims at filling every such slot: a program's
+    step is a latency chain, so more programs in flight, not fewer longer ones, is what shortens a small batch."""
+    return 2 if block_h <= 32 else 1
 
 
 def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int, num_sms: int,
-                      min_rows: int = 128) -> int:
-    """Enough splits of the top-k that tokens x head tiles x splits gives every SM a program, but never
-    fewer than `min_rows` rows a split: the merge (the last program reads splits x heads x 2 KB of partials)
-    eats the gain past ~16 splits of a 2048 top-k (H200: 16 splits 18.5 us at 1 token in bf16, 8 splits
-    22.4, 32 splits 21.2 -- results/kernels/latency_anatomy_h200.csv)."""
+                      resident: int = 2) -> int:
+    """As many splits of the top-k as fill num_sms x resident program slots, at most one step (block_n rows)
+    a split; none when tokens x head tiles fill half the slots already. With the column-parallel merge a
+    split costs little (H200 sweep, NOTES.md v6: 1 token x 8 heads fp8 9.9 us with 64 splits of 32 rows,
+    23.2 us with the earlier 16 splits and the one-program merge)."""
     programs = num_tokens * head_tiles
-    if programs >= num_sms:
+    want = (num_sms * resident) // max(programs, 1)
+    if want < 2:
         return 1
-    want = triton.cdiv(num_sms, programs)
-    most = max(1, topk // max(min_rows, block_n))
-    return int(max(1, min(want, most)))
+    return int(max(1, min(want, topk // block_n)))
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
@@ -611,7 +611,7 @@ def _kv_rows(kv_cache: torch.Tensor) -> tuple[int, int]:
 def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, softmax_scale: float,
                          *, kv_lora_rank: int = LATENT, layout: str = "auto", out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, num_splits: int | None = None,
-                         merge: str = "fused", _config: dict | None = None
+                         merge: str = "auto", _config: dict | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each token over its own KV slots.
 
@@ -619,8 +619,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     [blocks, block_size, 656] (layout "fp8_ds_mla"); slots [T, topk] int32 GLOBAL slot indices
     (block * block_size + offset), -1 = skip, anywhere in the row; slots >= the cache size are skipped too.
     Returns (out [T, H, 512] in q.dtype, lse [T, H] float32, natural log); a token with no valid slot gets
-    out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "fused"
-    (last program merges, one launch) or "separate" (a second small kernel).
+    out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "separate" (a
+    second kernel, parallel over heads and columns; what "auto" takes) or "fused" (the last program of a token
+    merges: one launch, but one program's serial read of every partial).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
@@ -644,8 +645,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if q.device != kv_cache.device or q.device != slots.device:
         raise Glm5labError(f"q, kv_cache and slots must be on one device, got {q.device}, "
                            f"{kv_cache.device}, {slots.device}")
-    if merge not in ("fused", "separate"):
-        raise Glm5labError(f"merge must be 'fused' or 'separate', got {merge!r}")
+    if merge not in ("auto", "fused", "separate"):
+        raise Glm5labError(f"merge must be 'auto', 'fused' or 'separate', got {merge!r}")
+    if merge == "auto":
+        merge = "separate"
     num_slots, kv_row_stride = _kv_rows(kv_cache)
     if num_slots >= 2**31:
         raise Glm5labError(f"cache of {num_slots} slots does not fit int32 slot indices")
@@ -690,8 +693,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     cvt = CVT_ASM if (native and not _interpreting()) else CVT_BITS
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device),
-                                       min_rows=min_rows_per_split(block_h))
+        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device), resident_ctas(block_h))
     num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
     rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
