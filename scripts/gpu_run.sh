@@ -60,7 +60,7 @@ mkdir -p "$stage/results/kernels"
 part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}.csv" \
   --summary "$stage/results/kernels/summary_${KBENCH_TAG:-exp}.csv" ${KERNEL_BENCH_ARGS:-}
 part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_h200.csv"
-part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv"
+part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \

@@ -347,14 +347,17 @@ def test_split_choice_fills_the_program_slots_one_step_a_split_at_least():
     assert choose_num_splits(4, 1, 100, 64, 132) == 1                   # short top-k: no split
 
 
-def test_auto_merge_is_the_column_merge(device):
-    """merge="auto" (the default) gives the same bits as merge="separate" and differs from "fused" only in
-    summation order."""
-    q, cache, slots, ref = make_case(2, 8, 96, 300, torch.float16, "fp16", device)
-    o_auto, l_auto = run_poisoned(q, cache, slots, num_splits=3)
-    o_sep, l_sep = run_poisoned(q, cache, slots, num_splits=3, merge="separate")
-    assert torch.equal(o_auto, o_sep) and torch.equal(l_auto, l_sep)
-    check(o_auto, l_auto, ref, torch.float16)
+def test_auto_merge_is_fused_for_few_splits_and_columns_for_many(device):
+    """merge="auto" (the default) gives the bits of merge="fused" up to FUSED_MERGE_MAX_SPLITS splits and of
+    merge="separate" beyond; the two merges differ only in summation order."""
+    from glm5lab.kernels.sparse_mla import FUSED_MERGE_MAX_SPLITS
+
+    q, cache, slots, ref = make_case(2, 8, 160, 300, torch.float16, "fp16", device)
+    for splits, same in ((FUSED_MERGE_MAX_SPLITS, "fused"), (FUSED_MERGE_MAX_SPLITS + 1, "separate")):
+        o_auto, l_auto = run_poisoned(q, cache, slots, num_splits=splits, _config={"block_n": 16})
+        o_same, l_same = run_poisoned(q, cache, slots, num_splits=splits, merge=same, _config={"block_n": 16})
+        assert torch.equal(o_auto, o_same) and torch.equal(l_auto, l_same), (splits, same)
+        check(o_auto, l_auto, ref, torch.float16)
     with pytest.raises(Glm5labError, match="merge must be"):
         sparse_mla_attention(q, cache, slots, SCALE, merge="serial")
 

@@ -32,14 +32,18 @@ def cases():
     return [(64, 1), (256, 1), (2048, 1), (2048, 8), (2048, 16), (2048, 32), (2048, None)]
 
 
-def sweep_cases(layout: str):
-    """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout."""
+def sweep_cases(layout: str, policy: bool = False):
+    """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout. The first sweep
+    (v6, run 1) chose the split/merge policy; `policy=True` times the chosen default beside itself without the
+    early (PDL) merge launch and beside the fused merge."""
+    if policy:
+        return [(None, "auto", None), (None, "auto", {"pdl": False}), (None, "fused", None)]
     narrow = {"block_n": 16} if layout == "fp8_ds_mla" else {"block_n": 32}
     out = [(splits, merge, None) for splits in (None, 8, 16, 32, 64) for merge in ("fused", "separate")]
     return out + [(splits, "separate", narrow) for splits in (64, 128)]
 
 
-def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64)):
+def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False):
     """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
     import torch
     from tqdm.auto import tqdm
@@ -57,7 +61,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     scale, slots_n, topk = mla_softmax_scale(), 524_288, 2048
     kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
     caches = {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
-    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay)]
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy)]
     rows = []
     for lay, h, t, (splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
         sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
@@ -66,7 +70,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
         calls = [lambda q=q, s=s: sparse_mla_attention(q, caches[lay], s, scale, num_splits=splits, merge=merge,
                                                        _config=cfg) for q, s in sets]
         us = graph_time_us(calls)
-        narrow = f"_N{cfg['block_n']}" if cfg else ""
+        narrow = "".join(f"_{k}{v}" for k, v in (cfg or {}).items()).replace("block_n", "N")
         shape = f"T{t}_H{h}_K{topk}_S{splits if splits else 'auto'}_{merge}{narrow}"
         rows.append({"suite": SUITE, "implementation": "glm5lab", "shape": shape, "dtype": "bf16", "layout": lay,
                      "metric": "time_graph", "value": us, "unit": "us"})
@@ -124,12 +128,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="the small-batch split/merge sweep instead")
+    p.add_argument("--policy", action="store_true", help="with --sweep: the default policy, without PDL, fused")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8], help="with --sweep")
+    p.add_argument("--sweep-heads", type=int, nargs="*", default=[8, 64], help="with --sweep")
     args = p.parse_args(argv)
     from glm5lab.errors import Glm5labError
 
     try:
         if args.sweep:
-            sweep(args.out, command=" ".join(sys.argv))
+            sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+                  policy=args.policy)
         else:
             run(args.out, args.heads, command=" ".join(sys.argv))
     except Glm5labError as exc:

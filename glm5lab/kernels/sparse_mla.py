@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from glm5lab.errors import Glm5labError
@@ -205,8 +206,12 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
-    CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1,
+    CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # programmatic dependent launch (sm90+): the merge kernel may start its launch now; it waits in
+        # gdc_wait until this grid has finished and its stores are visible
+        gdc_launch_dependents()
     pid_h = tl.program_id(0)          # head tile: fastest-varying, so a token's tiles run side by side
     t = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -426,11 +431,15 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 @triton.jit
 def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
-                          MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr):
+                          MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """The separate merge, parallel over columns: program (head tile, token, column block) merges DC of the
     512 output columns of MH heads, reading SC splits' partials in ONE load each round (all in flight at
     once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
-    at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v5, v6)."""
+    at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v6). When one round
+    holds every split, the partials and the lse are loaded together: a single memory round trip."""
+    if PDL:
+        gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
     pid_h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     pid_d = tl.program_id(2)
@@ -438,22 +447,36 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
     hmask = heads < num_heads
     cols = pid_d * DC + tl.arange(0, DC)
     part0 = t * num_splits
-    sidx = tl.arange(0, S_PAD)
-    ls_all = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :],
-                     mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(ls_all, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
-    acc = tl.zeros([MH, DC], tl.float32)
-    for s0 in range(0, num_splits, SC):
-        sc = s0 + tl.arange(0, SC)
-        smask = (sc[:, None] < num_splits) & hmask[None, :]                               # [SC, MH]
-        ls = tl.load(PART_LSE + (part0 + sc[:, None]) * num_heads + heads[None, :], mask=smask,
+    if SC >= S_PAD:
+        sidx = tl.arange(0, S_PAD)
+        smask = (sidx[:, None] < num_splits) & hmask[None, :]                             # [S_PAD, MH]
+        po = PART_O + ((part0 + sidx[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
+        o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")         # [S_PAD, MH, DC]
+        ls = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :], mask=smask,
                      other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(ls - m_safe[None, :])                                                 # [SC, MH]
-        po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
-        o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")         # [SC, MH, DC]
-        acc += tl.sum(w[:, :, None] * o, 0)
+        m = tl.max(ls, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(ls - m_safe[None, :])
+        wsum = tl.sum(w, 0)
+        acc = tl.sum(w[:, :, None] * o, 0)
+    else:
+        sidx = tl.arange(0, S_PAD)
+        ls_all = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :],
+                         mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"),
+                         cache_modifier=".cg")
+        m = tl.max(ls_all, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
+        acc = tl.zeros([MH, DC], tl.float32)
+        for s0 in range(0, num_splits, SC):
+            sc = s0 + tl.arange(0, SC)
+            smask = (sc[:, None] < num_splits) & hmask[None, :]                           # [SC, MH]
+            ls = tl.load(PART_LSE + (part0 + sc[:, None]) * num_heads + heads[None, :], mask=smask,
+                         other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(ls - m_safe[None, :])                                             # [SC, MH]
+            po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
+            o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
+            acc += tl.sum(w[:, :, None] * o, 0)
     empty = wsum == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
     o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
@@ -506,6 +529,14 @@ def _native_e4m3(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (the merge kernel launched while the attention grid still runs, waiting
+    in griddepcontrol.wait): NVIDIA sm_90+, not under the interpreter (which has no inline PTX)."""
+    if _interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -550,6 +581,12 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
         # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
         return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
     return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+# merge="auto": the fused merge (one launch) up to this many splits, the column-parallel kernel beyond (H200,
+# NOTES.md v6: fused 91-95 us vs 97-102 us at 8-16 heads x 128 tokens (2 splits), 68.7 vs 75.8 us at 64 heads x
+# 32 tokens (4 splits); separate 35.9 vs 37.5 us at 8 heads x 32 tokens (8 splits), 2-4x faster at 16-64 splits)
+FUSED_MERGE_MAX_SPLITS = 4
 
 
 def resident_ctas(block_h: int) -> int:
@@ -620,8 +657,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     (block * block_size + offset), -1 = skip, anywhere in the row; slots >= the cache size are skipped too.
     Returns (out [T, H, 512] in q.dtype, lse [T, H] float32, natural log); a token with no valid slot gets
     out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "separate" (a
-    second kernel, parallel over heads and columns; what "auto" takes) or "fused" (the last program of a token
-    merges: one launch, but one program's serial read of every partial).
+    second kernel, parallel over heads and columns, launched early on sm90+), "fused" (the last program of a
+    token merges: one launch, but one program's serial read of every partial) or "auto" (fused up to
+    FUSED_MERGE_MAX_SPLITS splits, separate beyond).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
@@ -647,8 +685,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                            f"{kv_cache.device}, {slots.device}")
     if merge not in ("auto", "fused", "separate"):
         raise Glm5labError(f"merge must be 'auto', 'fused' or 'separate', got {merge!r}")
-    if merge == "auto":
-        merge = "separate"
     num_slots, kv_row_stride = _kv_rows(kv_cache)
     if num_slots >= 2**31:
         raise Glm5labError(f"cache of {num_slots} slots does not fit int32 slot indices")
@@ -698,6 +734,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
+    if merge == "auto":
+        merge = "separate" if num_splits > FUSED_MERGE_MAX_SPLITS else "fused"
+    pdl = split and merge == "separate" and cfg.get("pdl", True) and _has_pdl(q.device)
 
     if split:
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float32, device=q.device)
@@ -710,13 +749,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
-           f16, cvt, cfg.get("maxnreg"))
+           f16, cvt, cfg.get("maxnreg"), pdl)
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words, F16=f16, CVT=cvt, S_PAD=triton.next_power_of_2(num_splits),
+                WORDS=words, F16=f16, CVT=cvt, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
                 num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             break
@@ -729,7 +768,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         mh, dc, sc = merge_tiles(H, num_splits)
         _merge_columns_kernel[(triton.cdiv(H, mh), T, LATENT // dc)](
             part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-            MH=mh, DC=dc, SC=sc, S_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            MH=mh, DC=dc, SC=sc, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}))
     return out, lse
 
 
