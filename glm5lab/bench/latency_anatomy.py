@@ -34,10 +34,10 @@ def cases():
 
 def sweep_cases(layout: str, policy: bool = False):
     """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout. The first sweep
-    (v6, run 1) chose the split/merge policy; `policy=True` times the chosen default beside itself without the
-    early (PDL) merge launch and beside the fused merge."""
+    (v6, run 1) chose the split/merge policy; `policy=True` times the chosen default beside the same with the
+    early (PDL) merge launch and beside the fused merge at the same split count."""
     if policy:
-        return [(None, "auto", None), (None, "auto", {"pdl": False}), (None, "fused", None)]
+        return [(None, "auto", None), (None, "auto", {"pdl": True}), (None, "fused", None)]
     narrow = {"block_n": 16} if layout == "fp8_ds_mla" else {"block_n": 32}
     out = [(splits, merge, None) for splits in (None, 8, 16, 32, 64) for merge in ("fused", "separate")]
     return out + [(splits, "separate", narrow) for splits in (64, 128)]

@@ -657,7 +657,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     (block * block_size + offset), -1 = skip, anywhere in the row; slots >= the cache size are skipped too.
     Returns (out [T, H, 512] in q.dtype, lse [T, H] float32, natural log); a token with no valid slot gets
     out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "separate" (a
-    second kernel, parallel over heads and columns, launched early on sm90+), "fused" (the last program of a
+    second kernel, parallel over heads and columns), "fused" (the last program of a
     token merges: one launch, but one program's serial read of every partial) or "auto" (fused up to
     FUSED_MERGE_MAX_SPLITS splits, separate beyond).
     """
@@ -736,7 +736,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     split = num_splits > 1
     if merge == "auto":
         merge = "separate" if num_splits > FUSED_MERGE_MAX_SPLITS else "fused"
-    pdl = split and merge == "separate" and cfg.get("pdl", True) and _has_pdl(q.device)
+    # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
+    # tokens in fp8 (NOTES.md v6, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
+    pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
 
     if split:
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float32, device=q.device)
