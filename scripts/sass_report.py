@@ -47,6 +47,11 @@ def build(config: dict, sm: int = 90):
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
     consts = {**KERNEL_DEFAULTS, **cfg}
+    for param in kern.params:   # a constexpr left out would be built as a runtime argument (its branches kept)
+        if param.is_constexpr and param.name not in consts:
+            if not param.has_default:
+                raise SystemExit(f"constexpr {param.name} needs a value in --config")
+            consts[param.name] = param.default
     names = list(kern.arg_names)
     unknown = set(consts) - set(names)
     if unknown:
