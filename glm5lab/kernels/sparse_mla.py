@@ -590,8 +590,9 @@ FUSED_MERGE_MAX_SPLITS = 4
 
 
 def resident_ctas(block_h: int) -> int:
-    """CTAs of one tile that run side by side on an SM (sm90 builds: 16/32-head tiles are register-bound at two,
-    the 64-head tiles shared-memory-bound at one). The split count aims at filling every such slot: a program's
+    """CTAs of one tile that run side by side on an SM (sm90 builds: the 4-warp 16/32-head tiles use ~255
+    registers a thread, so two; the 64-head tiles one -- 221 KB of shared memory in bf16, 8 warps x 255
+    registers in fp8). The split count aims at filling every such slot: a program's
     step is a latency chain, so more programs in flight, not fewer longer ones, is what shortens a small batch."""
     return 2 if block_h <= 32 else 1
 
@@ -656,10 +657,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     [blocks, block_size, 656] (layout "fp8_ds_mla"); slots [T, topk] int32 GLOBAL slot indices
     (block * block_size + offset), -1 = skip, anywhere in the row; slots >= the cache size are skipped too.
     Returns (out [T, H, 512] in q.dtype, lse [T, H] float32, natural log); a token with no valid slot gets
-    out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU; merge is "separate" (a
-    second kernel, parallel over heads and columns), "fused" (the last program of a
-    token merges: one launch, but one program's serial read of every partial) or "auto" (fused up to
-    FUSED_MERGE_MAX_SPLITS splits, separate beyond).
+    out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU. merge: "separate" (a
+    second kernel, parallel over heads and output columns), "fused" (the last program of a token merges: one
+    launch, but one program reads every partial in turn) or "auto" (fused up to FUSED_MERGE_MAX_SPLITS splits,
+    separate beyond).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
