@@ -366,6 +366,29 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD: tl.constexpr):
+    """Per head over a token's splits (partials part0 .. part0 + num_splits - 1): the largest log2-sum-exp
+    (0 where every split is empty, so exp2 stays finite) and the total weight sum_s 2^(lse_s - max), every
+    split's lse in ONE load (S_PAD >= num_splits)."""
+    sidx = tl.arange(0, S_PAD)
+    ls_all = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :],
+                     mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(ls_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m_safe, tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
+
+
+@triton.jit
+def _merged_scale_and_lse(m_safe, wsum):
+    """(1 / total weight, natural-log lse) of merged partials; a head with no valid slot in any split gets
+    0 (so out = 0) and lse = -inf."""
+    empty = wsum == 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
+    return inv, lse
+
+
+@triton.jit
 def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num_heads,
                     stride_ot, stride_oh, stride_lt, BLOCK_H: tl.constexpr, S_PAD: tl.constexpr):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); lse = max + log2(sum w) (-> ln).
@@ -373,12 +396,7 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
     lse in one load (S_PAD >= num_splits), and (16-head tiles) split s+1's partial is loaded before split
     s is added."""
     d128 = tl.arange(0, 128)
-    sidx = tl.arange(0, S_PAD)
-    ls_all = tl.load(PART_LSE + (t * num_splits + sidx[:, None]) * num_heads + heads[None, :],
-                     mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(ls_all, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
+    m_safe, wsum = _split_lse_max_and_weight(PART_LSE, t * num_splits, num_splits, num_heads, heads, hmask, S_PAD)
     o0 = tl.zeros([BLOCK_H, 128], tl.float32)
     o1 = tl.zeros([BLOCK_H, 128], tl.float32)
     o2 = tl.zeros([BLOCK_H, 128], tl.float32)
@@ -418,14 +436,12 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
             o1 += w[:, None] * tl.load(pb + 128, mask=hm, other=0.0, cache_modifier=".cg")
             o2 += w[:, None] * tl.load(pb + 256, mask=hm, other=0.0, cache_modifier=".cg")
             o3 += w[:, None] * tl.load(pb + 384, mask=hm, other=0.0, cache_modifier=".cg")
-    empty = wsum == 0.0
-    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    inv, lse = _merged_scale_and_lse(m_safe, wsum)
     o = OUT + t * stride_ot + heads[:, None] * stride_oh + d128[None, :]
     tl.store(o, (o0 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
     tl.store(o + 128, (o1 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
     tl.store(o + 256, (o2 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
     tl.store(o + 384, (o3 * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
-    lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
     tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
 
 
@@ -460,13 +476,7 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
         wsum = tl.sum(w, 0)
         acc = tl.sum(w[:, :, None] * o, 0)
     else:
-        sidx = tl.arange(0, S_PAD)
-        ls_all = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :],
-                         mask=(sidx[:, None] < num_splits) & hmask[None, :], other=float("-inf"),
-                         cache_modifier=".cg")
-        m = tl.max(ls_all, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        wsum = tl.sum(tl.exp2(ls_all - m_safe[None, :]), 0)
+        m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
         acc = tl.zeros([MH, DC], tl.float32)
         for s0 in range(0, num_splits, SC):
             sc = s0 + tl.arange(0, SC)
@@ -477,12 +487,10 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
             po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
             o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
             acc += tl.sum(w[:, :, None] * o, 0)
-    empty = wsum == 0.0
-    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, wsum))
+    inv, lse = _merged_scale_and_lse(m_safe, wsum)
     o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
     tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
     if pid_d == 0:
-        lse = tl.where(empty, float("-inf"), (m_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
         tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
 
 
@@ -518,23 +526,24 @@ def _register_cap(cfg: dict) -> dict:
     return {"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") and not _interpreting() else {}
 
 
+def _nvidia_sm_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """A compiled (not interpreted) launch on an NVIDIA GPU of at least this compute capability."""
+    if _interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= capability
+
+
 def _native_e4m3(device: torch.device) -> bool:
     """Whether Triton's float8e4nv and the PTX e4m3 conversion exist here: NVIDIA sm_89+ (and the interpreter,
     for Triton's cast). SM80/86 and ROCm have neither (Triton 3.6: "type fp8e4nv not supported in this
     architecture"): there fp8_ds_mla runs the "f16" path with the bit-level conversion."""
-    if _interpreting():
-        return True
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _interpreting() or _nvidia_sm_at_least(device, (8, 9))
 
 
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (the merge kernel launched while the attention grid still runs, waiting
     in griddepcontrol.wait): NVIDIA sm_90+, not under the interpreter (which has no inline PTX)."""
-    if _interpreting() or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return _nvidia_sm_at_least(device, (9, 0))
 
 
 def _interpreting() -> bool:
