@@ -43,37 +43,63 @@ def sweep_cases(layout: str, policy: bool = False):
     return out + [(splits, "separate", narrow) for splits in (64, 128)]
 
 
+def _caches(slots_n: int, gen):
+    """A random bf16 cache of slots_n slots (blocks of 64) and its fp8_ds_mla copy, by layout name."""
+    import torch
+
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+
+    kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    return {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
+
+
+def _graph_us(cache, tokens: int, heads: int, topk: int, slots_n: int, n_sets: int, gen, **kw) -> float:
+    """CUDA-graph time of one sparse_mla_attention call over n_sets fresh (bf16 q, random slots) input sets."""
+    import torch
+
+    from glm5lab.bench.kernel_bench import graph_time_us
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    scale = mla_softmax_scale()
+    sets = [(torch.randn(tokens, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
+             torch.randint(0, slots_n, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen))
+            for _ in range(n_sets)]
+    return graph_time_us([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, **kw) for q, s in sets])
+
+
+def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dtype: str = "bf16") -> dict:
+    return {"suite": SUITE, "implementation": implementation, "shape": shape, "dtype": dtype, "layout": layout,
+            "metric": "time_graph", "value": us, "unit": "us"}
+
+
+def _need_gpu(what: str) -> None:
+    import torch
+
+    from glm5lab.errors import Glm5labError
+
+    if not torch.cuda.is_available():
+        raise Glm5labError(f"{what} times CUDA graphs: it needs a GPU")
+
+
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False):
     """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
     import torch
     from tqdm.auto import tqdm
 
-    from glm5lab.bench.kernel_bench import graph_time_us
     from glm5lab.bench.records import append_rows
-    from glm5lab.errors import Glm5labError
-    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import sparse_mla_attention
-    from glm5lab.sparse.reference import mla_softmax_scale
 
-    if not torch.cuda.is_available():
-        raise Glm5labError("the small-batch sweep times CUDA graphs: it needs a GPU")
+    _need_gpu("the small-batch sweep")
     gen = torch.Generator(device="cuda").manual_seed(11)
-    scale, slots_n, topk = mla_softmax_scale(), 524_288, 2048
-    kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
-    caches = {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
+    slots_n, topk = 524_288, 2048
+    caches = _caches(slots_n, gen)
     jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy)]
     rows = []
     for lay, h, t, (splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
-        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
-                for _ in range(32)]
-        calls = [lambda q=q, s=s: sparse_mla_attention(q, caches[lay], s, scale, num_splits=splits, merge=merge,
-                                                       _config=cfg) for q, s in sets]
-        us = graph_time_us(calls)
+        us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=splits, merge=merge, _config=cfg)
         narrow = "".join(f"_{k}{v}" for k, v in (cfg or {}).items()).replace("block_n", "N")
         shape = f"T{t}_H{h}_K{topk}_S{splits if splits else 'auto'}_{merge}{narrow}"
-        rows.append({"suite": SUITE, "implementation": "glm5lab", "shape": shape, "dtype": "bf16", "layout": lay,
-                     "metric": "time_graph", "value": us, "unit": "us"})
+        rows.append(_row(shape, lay, us))
         if verbose:
             tqdm.write(f"  {lay:10s} {shape:36s} {us:7.2f} us")
     append_rows(csv_path, rows, command=command or "latency_anatomy --sweep")
@@ -85,40 +111,26 @@ def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
 
     from glm5lab.bench.kernel_bench import graph_time_us
     from glm5lab.bench.records import append_rows
-    from glm5lab.errors import Glm5labError
-    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import sparse_mla_attention
-    from glm5lab.sparse.reference import mla_softmax_scale
 
-    if not torch.cuda.is_available():
-        raise Glm5labError("the latency anatomy times CUDA graphs: it needs a GPU")
+    _need_gpu("the latency anatomy")
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    scale = mla_softmax_scale()
     rows = []
 
     x = torch.zeros(1, device="cuda")
     empty_us = graph_time_us([lambda: _empty_kernel[(1,)](x)] * 32)
-    rows.append({"suite": SUITE, "implementation": "empty-triton-kernel", "shape": "grid1", "dtype": "-",
-                 "layout": "-", "metric": "time_graph", "value": empty_us, "unit": "us"})
+    rows.append(_row("grid1", "-", empty_us, implementation="empty-triton-kernel", dtype="-"))
     log(f"empty Triton kernel in a graph: {empty_us:.2f} us")
 
     for cache_name, slots_n, n_sets in (("cold", 524_288, 32), ("l2", 4_096, 1)):
-        kv = torch.randn(slots_n // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16)
-        caches = {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
+        caches = _caches(slots_n, gen)
         for layout, cache in caches.items():
             for topk, splits in cases():
-                sets = [(torch.randn(1, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                         torch.randint(0, slots_n, (1, topk), device="cuda", dtype=torch.int32, generator=gen))
-                        for _ in range(n_sets)]
-                calls = [lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, num_splits=splits)
-                         for q, s in sets]
-                us = graph_time_us(calls)
+                us = _graph_us(cache, 1, heads, topk, slots_n, n_sets, gen, num_splits=splits)
                 shape = f"T1_H{heads}_K{topk}_S{splits if splits else 'auto'}_{cache_name}"
-                rows.append({"suite": SUITE, "implementation": "glm5lab", "shape": shape, "dtype": "bf16",
-                             "layout": layout, "metric": "time_graph", "value": us, "unit": "us"})
+                rows.append(_row(shape, layout, us))
                 log(f"  {layout:10s} {shape:28s} {us:7.2f} us")
-        del kv, caches
+        del caches
     append_rows(csv_path, rows, command=command or "latency_anatomy")
     return rows
 
