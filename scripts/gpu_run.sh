@@ -2,7 +2,7 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # ktests kbench kanatomy ksweep: kernel experiments (see 2b)
+#                                           # kgluon ktests kbench kanatomy ksweep: kernel experiments (see 2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without .git: pass the commit it was taken from as GLM5LAB_GIT_SHA=$(git rev-parse --short=12 HEAD)
 # so every result row names it.
@@ -43,7 +43,7 @@ if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
   [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done; fi
 
 # 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
-gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
+gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_sparse_mla_sm90.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
   tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py}
 part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
   --junitxml="$stage/gpu_tests.xml" $gpu_tests
@@ -52,8 +52,11 @@ part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --
 export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
 part bench ${BENCH_S:-380} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-280} \
   --results "$stage/results" --no-progress ${BENCH_PARTS:+--parts $BENCH_PARTS}
-# 2b. kernel experiments only (not in the default parts): the GPU tests of the kernel file, then the kernel
+# 2b. kernel experiments only (not in the default parts): the GPU tests of the Gluon kernel (kgluon) and of the
+# Triton kernel (ktests), then the kernel
 # benchmark with KERNEL_BENCH_ARGS (e.g. "--v5 --no-variants --heads 8 16 64 --tokens 1 8 128 512")
+part kgluon ${KGLUON_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_kgluon.xml" \
+  tests/test_sparse_mla_sm90.py
 part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
   tests/test_sparse_mla_kernel.py ${KTESTS_K:+-k "$KTESTS_K"}
 mkdir -p "$stage/results/kernels"

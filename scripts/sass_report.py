@@ -7,6 +7,8 @@ the cubin. The main loop is the longest backward branch of the SASS.
     PYTHONPATH=. python scripts/sass_report.py --sm 90 \
         --config '{"BLOCK_H": 16, "BLOCK_N": 32, "FP8": true, "F16": true, "CVT": 1, "num_warps": 4}'
     PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
+    PYTHONPATH=. python scripts/sass_report.py --config '{"gluon": true, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2,
+        "SPLIT": false}'                                          # the Gluon fp8 kernel (sparse_mla_sm90)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -38,15 +40,24 @@ ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", 
 
 
 def build(config: dict, sm: int = 90):
-    """Compile _sparse_mla_fwd_kernel for sm_<sm> with the constexprs and options in `config`."""
-    from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
-
+    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, the Gluon fp8 kernel of sparse_mla_sm90) for
+    sm_<sm> with the constexprs and options in `config`."""
     cfg = dict(config)
+    gluon = cfg.pop("gluon", False)
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+
+        from glm5lab.kernels.sparse_mla_sm90 import _sparse_mla_fp8_sm90_kernel as kern
+        cfg.setdefault("FP8", True)          # (not a parameter: it picks the uint8 cache pointer below)
+    else:
+        Source = ASTSource
+        from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
+
     opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
     opts.setdefault("num_warps", 4)
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
-    consts = {**KERNEL_DEFAULTS, **cfg}
+    consts = {**KERNEL_DEFAULTS, **cfg} if not gluon else {k: v for k, v in cfg.items() if k != "FP8"}
     for param in kern.params:   # a constexpr left out would be built as a runtime argument (its branches kept)
         if param.is_constexpr and param.name not in consts:
             if not param.has_default:
@@ -56,10 +67,10 @@ def build(config: dict, sm: int = 90):
     unknown = set(consts) - set(names)
     if unknown:
         raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
-    ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if consts.get("FP8") else f"*{qdt}", **POINTERS}
+    ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if cfg.get("FP8") else f"*{qdt}", **POINTERS}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ALIGNED}
-    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    src = Source(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
 
 

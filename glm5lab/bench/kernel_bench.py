@@ -166,10 +166,11 @@ def _errors(out, lse, ref_out, ref_lse, n):
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
-        fused_merge: bool = False):
+        fused_merge: bool = False, gluon: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
-    the v4 fp8 paths at FP8_V4_SHAPES."""
+    the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon fp8 kernel (sparse_mla_sm90) with 2 and 3 ring stages
+    at <= 16 heads."""
     import os
 
     import pandas as pd
@@ -257,6 +258,10 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 impls.append(("glm5lab", lay, make, True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
+                if gluon and lay == "fp8_ds_mla" and H <= 16:   # NOTES.md v7
+                    for stages in (2, 3):
+                        impls.append((f"glm5lab-gluon-s{stages}", lay,
+                                      functools.partial(make, _config={"impl": "gluon", "stages": stages}), True))
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
                         impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
@@ -418,6 +423,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
+    p.add_argument("--gluon", action="store_true", help="also time the Gluon fp8 kernel (2 and 3 stages, <= 16 heads)")
     args = p.parse_args(argv)
     import torch
 
@@ -428,7 +434,7 @@ def main(argv=None) -> int:
     try:
         df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
                  fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
-                 fused_merge=args.fused_merge)
+                 fused_merge=args.fused_merge, gluon=args.gluon)
     except Glm5labError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

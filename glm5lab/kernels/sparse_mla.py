@@ -720,6 +720,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         slots = slots.contiguous()
 
     cfg = {**default_config(H, fp8, q.device), **(_config or {})}
+    gluon = cfg.get("impl", "triton") == "gluon"
+    if gluon:
+        from glm5lab.kernels import sparse_mla_sm90
+
+        why = sparse_mla_sm90.unavailable_reason(q, fp8, H, _interpreting())
+        if why is not None:
+            raise Glm5labError(why)
+        cfg = {**sparse_mla_sm90.DEFAULT_CONFIG, **(_config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:
@@ -739,13 +747,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     cvt = CVT_ASM if (native and not _interpreting()) else CVT_BITS
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device), resident_ctas(block_h))
+        resident = cfg.get("resident", resident_ctas(block_h) if not gluon or cfg["stages"] <= 2 else 1)
+        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device), resident)
     num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
     rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
-    if merge == "auto":
-        merge = "separate" if num_splits > FUSED_MERGE_MAX_SPLITS else "fused"
+    if merge == "auto" or gluon:   # the Gluon kernel has no fused merge
+        merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon) else "fused"
     # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
     # tokens in fp8 (NOTES.md v6, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
     pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
@@ -762,7 +771,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
            f16, cvt, cfg.get("maxnreg"), pdl)
-    for stages in _stage_ladder(key, cfg["num_stages"]):
+    if gluon:
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split)
+    for stages in ([] if gluon else _stage_ladder(key, cfg["num_stages"])):
         try:
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),

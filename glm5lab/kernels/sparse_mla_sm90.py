@@ -1,0 +1,261 @@
+"""fp8_ds_mla sparse MLA for <= 16 heads in Gluon: the gathers of the next steps are in flight during this step.
+
+Why a second kernel (NOTES.md v6/v7): in the Triton kernel's sm90 build the pipeliner keeps ONE shared buffer per
+gathered chunk and issues the next step's gathers after this step's dots (their addresses come from a slot load in
+the same iteration), so inside a program the step is [wait for DRAM] then [compute], never both -- the fp8 loop sat
+at 0.34 of the memory roofline. Gluon (Triton's explicit-layout dialect) lets us write the pipeline ourselves:
+- a ring of STAGES shared buffers filled by cp.async; step i+STAGES-1's rows are requested at the top of step i,
+  their slot indices were loaded one step earlier still, so a step never waits on an address;
+- each step dequantizes its raw e4m3 rows ONCE into an fp16 tile (one conversion per two values on sm_89+), from
+  which both products read through ldmatrix (Q.K^T without, P.V with the transpose);
+- the scores are moved once into the P operand's layout (every warp then holds the whole [heads, rows] tile): the
+  row max, the softmax and the per-chunk scaling of P need no further exchange between warps.
+Same arithmetic as the Triton kernel's "f16" path (q's latent part scaled per head by a power of two into fp16,
+chunk scales applied to the scores and to P, P.V in fp16 relative to the running largest scale), same outputs and
+partials, so the column merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
+No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES  # noqa: F401  (the row this kernel reads)
+
+ROPE_OFFSET = gl.constexpr(528)   # bytes: 512 e4m3 + 4 float32 scales, then 64 bf16 rope values
+SCALE_OFFSET = gl.constexpr(512)
+
+
+@gluon.jit
+def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Slot indices of rows [n0, n0 + BLOCK_N) of this split in `layout` (-1 past the split's end)."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(SLOTS_ROW + offs, mask=offs < n_end, other=-1)
+
+
+@gluon.jit
+def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
+                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
+    """cp.async the gathered rows' 512 e4m3 bytes, 64 bf16 rope values and 4 scales into one ring slot; rows with
+    slot -1 or past the cache are not read (zero-filled)."""
+    ok = (sl_lat >= 0) & (sl_lat < num_slots)
+    rows = gl.where(ok, sl_lat, 0).to(gl.int64)
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LAT))
+    async_copy.async_copy_global_to_shared(lat_buf, KV + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None])
+    ok = (sl_rope >= 0) & (sl_rope < num_slots)
+    rows = gl.where(ok, sl_rope, 0).to(gl.int64)
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
+    ptr = (KV + rows[:, None] * row_stride + ROPE_OFFSET).to(gl.pointer_type(gl.bfloat16)) + cols[None, :]
+    async_copy.async_copy_global_to_shared(rope_buf, ptr, mask=ok[:, None])
+    ok = (sl_scale >= 0) & (sl_scale < num_slots)
+    rows = gl.where(ok, sl_scale, 0).to(gl.int64)
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
+    ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
+    async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _pow2_into_f16_range(amax):
+    """Per head, the power of two m with amax * m in [2^14, 2^15) (as the Triton kernel's f16 path)."""
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = gl.minimum(gl.maximum(14 - e, -126), 127)
+    m = ((k + 127) << 23).to(gl.float32, bitcast=True)
+    return gl.where(amax > 0, m, 1.0)
+
+
+@gluon.jit
+def _sparse_mla_fp8_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    NW: gl.constexpr = gl.num_warps()
+    # scores [BLOCK_H, BLOCK_N] and outputs [BLOCK_H, 128]: mma.sync tiles, warps side by side along the columns
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    P_ROWS: gl.constexpr = gl.SliceLayout(1, A_OP)          # per head, in the P operand's layout
+    P_COLS: gl.constexpr = gl.SliceLayout(0, A_OP)          # per gathered row, in the P operand's layout
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    O_COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    # copies: 16 bytes a thread for the latent bytes and rope, 4 for the scales
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])       # [BLOCK_N, 512] uint8
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [BLOCK_N, 64] bf16
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])     # [4, BLOCK_N] float32 (chunk, row)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])         # q chunks [BLOCK_H, 128]
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    # (a [STAGES, ...] buffer takes the layout of one stage)
+    SWZ2: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    gl.static_assert(BLOCK_N % (8 * NW) == 0, "BLOCK_N must be a multiple of 8 x num_warps (scale copies)")
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    # ---- q: latent part scaled per head into fp16 range (exact: a power of two), rope part as is (bf16)
+    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SWZ2)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SWZ2)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
+                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
+    q_mul = _pow2_into_f16_range(amax)
+    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
+    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
+    q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
+
+    # ---- the ring of gathered rows, and the fp16 tile each step's rows are dequantized into
+    lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SWZ2)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
+    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)      # the same bytes by stage
+    kv16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, 512], SWZ2)
+
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):
+        n0 = n_start + j * BLOCK_N
+        _request_rows(KV, kv_row_stride, num_slots,
+                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
+                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
+                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L)),
+                      lat_ring.index(j), rope_ring.index(j), scale_stages.index(j), LAT, ROPE_L, SCALE_L)
+    n_ahead = n_start + (STAGES - 1) * BLOCK_N
+    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
+    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+    nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=A_OP)
+    r_i = 1.1754943508222875e-38          # running largest chunk scale (P.V in fp16 relative to it)
+    acc0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc2 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    zero_qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
+
+    for i in range(num_steps):
+        # request step i + STAGES - 1 (its slots arrived one step ago) into the slot step i - 1 used
+        nxt = (i + STAGES - 1) % STAGES
+        gl.thread_barrier()               # every warp is done with step i - 1's buffers
+        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale,
+                      lat_ring.index(nxt), rope_ring.index(nxt), scale_stages.index(nxt), LAT, ROPE_L, SCALE_L)
+        n_ahead = n_start + (i + STAGES) * BLOCK_N
+        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
+        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+        nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
+
+        b = i % STAGES
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        raw = lat_ring.index(b).load(LAT)
+        kv16.store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        gl.thread_barrier()
+
+        # scores: four fp16 latent products, each times its chunk's scale, then the bf16 rope product
+        s0 = scale_ring.index(4 * b + 0).load(O_COLS)
+        s1 = scale_ring.index(4 * b + 1).load(O_COLS)
+        s2 = scale_ring.index(4 * b + 2).load(O_COLS)
+        s3 = scale_ring.index(4 * b + 3).load(O_COLS)
+        qk = mma_v2(q_lat.index(0).load(A_OP), kv16.slice(0, 128, dim=1).permute((1, 0)).load(B_OP), zero_qk) * s0[None, :]
+        qk += mma_v2(q_lat.index(1).load(A_OP), kv16.slice(128, 128, dim=1).permute((1, 0)).load(B_OP), zero_qk) * s1[None, :]
+        qk += mma_v2(q_lat.index(2).load(A_OP), kv16.slice(256, 128, dim=1).permute((1, 0)).load(B_OP), zero_qk) * s2[None, :]
+        qk += mma_v2(q_lat.index(3).load(A_OP), kv16.slice(384, 128, dim=1).permute((1, 0)).load(B_OP), zero_qk) * s3[None, :]
+        qk = mma_v2(q_rope.load(A_OP), rope_ring.index(b).permute((1, 0)).load(B_OP), qk * q_unscale[:, None])
+
+        # online softmax in the P operand's layout: one exchange between warps a step
+        qk = gl.convert_layout(qk, A_OP)
+        ok = (cur_cols >= 0) & (cur_cols < num_slots)
+        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(qk - m_safe[:, None])
+        l_acc = l_acc * alpha[:, None] + p
+        m_i = m_new
+
+        p0 = scale_ring.index(4 * b + 0).load(P_COLS)
+        p1 = scale_ring.index(4 * b + 1).load(P_COLS)
+        p2 = scale_ring.index(4 * b + 2).load(P_COLS)
+        p3 = scale_ring.index(4 * b + 3).load(P_COLS)
+        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(p0, p1), gl.maximum(p2, p3)), 0))
+        keep = gl.convert_layout(alpha * (r_i / r_new), O_ROWS)[:, None]
+        inv_r = 1.0 / r_new
+        acc0 = mma_v2((p * (p0 * inv_r)[None, :]).to(gl.float16), kv16.slice(0, 128, dim=1).load(B_OP), acc0 * keep)
+        acc1 = mma_v2((p * (p1 * inv_r)[None, :]).to(gl.float16), kv16.slice(128, 128, dim=1).load(B_OP), acc1 * keep)
+        acc2 = mma_v2((p * (p2 * inv_r)[None, :]).to(gl.float16), kv16.slice(256, 128, dim=1).load(B_OP), acc2 * keep)
+        acc3 = mma_v2((p * (p3 * inv_r)[None, :]).to(gl.float16), kv16.slice(384, 128, dim=1).load(B_OP), acc3 * keep)
+        r_i = r_new
+
+    async_copy.wait_group(0)
+    l_i = gl.sum(l_acc, 1)
+    empty = l_i == 0.0
+    inv_l = gl.convert_layout(gl.where(empty, 0.0, r_i / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
+    hm = heads < num_heads
+    dcol = gl.arange(0, 128, layout=O_COLS)
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=P_ROWS)
+    if SPLIT:
+        part = t * num_splits + s
+        po = PART_O + (part * num_heads + heads[:, None]) * 512 + dcol[None, :]
+        gl.store(po, acc0 * inv_l, mask=hm[:, None])
+        gl.store(po + 128, acc1 * inv_l, mask=hm[:, None])
+        gl.store(po + 256, acc2 * inv_l, mask=hm[:, None])
+        gl.store(po + 384, acc3 * inv_l, mask=hm[:, None])
+        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[:, None] * stride_oh + dcol[None, :]
+        gl.store(o, (acc0 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 128, (acc1 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 256, (acc2 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 384, (acc3 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+
+
+# sm90 builds (scripts/sass_report.py --gluon): 16x32 tiles, 4 warps, 242-247 registers, no spill; shared memory
+# 95 KB with 2 stages (two CTAs a SM), 116 KB with 3 (one).
+DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
+
+
+def unavailable_reason(q, fp8: bool, num_heads: int, interpreting: bool) -> str | None:
+    """Why the Gluon kernel cannot run this call (None when it can): fp8_ds_mla, <= 16 heads, bf16 q, a
+    compiled launch on an NVIDIA sm_90 GPU (the only one it was checked on)."""
+    import torch
+
+    if not fp8:
+        return "the Gluon kernel reads fp8_ds_mla caches only"
+    if num_heads > 16:
+        return f"the Gluon kernel runs <= 16 heads, got {num_heads}"
+    if q.dtype != torch.bfloat16:
+        return f"the Gluon kernel takes bf16 q, got {q.dtype}"
+    if interpreting or q.device.type != "cuda" or torch.version.hip is not None:
+        return "the Gluon kernel needs a compiled launch on an NVIDIA GPU (no interpreter runs Gluon)"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon kernel was built and checked for sm_90 (Hopper) only"
+    return None
+
+
+def launch(grid, args, cfg: dict, split: bool) -> None:
+    """One launch of the Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
+    _sparse_mla_fp8_sm90_kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                                      SPLIT=split, num_warps=cfg["num_warps"])

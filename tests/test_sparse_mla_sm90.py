@@ -1,0 +1,146 @@
+"""The Gluon fp8_ds_mla kernel (glm5lab.kernels.sparse_mla_sm90, `_config={"impl": "gluon"}`) against the float64
+reference, under the same tolerances as the Triton kernel (tests/test_sparse_mla_kernel.py's docstring): it runs the
+same fp16-domain arithmetic as the "f16" path. No interpreter runs Gluon, so the numeric tests are GPU tests (the
+H200 run); without a GPU this file checks the refusal and the kernel's sm90 build."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5lab.errors import Glm5labError
+from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla
+from glm5lab.kernels.sparse_mla import sparse_mla_attention
+from glm5lab.sparse.reference import sparse_mla_reference
+from tests.test_sparse_mla_kernel import SCALE, UNIT, _raw_fp8_case, check, make_case, run_poisoned
+
+ROOT = Path(__file__).resolve().parents[1]
+GLUON = {"impl": "gluon"}
+
+
+def test_gluon_kernel_refuses_what_it_does_not_run_with_a_reason(device):
+    q, cache, slots, _ = make_case(2, 8, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
+    if device == "cpu":
+        with pytest.raises(Glm5labError, match="no interpreter runs Gluon"):
+            sparse_mla_attention(q, cache, slots, SCALE, _config=GLUON)
+    with pytest.raises(Glm5labError, match="<= 16 heads"):
+        q17, c17, s17, _ = make_case(1, 17, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
+        sparse_mla_attention(q17, c17, s17, SCALE, _config=GLUON)
+    with pytest.raises(Glm5labError, match="bf16 q"):
+        sparse_mla_attention(q.half(), cache, slots, SCALE, _config=GLUON)
+    qb, cb, sb, _ = make_case(2, 8, 40, 100, torch.bfloat16, "native", device)
+    with pytest.raises(Glm5labError, match="fp8_ds_mla caches only"):
+        sparse_mla_attention(qb, cb, sb, SCALE, _config=GLUON)
+
+
+def _sm90_build(**consts) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cfg = {"gluon": True, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, **consts}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json",
+                           "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert "error" not in line, line["error"]
+    return line["report"]
+
+
+def test_gluon_sm90_build_pipelines_the_gathers_without_spilling():
+    """The properties the H200 numbers rest on (NOTES.md v7): the main loop issues cp.async gathers (LDGSTS) and
+    waits on an earlier group (DEPBAR), converts e4m3 pairs (F2FP), runs mma.sync with ldmatrix operands, no
+    local-memory spill, 4 barriers a step, and two CTAs fit an SM with 2 stages (<= 113 KB of shared memory)."""
+    rep = _sm90_build()
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["LDGSTS"] > 0 and rep["HMMA"] == 68 and rep["LDSM"] > 0 and rep["F2FP"] > 0
+    assert rep["BAR"] <= 4
+    assert rep["smem"] <= 113 * 1024
+
+
+# ------------------------------------------------------------------------------------------------ on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("H", [5, 8, 16])
+@pytest.mark.parametrize("T", [1, 8, 130])
+def test_gpu_gluon_real_shapes(stages, H, T):
+    """Top-k 2048 over 65,536 slots (block 64), bf16 q, default splits (column merge); agrees with the Triton
+    kernel's f16 path within the element bound too."""
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, "stages": stages})
+    check(out, lse, ref, torch.bfloat16)
+    base, _ = run_poisoned(q, cache, slots)
+    assert float((out.float() - base.float()).abs().max()) <= 8 * UNIT[torch.bfloat16] * float(base.float().abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)])
+def test_gpu_gluon_odd_topk_and_forced_splits(topk, splits):
+    """Top-k not a multiple of the 32-row step, a split boundary inside a step, more splits than steps allow."""
+    q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_gluon_every_byte_pattern(stages):
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=16, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, "stages": stages})
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_skipped_rows_are_never_read():
+    """Slots -1 and beyond the cache are not read (zero-filled copies): the row they would fall back to (slot 0)
+    holds NaN bytes and scales, and no valid slot points at it, so a read of it would poison the output."""
+    q, cache, slots, _ = make_case(4, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    slots[slots == 0] = 1
+    flat = cache.view(-1, 656)
+    flat[0, :512] = 0x7F                                                   # e4m3 NaN
+    flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    out, lse = run_poisoned(q, cache, slots, _config=GLUON)
+    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
+                         ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
+def test_gpu_gluon_q_and_scale_ranges(q_mag, scale_range):
+    """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
+    import math
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_slots, T, H, topk = 4096, 3, 8, 512
+    cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
+    cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
+    lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
+    cache[:, 512:528] = torch.exp(lo + (hi - lo) * torch.rand(num_slots, 4, generator=g)).contiguous().view(torch.uint8)
+    cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    q = (torch.randn(T, H, 576, generator=g) * q_mag).to(torch.bfloat16)
+    q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=GLUON)
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_all_invalid_tokens_and_cuda_graph():
+    """Tokens with no valid slot give out 0 / lse -inf; the kernel and its merge replay in a CUDA graph."""
+    q, cache, slots, ref = make_case(5, 16, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    slots[0] = -1
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    out = torch.full((5, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((5, 16), float("nan"), device="cuda")
+    sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=GLUON)     # compile outside capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=GLUON)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
