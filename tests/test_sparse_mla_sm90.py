@@ -98,10 +98,10 @@ def test_gpu_gluon_skipped_rows_are_never_read():
     holds NaN bytes and scales, and no valid slot points at it, so a read of it would poison the output."""
     q, cache, slots, _ = make_case(4, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[slots == 0] = 1
-    flat = cache.view(-1, 656)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    flat = cache.view(-1, 656)                       # poisoned after the reference (which reads row 0 for -1)
     flat[0, :512] = 0x7F                                                   # e4m3 NaN
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
-    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
     out, lse = run_poisoned(q, cache, slots, _config=GLUON)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 

@@ -28,6 +28,13 @@ FP8_V4_ENV = "GLM5LAB_BENCH_FP8_V4"
 FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 
 
+# the Gluon fp8 kernel's tiles timed by --gluon (NOTES.md v7): 32-row steps on 4 warps with 2 ring stages (two CTAs a
+# SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
+GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
+                  ("n64w8", {"block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1})]
+
+
 def fp8_v4_variants(H: int, T: int) -> list:
     """(implementation name, _config) of the NOTES.md v4 fp8 paths timed at (H, T). The "diag" ones are timing
     diagnostics with WRONG results by design (their error columns show it); only at H8 T512."""
@@ -169,7 +176,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         fused_merge: bool = False, gluon: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
-    the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon fp8 kernel (sparse_mla_sm90) with 2 and 3 ring stages
+    the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon fp8 kernel (sparse_mla_sm90) in the GLUON_VARIANTS tiles
     at <= 16 heads."""
     import os
 
@@ -259,9 +266,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 if gluon and lay == "fp8_ds_mla" and H <= 16:   # NOTES.md v7
-                    for stages in (2, 3):
-                        impls.append((f"glm5lab-gluon-s{stages}", lay,
-                                      functools.partial(make, _config={"impl": "gluon", "stages": stages}), True))
+                    for g_name, g_cfg in GLUON_VARIANTS:
+                        impls.append((f"glm5lab-gluon-{g_name}", lay,
+                                      functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
                         impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
@@ -423,7 +430,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
-    p.add_argument("--gluon", action="store_true", help="also time the Gluon fp8 kernel (2 and 3 stages, <= 16 heads)")
+    p.add_argument("--gluon", action="store_true", help="also time the Gluon fp8 kernel (GLUON_VARIANTS, <= 16 heads)")
     args = p.parse_args(argv)
     import torch
 
