@@ -18,6 +18,14 @@ from glm5lab.sparse.reference import sparse_mla_reference
 from tests.test_sparse_mla_kernel import SCALE, UNIT, _raw_fp8_case, check, make_case, run_poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def sparse_mla_default_is_gluon(H: int) -> bool:
+    from glm5lab.kernels.sparse_mla import _gluon_by_default
+
+    q = torch.zeros(1, H, 576, dtype=torch.bfloat16, device="cuda")
+    return (_gluon_by_default(q, True, H, "auto", None) and not _gluon_by_default(q, True, H, "fused", None)
+            and not _gluon_by_default(q, True, H, "auto", {"impl": "triton"}))
 GLUON = {"impl": "gluon"}
 
 
@@ -68,10 +76,12 @@ def test_gluon_sm90_build_pipelines_the_gathers_without_spilling():
 def test_gpu_gluon_real_shapes(stages, H, T):
     """Top-k 2048 over 65,536 slots (block 64), bf16 q, default splits (column merge); agrees with the Triton
     kernel's f16 path within the element bound too."""
+    if stages == 2:   # the configuration sparse_mla_attention picks by itself here
+        assert sparse_mla_default_is_gluon(H)
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots, _config={**GLUON, "stages": stages})
     check(out, lse, ref, torch.bfloat16)
-    base, _ = run_poisoned(q, cache, slots)
+    base, _ = run_poisoned(q, cache, slots, _config={"impl": "triton"})
     assert float((out.float() - base.float()).abs().max()) <= 8 * UNIT[torch.bfloat16] * float(base.float().abs().max())
 
 
@@ -144,3 +154,21 @@ def test_gpu_gluon_all_invalid_tokens_and_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+def test_unknown_impl_is_a_clear_error(device):
+    q, cache, slots, _ = make_case(1, 8, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
+    with pytest.raises(Glm5labError, match="unknown kernel impl 'cuda'"):
+        sparse_mla_attention(q, cache, slots, SCALE, _config={"impl": "cuda"})
+
+
+def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
+    """Where the Gluon kernel cannot run (here: no GPU, or the interpreter) the default is the Triton kernel, so an
+    fp8 call with 8 heads and bf16 q just works."""
+    from glm5lab.kernels.sparse_mla import _gluon_by_default
+
+    q, cache, slots, ref = make_case(2, 8, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
+    if device == "cpu":
+        assert not _gluon_by_default(q, True, 8, "auto", None)
+    out, lse = run_poisoned(q, cache, slots)
+    check(out, lse, ref, torch.bfloat16)

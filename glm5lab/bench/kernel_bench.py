@@ -188,7 +188,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import (_num_sms, choose_num_splits, default_config, resident_ctas,
+    from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config, resident_ctas,
                                             sparse_mla_attention, sparse_mla_flops, sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
@@ -263,6 +263,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             for lay, cache in caches.items():
                 make = functools.partial(call, cache=cache)
                 impls.append(("glm5lab", lay, make, True))
+                if cuda and _gluon_by_default(q, lay == "fp8_ds_mla", H, "auto", None):
+                    # "glm5lab" runs the Gluon kernel here: the Triton kernel beside it (NOTES.md v7)
+                    impls.append(("glm5lab-triton", lay, functools.partial(make, _config={"impl": "triton"}), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 if gluon and lay == "fp8_ds_mla" and H <= 16:   # NOTES.md v7
