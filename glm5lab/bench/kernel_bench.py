@@ -32,7 +32,10 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
 GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
                   ("n64w8", {"block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1})]
+                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
+                  ("splitk-s2", {"variant": "splitk", "stages": 2}), ("splitk-s3", {"variant": "splitk", "stages": 3}),
+                  ("splitk-s4", {"variant": "splitk", "stages": 4, "resident": 1})]
+GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
 def fp8_v4_variants(H: int, T: int) -> list:
@@ -269,7 +272,10 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 if gluon and lay == "fp8_ds_mla" and H <= 16:   # NOTES.md v7
+                    pick = [x for x in os.environ.get(GLUON_ENV, "").split(",") if x]
                     for g_name, g_cfg in GLUON_VARIANTS:
+                        if pick and g_name not in pick:
+                            continue
                         impls.append((f"glm5lab-gluon-{g_name}", lay,
                                       functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
                 if fp8_v4 and lay == "fp8_ds_mla":

@@ -232,6 +232,169 @@ def _sparse_mla_fp8_sm90_kernel(
         gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
 
 
+
+@gluon.jit
+def _request_rows_by_chunk(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
+                           LAT3: gl.constexpr, ROPE3: gl.constexpr, SCALE_L: gl.constexpr):
+    """_request_rows for the split-K kernel: the ring slot holds the rows chunk by chunk ([4, rows, 128] bytes,
+    [4, rows, 16] rope values, [4, rows] scales), so that warp w finds chunk w (and a quarter of the rope) in one
+    block."""
+    ok = (sl_lat >= 0) & (sl_lat < num_slots)
+    rows = gl.where(ok, sl_lat, 0).to(gl.int64)
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LAT3)))
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LAT3)))
+    ptr = KV + rows[None, :, None] * row_stride + (chunk[:, None, None] * 128 + cols[None, None, :])
+    async_copy.async_copy_global_to_shared(lat_buf, ptr, mask=ok[None, :, None])
+    ok = (sl_rope >= 0) & (sl_rope < num_slots)
+    rows = gl.where(ok, sl_rope, 0).to(gl.int64)
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, ROPE3)))
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, ROPE3)))
+    ptr = ((KV + rows[None, :, None] * row_stride + ROPE_OFFSET).to(gl.pointer_type(gl.bfloat16))
+           + (chunk[:, None, None] * 16 + cols[None, None, :]))
+    async_copy.async_copy_global_to_shared(rope_buf, ptr, mask=ok[None, :, None])
+    ok = (sl_scale >= 0) & (sl_scale < num_slots)
+    rows = gl.where(ok, sl_scale, 0).to(gl.int64)
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
+    ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
+    async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _sparse_mla_fp8_sm90_splitk_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """Warp w owns latent chunk w (and a quarter of the rope): its q chunk stays in registers, it computes the
+    chunk's partial scores over all rows and the chunk's 128 output columns. One sum over the warps a step
+    replaces the first kernel's per-warp reads of the whole q from shared memory (72 KB a 32-row step of the
+    ~220 KB that made it shared-memory bound, ncu: NOTES.md v7)."""
+    gl.static_assert(gl.num_warps() == 4, "one warp per 128-value latent chunk")
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    A3: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
+    B3: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
+    S2: gl.constexpr = gl.SliceLayout(0, MMA3)            # [BLOCK_H, BLOCK_N] scores after the sum over chunks
+    H1: gl.constexpr = gl.SliceLayout(1, S2)              # [BLOCK_H]
+    N1: gl.constexpr = gl.SliceLayout(0, S2)              # [BLOCK_N]
+    CH_N: gl.constexpr = gl.SliceLayout(1, MMA3)          # [4, BLOCK_N]: chunk scales of each row
+    CH: gl.constexpr = gl.SliceLayout(1, CH_N)            # [4]
+    HD: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA3))   # [BLOCK_H] along dim 1 of a 3-D tensor
+    LAT3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [4, 1, 1], [2, 1, 0])      # [4, BLOCK_N, 128] u8
+    ROPE3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [4, 1, 1], [2, 1, 0])     # [4, BLOCK_N, 16] bf16
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1])                # [4, BLOCK_N] f32
+    QL3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])       # q [4, BLOCK_H, 128]
+    PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    SWZ3: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+    ROWS_LAT: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LAT3))
+    ROWS_ROPE: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, ROPE3))
+    ROWS_SCALE: gl.constexpr = gl.SliceLayout(0, SCALE_L)
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    # ---- q: warp w keeps chunk w of every head (fp16, scaled per head by a power of two) and rope columns 16w..
+    qh = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL3)))
+    qc = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL3)))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL3)))
+    q_ptr = Q + t * stride_qt + qh[None, :, None] * stride_qh
+    q_ok = (qh < num_heads)[None, :, None]
+    q3 = gl.load(q_ptr + qc[:, None, None] * 128 + qd[None, None, :], mask=q_ok, other=0.0).to(gl.float32)
+    q_mul = _pow2_into_f16_range(gl.max(gl.max(gl.abs(q3), 2), 0))
+    q3 = gl.convert_layout((q3 * q_mul[None, :, None]).to(gl.float16), A3)
+    q_unscale = gl.convert_layout(1.0 / q_mul, HD)
+    qr3 = gl.load(q_ptr + 512 + qc[:, None, None] * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL3)))[None, None, :],
+                  mask=q_ok, other=0.0)
+    qr3 = gl.convert_layout(qr3, A3)
+
+    lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, BLOCK_N, 128], PLAIN3)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4, BLOCK_N, 16], PLAIN3)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 4, BLOCK_N], PLAIN2)
+    kv16 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, 128], SWZ3)
+
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):
+        n0 = n_start + j * BLOCK_N
+        _request_rows_by_chunk(KV, kv_row_stride, num_slots, _slots(slot_row, n0, n_end, BLOCK_N, ROWS_LAT),
+                               _slots(slot_row, n0, n_end, BLOCK_N, ROWS_ROPE),
+                               _slots(slot_row, n0, n_end, BLOCK_N, ROWS_SCALE),
+                               lat_ring.index(j), rope_ring.index(j), scale_ring.index(j), LAT3, ROPE3, SCALE_L)
+    n_ahead = n_start + (STAGES - 1) * BLOCK_N
+    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_LAT)
+    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_ROPE)
+    nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_SCALE)
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, N1)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H1)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=H1)
+    r_i = gl.full([4], 1.1754943508222875e-38, gl.float32, layout=CH)   # running largest scale of each chunk
+    acc = gl.zeros([4, BLOCK_H, 128], gl.float32, layout=MMA3)
+    zero3 = gl.zeros([4, BLOCK_H, BLOCK_N], gl.float32, layout=MMA3)
+
+    for i in range(num_steps):
+        nxt = (i + STAGES - 1) % STAGES
+        gl.thread_barrier()               # every warp is done with step i - 1's buffers
+        _request_rows_by_chunk(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale,
+                               lat_ring.index(nxt), rope_ring.index(nxt), scale_ring.index(nxt), LAT3, ROPE3, SCALE_L)
+        n_ahead = n_start + (i + STAGES) * BLOCK_N
+        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_LAT)
+        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_ROPE)
+        nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, ROWS_SCALE)
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N1)
+
+        b = i % STAGES
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        raw = lat_ring.index(b).load(LAT3)                               # warp w: chunk w of every row
+        kv16.store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        sc = scale_ring.index(b).load(CH_N)                              # [4, BLOCK_N]
+        gl.thread_barrier()
+
+        # partial scores of each chunk (scaled), plus a quarter of the rope product; summed over the warps
+        qk3 = mma_v2(q3, kv16.permute((0, 2, 1)).load(B3), zero3) * gl.expand_dims(sc, 1)
+        qk3 = mma_v2(qr3, rope_ring.index(b).permute((0, 2, 1)).load(B3), qk3 * q_unscale[None, :, None])
+        qk = gl.sum(qk3, 0)
+        ok = (cur_cols >= 0) & (cur_cols < num_slots)
+        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+
+        r_new = gl.maximum(r_i, gl.max(sc, 1))
+        keep = gl.expand_dims(gl.expand_dims(alpha, 1), 0) * gl.expand_dims(gl.expand_dims(r_i / r_new, 1), 1)
+        p3 = gl.expand_dims(p, 0) * gl.expand_dims(sc / gl.expand_dims(r_new, 1), 1)
+        acc = mma_v2(gl.convert_layout(p3.to(gl.float16), A3), kv16.load(B3), acc * keep)
+        r_i = r_new
+
+    async_copy.wait_group(0)
+    empty = l_i == 0.0
+    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    o = acc * gl.expand_dims(gl.expand_dims(inv_l, 1), 0) * gl.expand_dims(gl.expand_dims(r_i, 1), 1)
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HD)
+    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
+    dcol = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA3)))
+    col = chunk[:, None, None] * 128 + dcol[None, None, :]
+    hm = (heads < num_heads)[None, :, None]
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H1)
+    if SPLIT:
+        part = t * num_splits + s
+        gl.store(PART_O + (part * num_heads + heads[None, :, None]) * 512 + col, o, mask=hm)
+        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
+    else:
+        gl.store(OUT + t * stride_ot + heads[None, :, None] * stride_oh + col, o.to(OUT.dtype.element_ty), mask=hm)
+        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+
 # sm90 builds (scripts/sass_report.py --gluon): 16x32 tiles, 4 warps, 242-247 registers, no spill; shared memory
 # 95 KB with 2 stages (two CTAs a SM), 116 KB with 3 (one).
 DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
@@ -255,7 +418,16 @@ def unavailable_reason(q, fp8: bool, num_heads: int, interpreting: bool) -> str 
     return None
 
 
+VARIANTS = ("rows", "splitk")   # warps split the rows of a step (first kernel) / the latent chunks (split-K)
+
+
 def launch(grid, args, cfg: dict, split: bool) -> None:
     """One launch of the Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    _sparse_mla_fp8_sm90_kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                                      SPLIT=split, num_warps=cfg["num_warps"])
+    variant = cfg.get("variant", "rows")
+    if variant not in VARIANTS:
+        from glm5lab.errors import Glm5labError
+
+        raise Glm5labError(f"unknown Gluon kernel variant {variant!r}; expected one of {VARIANTS}")
+    kernel = _sparse_mla_fp8_sm90_splitk_kernel if variant == "splitk" else _sparse_mla_fp8_sm90_kernel
+    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
+                 num_warps=cfg["num_warps"])
