@@ -40,17 +40,14 @@ ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", 
 
 
 def build(config: dict, sm: int = 90):
-    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true / "splitk", a Gluon fp8 kernel of sparse_mla_sm90) for
+    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, the Gluon fp8 kernel of sparse_mla_sm90) for
     sm_<sm> with the constexprs and options in `config`."""
     cfg = dict(config)
     gluon = cfg.pop("gluon", False)
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
 
-        from glm5lab.kernels import sparse_mla_sm90
-
-        kern = (sparse_mla_sm90._sparse_mla_fp8_sm90_splitk_kernel if gluon == "splitk"
-                else sparse_mla_sm90._sparse_mla_fp8_sm90_kernel)
+        from glm5lab.kernels.sparse_mla_sm90 import _sparse_mla_fp8_sm90_kernel as kern
         cfg.setdefault("FP8", True)          # (not a parameter: it picks the uint8 cache pointer below)
     else:
         Source = ASTSource

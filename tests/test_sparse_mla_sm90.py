@@ -44,10 +44,10 @@ def test_gluon_kernel_refuses_what_it_does_not_run_with_a_reason(device):
         sparse_mla_attention(qb, cb, sb, SCALE, _config=GLUON)
 
 
-def _sm90_build(gluon=True, **consts) -> dict:
+def _sm90_build(**consts) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cfg = {"gluon": gluon, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, **consts}
+    cfg = {"gluon": True, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, **consts}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json",
                            "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -67,19 +67,10 @@ def test_gluon_sm90_build_pipelines_the_gathers_without_spilling():
     assert rep["smem"] <= 113 * 1024
 
 
-def test_gluon_splitk_sm90_build_keeps_q_out_of_shared_memory():
-    """The split-K variant: q stays in registers, so the loop reads half the ldmatrix tiles of the first kernel
-    (34 vs 70 a step: K^T and V only), with 3 ring stages still two CTAs a SM, no spill."""
-    rows, splitk = _sm90_build(), _sm90_build(gluon="splitk", STAGES=3)
-    assert splitk["stack"] == 0 and splitk.get("LDL", 0) == 0 and splitk["HMMA"] == 68
-    assert splitk["LDSM"] * 2 <= rows["LDSM"] + 2
-    assert splitk["smem"] <= 113 * 1024
-
-
 # ------------------------------------------------------------------------------------------------ on the GPU
 
-VARIANT_CFGS = [{"stages": 2}, {"stages": 3}, {"variant": "splitk", "stages": 2}, {"variant": "splitk", "stages": 3}]
-VARIANT_IDS = ["rows-s2", "rows-s3", "splitk-s2", "splitk-s3"]
+VARIANT_CFGS = [{"stages": 2}, {"stages": 3}]
+VARIANT_IDS = ["s2", "s3"]
 
 
 @pytest.mark.gpu
@@ -98,12 +89,11 @@ def test_gpu_gluon_real_shapes(vcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["rows", "splitk"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)])
-def test_gpu_gluon_odd_topk_and_forced_splits(variant, topk, splits):
+def test_gpu_gluon_odd_topk_and_forced_splits(topk, splits):
     """Top-k not a multiple of the 32-row step, a split boundary inside a step, more splits than steps allow."""
     q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, "variant": variant})
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -116,8 +106,7 @@ def test_gpu_gluon_every_byte_pattern(vcfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["rows", "splitk"])
-def test_gpu_gluon_skipped_rows_are_never_read(variant):
+def test_gpu_gluon_skipped_rows_are_never_read():
     """Slots -1 and beyond the cache are not read (zero-filled copies): the row they would fall back to (slot 0)
     holds NaN bytes and scales, and no valid slot points at it, so a read of it would poison the output."""
     q, cache, slots, _ = make_case(4, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
@@ -126,15 +115,14 @@ def test_gpu_gluon_skipped_rows_are_never_read(variant):
     flat = cache.view(-1, 656)                       # poisoned after the reference (which reads row 0 for -1)
     flat[0, :512] = 0x7F                                                   # e4m3 NaN
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, "variant": variant})
+    out, lse = run_poisoned(q, cache, slots, _config=GLUON)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["rows", "splitk"])
 @pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
                          ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
-def test_gpu_gluon_q_and_scale_ranges(variant, q_mag, scale_range):
+def test_gpu_gluon_q_and_scale_ranges(q_mag, scale_range):
     """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
     import math
 
@@ -149,7 +137,7 @@ def test_gpu_gluon_q_and_scale_ranges(variant, q_mag, scale_range):
     q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
     slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
-    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config={**GLUON, "variant": variant})
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=GLUON)
     check(out, lse, ref, torch.bfloat16)
 
 

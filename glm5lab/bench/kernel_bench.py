@@ -32,9 +32,7 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
 GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
                   ("n64w8", {"block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
-                  ("splitk-s2", {"variant": "splitk", "stages": 2}), ("splitk-s3", {"variant": "splitk", "stages": 3}),
-                  ("splitk-s4", {"variant": "splitk", "stages": 4, "resident": 1})]
+                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1})]
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
