@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="{}", help="JSON _config for sparse_mla_attention")
     p.add_argument("--calls", type=int, default=3)
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_one.py needs a CUDA GPU: it is a target for a profiler (ncu)")
     g = torch.Generator(device="cuda").manual_seed(1234)
     kv = torch.randn(a.slots // 64, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
     cache = quantize_fp8_ds_mla(kv) if a.layout == "fp8_ds_mla" else kv
