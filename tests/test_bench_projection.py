@@ -78,6 +78,17 @@ def test_efficiency_lookup_names_each_missing_input():
     assert len(missing) == 1 and "gemm" in missing[0].lower()
 
 
+def test_attention_efficiency_is_the_portable_kernels_when_the_run_has_both():
+    """On an H200 "glm5lab" fp8 rows are the Hopper-only Gluon kernel; a Blackwell projection must read the Triton
+    kernel's rows ("glm5lab-triton") of the same run when they exist, and "glm5lab" otherwise."""
+    df = _measured(eff_att=0.42)
+    eff, _ = projection.efficiencies(df, 32, 16384)
+    assert eff["attention"] == pytest.approx(0.42)
+    triton = df[df.implementation == "glm5lab"].assign(implementation="glm5lab-triton", value=0.34)
+    eff, _ = projection.efficiencies(pd.concat([df, triton]), 32, 16384)
+    assert eff["attention"] == pytest.approx(0.34)
+
+
 def test_projection_plot_marks_projected_values(projections, tmp_path):
     _, meas = projections
     rows = pd.DataFrame(projection.projection_rows(meas))

@@ -150,8 +150,11 @@ def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list
     eff, missing = {}, []
     if df.empty:
         return eff, ["no GPU-measured rows found (run `glm5lab bench --suite full` on a GPU)"]
-    att = df[(df.metric == "roofline_fraction") & (df.implementation == "glm5lab") & (df.layout == "fp8_ds_mla")
-             & df["shape"].astype(str).str.startswith("H8_")]
+    att = df[(df.metric == "roofline_fraction") & (df.layout == "fp8_ds_mla") & df["shape"].astype(str).str.startswith("H8_")
+             & (df.suite == "sparse_mla_kernel")]
+    # Blackwell runs the portable Triton kernel: on an H200 "glm5lab" is the Hopper-only Gluon kernel when a
+    # "glm5lab-triton" row (the Triton kernel, same run) is there (NOTES.md v7)
+    att = att[att.implementation == ("glm5lab-triton" if (att.implementation == "glm5lab-triton").any() else "glm5lab")]
     if not att.empty:
         att = att.assign(T=att["shape"].str.extract(r"_T(\d+)_")[0])
         eff["attention"] = _nearest(att.dropna(subset=["T"]), "T", batch)
