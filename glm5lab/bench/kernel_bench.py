@@ -269,7 +269,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     impls.append(("glm5lab-triton", lay, functools.partial(make, _config={"impl": "triton"}), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
-                if gluon and lay == "fp8_ds_mla" and H <= 16:   # NOTES.md v7
+                if gluon and H <= 16:   # NOTES.md v7
                     pick = [x for x in os.environ.get(GLUON_ENV, "").split(",") if x]
                     for g_name, g_cfg in GLUON_VARIANTS:
                         if pick and g_name not in pick:

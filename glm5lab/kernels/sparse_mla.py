@@ -786,7 +786,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
            f16, cvt, cfg.get("maxnreg"), pdl)
     if gluon:
-        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split)
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8)
     for stages in ([] if gluon else _stage_ladder(key, cfg["num_stages"])):
         try:
             _sparse_mla_fwd_kernel[grid](

@@ -65,6 +65,38 @@ def _pow2_into_f16_range(amax):
     return gl.where(amax > 0, m, 1.0)
 
 
+
+@gluon.jit
+def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, m_i, t, s, pid_h, num_heads,
+                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                  MMA: gl.constexpr, P_ROWS: gl.constexpr):
+    """out = acc * r / l (or the split's normalized partial) and lse; a head with no valid slot gets 0 and -inf.
+    r: the unit the accumulators are kept in (the fp8 kernel's running largest scale; 1 otherwise)."""
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    empty = l_i == 0.0
+    inv_l = gl.convert_layout(gl.where(empty, 0.0, r_i / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
+    hm = heads < num_heads
+    dcol = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=P_ROWS)
+    if SPLIT:
+        part = t * num_splits + s
+        po = PART_O + (part * num_heads + heads[:, None]) * 512 + dcol[None, :]
+        gl.store(po, acc0 * inv_l, mask=hm[:, None])
+        gl.store(po + 128, acc1 * inv_l, mask=hm[:, None])
+        gl.store(po + 256, acc2 * inv_l, mask=hm[:, None])
+        gl.store(po + 384, acc3 * inv_l, mask=hm[:, None])
+        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[:, None] * stride_oh + dcol[None, :]
+        gl.store(o, (acc0 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 128, (acc1 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 256, (acc2 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(o + 384, (acc3 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
+        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+
+
 @gluon.jit
 def _sparse_mla_fp8_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
@@ -207,29 +239,127 @@ def _sparse_mla_fp8_sm90_kernel(
         r_i = r_new
 
     async_copy.wait_group(0)
-    l_i = gl.sum(l_acc, 1)
-    empty = l_i == 0.0
-    inv_l = gl.convert_layout(gl.where(empty, 0.0, r_i / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
-    hm = heads < num_heads
-    dcol = gl.arange(0, 128, layout=O_COLS)
-    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=P_ROWS)
-    if SPLIT:
-        part = t * num_splits + s
-        po = PART_O + (part * num_heads + heads[:, None]) * 512 + dcol[None, :]
-        gl.store(po, acc0 * inv_l, mask=hm[:, None])
-        gl.store(po + 128, acc1 * inv_l, mask=hm[:, None])
-        gl.store(po + 256, acc2 * inv_l, mask=hm[:, None])
-        gl.store(po + 384, acc3 * inv_l, mask=hm[:, None])
-        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
-    else:
-        o = OUT + t * stride_ot + heads[:, None] * stride_oh + dcol[None, :]
-        gl.store(o, (acc0 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
-        gl.store(o + 128, (acc1 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
-        gl.store(o + 256, (acc2 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
-        gl.store(o + 384, (acc3 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
-        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+    _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
+                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
+
+
+@gluon.jit
+def _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf,
+                        LAT16: gl.constexpr, ROPE_L: gl.constexpr):
+    """cp.async the gathered bf16/fp16 rows (512 latent + 64 rope values) into one ring slot; rows with slot -1 or
+    past the cache are not read (zero-filled)."""
+    ok = (sl_lat >= 0) & (sl_lat < num_slots)
+    rows = gl.where(ok, sl_lat, 0).to(gl.int64)
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))
+    async_copy.async_copy_global_to_shared(lat_buf, KV + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None])
+    ok = (sl_rope >= 0) & (sl_rope < num_slots)
+    rows = gl.where(ok, sl_rope, 0).to(gl.int64)
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
+    async_copy.async_copy_global_to_shared(rope_buf, KV + rows[:, None] * row_stride + 512 + cols[None, :],
+                                           mask=ok[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _sparse_mla_16bit_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """The same pipeline for bf16/fp16 caches (q in the cache's dtype): no dequantization -- both products read the
+    ring slot itself through ldmatrix -- and no scales; P enters P.V in the input dtype, as in the Triton kernel."""
+    NW: gl.constexpr = gl.num_warps()
+    DT: gl.constexpr = Q.dtype.element_ty
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    P_ROWS: gl.constexpr = gl.SliceLayout(1, A_OP)
+    P_COLS: gl.constexpr = gl.SliceLayout(0, A_OP)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [BLOCK_N, 512], 16-byte copies
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [BLOCK_N, 64]
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+    SWZ2: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    q_lat = gl.allocate_shared_memory(DT, [4, BLOCK_H, 128], SWZ2)
+    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SWZ2)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    for c in gl.static_range(4):
+        q_lat.index(c).store(gl.load(q_rows + c * 128 + d128[None, :], mask=hm_q[:, None], other=0.0))
+    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
+                         other=0.0))
+
+    lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SWZ2)
+    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SWZ2)
+
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):
+        n0 = n_start + j * BLOCK_N
+        _request_rows_16bit(KV, kv_row_stride, num_slots, _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT16)),
+                            _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
+                            lat_ring.index(j), rope_ring.index(j), LAT16, ROPE_L)
+    n_ahead = n_start + (STAGES - 1) * BLOCK_N
+    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT16))
+    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=A_OP)
+    acc0 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc1 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc2 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+    acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
+
+    for i in range(num_steps):
+        nxt = (i + STAGES - 1) % STAGES
+        gl.thread_barrier()               # every warp is done with step i - 1's ring slot
+        _request_rows_16bit(KV, kv_row_stride, num_slots, nx_lat, nx_rope, lat_ring.index(nxt), rope_ring.index(nxt),
+                            LAT16, ROPE_L)
+        n_ahead = n_start + (i + STAGES) * BLOCK_N
+        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT16))
+        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
+
+        b = i % STAGES
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        kv = lat_ring.index(b)
+        qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
+        for c in gl.static_range(4):
+            qk = mma_v2(q_lat.index(c).load(A_OP), kv.slice(c * 128, 128, dim=1).permute((1, 0)).load(B_OP), qk)
+        qk = mma_v2(q_rope.load(A_OP), rope_ring.index(b).permute((1, 0)).load(B_OP), qk)
+
+        qk = gl.convert_layout(qk, A_OP)
+        ok = (cur_cols >= 0) & (cur_cols < num_slots)
+        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(qk - m_safe[:, None])
+        l_acc = l_acc * alpha[:, None] + p
+        m_i = m_new
+        keep = gl.convert_layout(alpha, O_ROWS)[:, None]
+        pv = p.to(DT)
+        acc0 = mma_v2(pv, kv.slice(0, 128, dim=1).load(B_OP), acc0 * keep)
+        acc1 = mma_v2(pv, kv.slice(128, 128, dim=1).load(B_OP), acc1 * keep)
+        acc2 = mma_v2(pv, kv.slice(256, 128, dim=1).load(B_OP), acc2 * keep)
+        acc3 = mma_v2(pv, kv.slice(384, 128, dim=1).load(B_OP), acc3 * keep)
+
+    async_copy.wait_group(0)
+    _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), 1.0, m_i, t, s, pid_h,
+                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps, 242-247 registers,
@@ -239,16 +369,15 @@ DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4,
 
 
 def unavailable_reason(q, fp8: bool, num_heads: int, interpreting: bool) -> str | None:
-    """Why the Gluon kernel cannot run this call (None when it can): fp8_ds_mla, <= 16 heads, bf16 q, a
-    compiled launch on an NVIDIA sm_90 GPU (the only one it was checked on)."""
+    """Why the Gluon kernels cannot run this call (None when they can): <= 16 heads, bf16 q with an fp8_ds_mla
+    cache (bf16/fp16 caches: q of the cache's dtype, checked by the caller), a compiled launch on an NVIDIA sm_90
+    GPU (the only one they were checked on)."""
     import torch
 
-    if not fp8:
-        return "the Gluon kernel reads fp8_ds_mla caches only"
     if num_heads > 16:
         return f"the Gluon kernel runs <= 16 heads, got {num_heads}"
-    if q.dtype != torch.bfloat16:
-        return f"the Gluon kernel takes bf16 q, got {q.dtype}"
+    if fp8 and q.dtype != torch.bfloat16:
+        return f"the Gluon fp8_ds_mla kernel takes bf16 q, got {q.dtype}"
     if interpreting or q.device.type != "cuda" or torch.version.hip is not None:
         return "the Gluon kernel needs a compiled launch on an NVIDIA GPU (no interpreter runs Gluon)"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -256,7 +385,8 @@ def unavailable_reason(q, fp8: bool, num_heads: int, interpreting: bool) -> str 
     return None
 
 
-def launch(grid, args, cfg: dict, split: bool) -> None:
-    """One launch of the Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    _sparse_mla_fp8_sm90_kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                                      SPLIT=split, num_warps=cfg["num_warps"])
+def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
+    """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
+    kernel = _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
+    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
+                 num_warps=cfg["num_warps"])
