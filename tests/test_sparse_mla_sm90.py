@@ -181,7 +181,10 @@ def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_16bit_real_shapes(dtype, H, T):
+    from glm5lab.kernels.sparse_mla import _gluon_by_default
+
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
+    assert _gluon_by_default(q, False, H, "auto", None)          # the default for these calls
     out, lse = run_poisoned(q, cache, slots, _config=GLUON)
     check(out, lse, ref, dtype)
 

@@ -620,10 +620,11 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
 
 
 def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None) -> bool:
-    """The Gluon kernel (sparse_mla_sm90) runs fp8_ds_mla at <= 16 heads with bf16 q on sm_90 unless the call asks
-    for something only the Triton kernel has: a fused merge, or any private Triton tile/path setting in _config
-    (H200, NOTES.md v7: 1.15-1.22x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32, same accuracy)."""
-    if not fp8 or num_heads > 16 or q.dtype != torch.bfloat16 or merge == "fused" or config:
+    """The Gluon kernels (sparse_mla_sm90) run <= 16 heads on sm_90 (fp8_ds_mla with bf16 q; bf16/fp16 caches)
+    unless the call asks for something only the Triton kernel has: a fused merge, or any private Triton tile/path
+    setting in _config. H200, NOTES.md v7: fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32;
+    bf16 1.07-1.18x at 8-512 tokens (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
+    if num_heads > 16 or (fp8 and q.dtype != torch.bfloat16) or merge == "fused" or config:
         return False
     return _nvidia_sm_at_least(q.device, (9, 0)) and torch.cuda.get_device_capability(q.device)[0] == 9
 
@@ -678,9 +679,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU. merge: "separate" (a
     second kernel, parallel over heads and output columns), "fused" (the last program of a token merges: one
     launch, but one program reads every partial in turn) or "auto" (fused up to FUSED_MERGE_MAX_SPLITS splits,
-    separate beyond). On an sm_90 GPU, fp8_ds_mla at <= 16 heads with bf16 q runs the Gluon kernel of
-    glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; always the separate merge) unless merge="fused" or a
-    private _config is given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
+    separate beyond). On an sm_90 GPU, <= 16 heads (fp8_ds_mla with bf16 q, or bf16/fp16 caches) run the Gluon
+    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; always the separate merge) unless
+    merge="fused" or a private _config is given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")

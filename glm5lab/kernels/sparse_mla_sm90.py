@@ -1,4 +1,5 @@
-"""fp8_ds_mla sparse MLA for <= 16 heads in Gluon: the gathers of the next steps are in flight during this step.
+"""Sparse MLA for <= 16 heads in Gluon (fp8_ds_mla, and bf16/fp16 caches): the next steps' gathers are in flight
+during this step.
 
 Why a second kernel (NOTES.md v6/v7): in the Triton kernel's sm90 build the pipeliner keeps ONE shared buffer per
 gathered chunk and issues the next step's gathers after this step's dots (their addresses come from a slot load in
@@ -14,6 +15,8 @@ at 0.34 of the memory roofline. Gluon (Triton's explicit-layout dialect) lets us
 Same arithmetic as the Triton kernel's "f16" path (q's latent part scaled per head by a power of two into fp16,
 chunk scales applied to the scores and to P, P.V in fp16 relative to the running largest scale), same outputs and
 partials, so the column merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
+The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipeline without the dequantization: both
+products read the ring slot itself (H200: 0.87 of the roofline at 8 heads x 128 tokens, the Triton kernel 0.74).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -64,6 +67,22 @@ def _pow2_into_f16_range(amax):
     m = ((k + 127) << 23).to(gl.float32, bitcast=True)
     return gl.where(amax > 0, m, 1.0)
 
+
+
+
+@gluon.jit
+def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP: gl.constexpr):
+    """One step of the online softmax, in the P operand's layout (the one exchange between warps a step: every
+    warp then holds the whole [heads, rows] tile). Returns (p, alpha, new max, l_acc), l kept per column and summed
+    once at the end; slots -1 / past the cache score -inf; exp2 stays finite while a head has seen no valid slot."""
+    qk = gl.convert_layout(qk, A_OP)
+    ok = (slot_cols >= 0) & (slot_cols < num_slots)
+    qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(qk - m_safe[:, None])
+    return p, alpha, m_new, l_acc * alpha[:, None] + p
 
 
 @gluon.jit
@@ -214,16 +233,7 @@ def _sparse_mla_fp8_sm90_kernel(
         qk += mma_v2(q_lat.index(3).load(A_OP), kv16.slice(384, 128, dim=1).permute((1, 0)).load(B_OP), zero_qk) * s3[None, :]
         qk = mma_v2(q_rope.load(A_OP), rope_ring.index(b).permute((1, 0)).load(B_OP), qk * q_unscale[:, None])
 
-        # online softmax in the P operand's layout: one exchange between warps a step
-        qk = gl.convert_layout(qk, A_OP)
-        ok = (cur_cols >= 0) & (cur_cols < num_slots)
-        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(qk - m_safe[:, None])
-        l_acc = l_acc * alpha[:, None] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP)
 
         p0 = scale_ring.index(4 * b + 0).load(P_COLS)
         p1 = scale_ring.index(4 * b + 1).load(P_COLS)
@@ -341,15 +351,7 @@ def _sparse_mla_16bit_sm90_kernel(
             qk = mma_v2(q_lat.index(c).load(A_OP), kv.slice(c * 128, 128, dim=1).permute((1, 0)).load(B_OP), qk)
         qk = mma_v2(q_rope.load(A_OP), rope_ring.index(b).permute((1, 0)).load(B_OP), qk)
 
-        qk = gl.convert_layout(qk, A_OP)
-        ok = (cur_cols >= 0) & (cur_cols < num_slots)
-        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(qk - m_safe[:, None])
-        l_acc = l_acc * alpha[:, None] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP)
         keep = gl.convert_layout(alpha, O_ROWS)[:, None]
         pv = p.to(DT)
         acc0 = mma_v2(pv, kv.slice(0, 128, dim=1).load(B_OP), acc0 * keep)
@@ -362,9 +364,10 @@ def _sparse_mla_16bit_sm90_kernel(
                   num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
 
 
-# sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps, 242-247 registers,
-# no spill; shared memory 95 KB with 2 stages (two CTAs a SM), 116 KB with 3 (one). H200 (NOTES.md v7): 2 stages
-# 1.15-1.23x the Triton kernel at 128-512 tokens; 3 stages (one CTA a SM) and 64-row steps on 8 warps 0.8x.
+# sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
+# 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
+# H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
+# (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
 DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
 
 
