@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.host import cdiv, next_pow2
 
 FP8_MAX = 448.0
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,7 +39,7 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(int(n)))
+    return max(floor, next_pow2(int(n)))
 
 
 def is_fp8_cache(cache: torch.Tensor, head_dim: int) -> bool:
@@ -222,7 +223,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
     if block_n is None:  # keys per program: larger tiles on a GPU amortize the q load
         block_n = 128 if q.is_cuda else 64
-    grid = (T, triton.cdiv(max_len, block_n))
+    grid = (T, cdiv(max_len, block_n))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), kt.stride(1), stride_sb,
@@ -306,7 +307,7 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k: torch.Tens
     if block_m * HP < 16:
         block_m = 16 // HP
     k = k.to(q.dtype) if k.dtype != q.dtype else k
-    grid = (triton.cdiv(T, block_m), triton.cdiv(k.shape[0], block_n))
+    grid = (cdiv(T, block_m), cdiv(k.shape[0], block_n))
     _prefill_logits_kernel[grid](
         q, weights, k, ks, ke, out, T,
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0), max_len,
@@ -514,8 +515,8 @@ def _topk_split(logits, k, lengths, out, block, seg):
     T, C = logits.shape
     dev = logits.device
     if seg is None:   # enough programs to fill the GPU even for one row, at least one BLOCK each
-        seg = max(block, _pow2(triton.cdiv(C * T, 512)))
-    S = max(1, triton.cdiv(C, seg))
+        seg = max(block, _pow2(cdiv(C * T, 512)))
+    S = max(1, cdiv(C, seg))
     hist = torch.zeros((T, 256), dtype=torch.int32, device=dev)
     prefix = torch.zeros((T,), dtype=torch.int64, device=dev)
     above = torch.zeros((T,), dtype=torch.int32, device=dev)

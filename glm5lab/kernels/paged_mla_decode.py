@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.host import cdiv, next_pow2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -191,13 +192,13 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if kv_cache.stride(-1) != 1:
         kv_cache = kv_cache.contiguous()
     rope = width - kv_lora_rank
-    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
-    block_r = max(16, triton.next_power_of_2(rope)) if rope else 16
+    block_l = max(16, next_pow2(kv_lora_rank))
+    block_r = max(16, next_pow2(rope)) if rope else 16
     if block_h is None:
-        block_h = min(64, max(16, triton.next_power_of_2(heads))) if not q.is_cuda else 16
+        block_h = min(64, max(16, next_pow2(heads))) if not q.is_cuda else 16
     if block_n is None:
         block_n = 32 if q.is_cuda else 64
-    head_blocks = triton.cdiv(heads, block_h)
+    head_blocks = cdiv(heads, block_h)
     splits = int(num_splits) if num_splits else _default_splits(rows, head_blocks, max_len)
     if splits < 1:
         raise Glm5labError(f"num_splits must be >= 1, got {num_splits}")

@@ -32,6 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
+from glm5lab.kernels.host import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -497,8 +498,8 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
 def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
     """(MH heads, DC columns, SC splits a round) of the column-parallel merge: at most 8192 fp32 values a
     round (64 registers a thread at 4 warps), the columns narrowed first so that many splits load at once."""
-    mh = min(16, triton.next_power_of_2(num_heads))
-    s_pad = triton.next_power_of_2(max(num_splits, 1))
+    mh = min(16, next_pow2(num_heads))
+    s_pad = next_pow2(max(num_splits, 1))
     dc = max(16, min(128, 8192 // (s_pad * mh)))
     sc = max(1, min(s_pad, 8192 // (mh * dc)))
     return mh, dc, sc
@@ -518,6 +519,7 @@ def _stage_ladder(key, stages: int):
         return [_STAGES[key]]
     return list(range(stages, 0, -1))
 _SM_COUNT: dict = {}
+_CAPABILITY: dict = {}
 
 
 def _register_cap(cfg: dict) -> dict:
@@ -530,7 +532,7 @@ def _nvidia_sm_at_least(device: torch.device, capability: tuple[int, int]) -> bo
     """A compiled (not interpreted) launch on an NVIDIA GPU of at least this compute capability."""
     if _interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return torch.cuda.get_device_capability(device) >= capability
+    return _capability(device) >= capability
 
 
 def _native_e4m3(device: torch.device) -> bool:
@@ -544,6 +546,14 @@ def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (the merge kernel launched while the attention grid still runs, waiting
     in griddepcontrol.wait): NVIDIA sm_90+, not under the interpreter (which has no inline PTX)."""
     return _nvidia_sm_at_least(device, (9, 0))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
 
 
 def _interpreting() -> bool:
@@ -626,7 +636,7 @@ def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, co
     bf16 1.07-1.18x at 8-512 tokens (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
     if num_heads > 16 or (fp8 and q.dtype != torch.bfloat16) or merge == "fused" or config:
         return False
-    return _nvidia_sm_at_least(q.device, (9, 0)) and torch.cuda.get_device_capability(q.device)[0] == 9
+    return _nvidia_sm_at_least(q.device, (9, 0)) and _capability(q.device)[0] == 9
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
@@ -760,13 +770,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                                "fp8_ds_mla through the 'f16' path")
         reload, fp8_diag, words, f16 = False, 0, False, True     # the default tiles, in the fp16 domain
     cvt = CVT_ASM if (native and not _interpreting()) else CVT_BITS
-    head_tiles = triton.cdiv(H, block_h)
+    head_tiles = cdiv(H, block_h)
     if num_splits is None:
         resident = cfg.get("resident", resident_ctas(block_h) if not gluon or cfg["stages"] <= 2 else 1)
         num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device), resident)
-    num_splits = int(max(1, min(num_splits, max(1, triton.cdiv(topk, block_n)))))
-    rows_per_split = triton.cdiv(triton.cdiv(max(topk, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max(topk, 1), rows_per_split))
+    num_splits = int(max(1, min(num_splits, max(1, cdiv(topk, block_n)))))
+    rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
+    num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
     if merge == "auto" or gluon:   # the Gluon kernel has no fused merge
         merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon) else "fused"
@@ -793,7 +803,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             _sparse_mla_fwd_kernel[grid](
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words, F16=f16, CVT=cvt, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl,
+                WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
                 num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             break
@@ -804,9 +814,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                                    "memory even single-buffered; pass _config={'block_n': 16}") from None
     if split and merge == "separate":
         mh, dc, sc = merge_tiles(H, num_splits)
-        _merge_columns_kernel[(triton.cdiv(H, mh), T, LATENT // dc)](
+        _merge_columns_kernel[(cdiv(H, mh), T, LATENT // dc)](
             part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-            MH=mh, DC=dc, SC=sc, S_PAD=triton.next_power_of_2(num_splits), PDL=pdl, num_warps=4,
+            MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
     return out, lse
 
