@@ -199,3 +199,22 @@ def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(topk, splits):
     cache.view(-1, 576)[0] = float("nan")
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+def test_kernel_choice_by_capability_heads_layout_and_call():
+    """Which kernel runs where, without a GPU: Gluon only on sm_90 for <= 16 heads (fp8 with bf16 q, bf16/fp16
+    caches) and only when the call does not ask for a Triton-only feature; Triton everywhere else (SM80/89/100/120,
+    the interpreter)."""
+    from glm5lab.kernels.sparse_mla import kernel_for
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert kernel_for(8, "fp8_ds_mla", bf16, (9, 0)) == "gluon"
+    assert kernel_for(16, "bf16", bf16, (9, 0)) == "gluon" and kernel_for(5, "fp16", fp16, (9, 0)) == "gluon"
+    assert kernel_for(17, "bf16", bf16, (9, 0)) == "triton" and kernel_for(64, "fp8_ds_mla", bf16, (9, 0)) == "triton"
+    assert kernel_for(8, "fp8_ds_mla", fp16, (9, 0)) == "triton"
+    for cap in ((8, 0), (8, 6), (8, 9), (10, 0), (12, 0), None):
+        assert kernel_for(8, "fp8_ds_mla", bf16, cap) == "triton"
+    assert kernel_for(8, "bf16", bf16, (9, 0), merge="fused") == "triton"
+    assert kernel_for(8, "bf16", bf16, (9, 0), config={"block_n": 32}) == "triton"
+    with pytest.raises(Glm5labError, match="unknown KV layout 'fp4'"):
+        kernel_for(8, "fp4", bf16, (9, 0))

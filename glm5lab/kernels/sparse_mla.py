@@ -629,14 +629,27 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
     return int(max(1, min(want, topk // block_n)))
 
 
+def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
+               merge: str = "auto", config: dict | None = None) -> str:
+    """Which kernel sparse_mla_attention runs by itself: "gluon" (glm5lab.kernels.sparse_mla_sm90) or "triton".
+    capability: the NVIDIA GPU's (major, minor), None for no compiled NVIDIA launch (CPU, the interpreter, ROCm).
+    The Gluon kernels take <= 16 heads on sm_90 (fp8_ds_mla with bf16 q; bf16/fp16 caches) unless the call asks for
+    something only the Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200,
+    NOTES.md v7: fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512
+    tokens (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
+    if layout not in LAYOUTS[1:]:
+        raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
+    fp8 = layout == "fp8_ds_mla"
+    if (capability is None or capability[0] != 9 or num_heads > 16 or (fp8 and q_dtype != torch.bfloat16)
+            or merge == "fused" or config):
+        return "triton"
+    return "gluon"
+
+
 def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None) -> bool:
-    """The Gluon kernels (sparse_mla_sm90) run <= 16 heads on sm_90 (fp8_ds_mla with bf16 q; bf16/fp16 caches)
-    unless the call asks for something only the Triton kernel has: a fused merge, or any private Triton tile/path
-    setting in _config. H200, NOTES.md v7: fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32;
-    bf16 1.07-1.18x at 8-512 tokens (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
-    if num_heads > 16 or (fp8 and q.dtype != torch.bfloat16) or merge == "fused" or config:
-        return False
-    return _nvidia_sm_at_least(q.device, (9, 0)) and _capability(q.device)[0] == 9
+    """kernel_for() for this call's device."""
+    cap = _capability(q.device) if _nvidia_sm_at_least(q.device, (0, 0)) else None
+    return kernel_for(num_heads, "fp8_ds_mla" if fp8 else "bf16", q.dtype, cap, merge, config) == "gluon"
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
