@@ -807,24 +807,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag, words,
-           f16, cvt, cfg.get("maxnreg"), pdl)
     if gluon:
         sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8)
-    for stages in ([] if gluon else _stage_ladder(key, cfg["num_stages"])):
-        try:
-            _sparse_mla_fwd_kernel[grid](
-                *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
-                UPCAST=(_interpreting() and q.dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
-                WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
-                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
-            _STAGES[key] = stages
-            break
-        except OutOfResources:
-            # GPUs with ~100 KB of shared memory (SM89, SM120) cannot double-buffer the largest tiles
-            if stages == 1:
-                raise Glm5labError(f"sparse MLA tile {block_h}x{block_n} does not fit this GPU's shared "
-                                   "memory even single-buffered; pass _config={'block_n': 16}") from None
+    else:
+        key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
+               words, f16, cvt, cfg.get("maxnreg"), pdl)
+        _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
+                       f16, cvt, num_splits, pdl)
     if split and merge == "separate":
         mh, dc, sc = merge_tiles(H, num_splits)
         _merge_columns_kernel[(cdiv(H, mh), T, LATENT // dc)](
@@ -832,6 +821,25 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
     return out, lse
+
+
+def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_dtype, reload, fp8_diag, words, f16,
+                   cvt, num_splits, pdl) -> None:
+    """Launch the Triton kernel at the deepest pipeline that fits this GPU's shared memory (remembered per key)."""
+    for stages in _stage_ladder(key, cfg["num_stages"]):
+        try:
+            _sparse_mla_fwd_kernel[grid](
+                *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
+                UPCAST=(_interpreting() and q_dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
+                WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
+                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
+            _STAGES[key] = stages
+            return
+        except OutOfResources:
+            # GPUs with ~100 KB of shared memory (SM89, SM120) cannot double-buffer the largest tiles
+            if stages == 1:
+                raise Glm5labError(f"sparse MLA tile {block_h}x{block_n} does not fit this GPU's shared "
+                                   "memory even single-buffered; pass _config={'block_n': 16}") from None
 
 
 def sparse_mla_flops(num_tokens: int, num_heads: int, topk: int, kv_lora_rank: int = LATENT) -> float:
