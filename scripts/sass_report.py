@@ -40,15 +40,17 @@ ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", 
 
 
 def build(config: dict, sm: int = 90):
-    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, the Gluon fp8 kernel of sparse_mla_sm90) for
-    sm_<sm> with the constexprs and options in `config`."""
+    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, a Gluon kernel of sparse_mla_sm90: the fp8_ds_mla
+    one, or with "FP8": false the bf16/fp16-cache one) for sm_<sm> with the constexprs and options in `config`."""
     cfg = dict(config)
     gluon = cfg.pop("gluon", False)
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
 
-        from glm5lab.kernels.sparse_mla_sm90 import _sparse_mla_fp8_sm90_kernel as kern
-        cfg.setdefault("FP8", True)          # (not a parameter: it picks the uint8 cache pointer below)
+        from glm5lab.kernels import sparse_mla_sm90
+        cfg.setdefault("FP8", True)          # (not a parameter: it picks the kernel and the cache pointer below)
+        kern = (sparse_mla_sm90._sparse_mla_fp8_sm90_kernel if cfg["FP8"]
+                else sparse_mla_sm90._sparse_mla_16bit_sm90_kernel)
     else:
         Source = ASTSource
         from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern

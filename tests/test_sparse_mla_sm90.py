@@ -64,6 +64,15 @@ def test_gluon_sm90_build_pipelines_the_gathers_without_spilling():
     assert rep["smem"] <= 113 * 1024
 
 
+def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
+    """The bf16-cache kernel: no dequantization (no e4m3 conversion, 8 F2FP at most: P's packing), both products
+    through ldmatrix, cp.async in the loop, no spill, <= 3 barriers a step, two CTAs a SM."""
+    rep = _sm90_build(FP8=False)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HMMA"] == 68 and rep["LDSM"] > 0
+    assert rep["LDGSTS"] > 0 and rep.get("F2FP", 0) <= 8 and rep["BAR"] <= 3
+    assert rep["smem"] <= 113 * 1024
+
+
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 VARIANT_CFGS = [{"stages": 2}, {"stages": 3}]
