@@ -25,6 +25,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
+
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
 SCALE_OFFSET = gl.constexpr(512)
@@ -38,36 +40,29 @@ def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDTH: gl.constexpr, DT: gl.constexpr,
+               L: gl.constexpr):
+    """cp.async WIDTH values of type DT starting OFFSET cache elements into each gathered row, into buf [rows,
+    WIDTH]; rows with slot -1 or past the cache are not read (zero-filled)."""
+    ok = (slots >= 0) & (slots < num_slots)
+    rows = gl.where(ok, slots, 0).to(gl.int64)
+    cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+    ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
+    async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
+
+
+@gluon.jit
 def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
                   LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
-    """cp.async the gathered rows' 512 e4m3 bytes, 64 bf16 rope values and 4 scales into one ring slot; rows with
-    slot -1 or past the cache are not read (zero-filled)."""
-    ok = (sl_lat >= 0) & (sl_lat < num_slots)
-    rows = gl.where(ok, sl_lat, 0).to(gl.int64)
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LAT))
-    async_copy.async_copy_global_to_shared(lat_buf, KV + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None])
-    ok = (sl_rope >= 0) & (sl_rope < num_slots)
-    rows = gl.where(ok, sl_rope, 0).to(gl.int64)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
-    ptr = (KV + rows[:, None] * row_stride + ROPE_OFFSET).to(gl.pointer_type(gl.bfloat16)) + cols[None, :]
-    async_copy.async_copy_global_to_shared(rope_buf, ptr, mask=ok[:, None])
+    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales."""
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
+    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L)
     ok = (sl_scale >= 0) & (sl_scale < num_slots)
     rows = gl.where(ok, sl_scale, 0).to(gl.int64)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _pow2_into_f16_range(amax):
-    """Per head, the power of two m with amax * m in [2^14, 2^15) (as the Triton kernel's f16 path)."""
-    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = gl.minimum(gl.maximum(14 - e, -126), 127)
-    m = ((k + 127) << 23).to(gl.float32, bitcast=True)
-    return gl.where(amax > 0, m, 1.0)
-
-
 
 
 @gluon.jit
@@ -256,17 +251,10 @@ def _sparse_mla_fp8_sm90_kernel(
 @gluon.jit
 def _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf,
                         LAT16: gl.constexpr, ROPE_L: gl.constexpr):
-    """cp.async the gathered bf16/fp16 rows (512 latent + 64 rope values) into one ring slot; rows with slot -1 or
-    past the cache are not read (zero-filled)."""
-    ok = (sl_lat >= 0) & (sl_lat < num_slots)
-    rows = gl.where(ok, sl_lat, 0).to(gl.int64)
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))
-    async_copy.async_copy_global_to_shared(lat_buf, KV + rows[:, None] * row_stride + cols[None, :], mask=ok[:, None])
-    ok = (sl_rope >= 0) & (sl_rope < num_slots)
-    rows = gl.where(ok, sl_rope, 0).to(gl.int64)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))
-    async_copy.async_copy_global_to_shared(rope_buf, KV + rows[:, None] * row_stride + 512 + cols[None, :],
-                                           mask=ok[:, None])
+    """One ring slot of bf16/fp16 rows: 512 latent + 64 rope values."""
+    DT: gl.constexpr = KV.dtype.element_ty
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, DT, LAT16)
+    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, 512, 64, DT, ROPE_L)
     async_copy.commit_group()
 
 
