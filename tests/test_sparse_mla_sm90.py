@@ -227,3 +227,15 @@ def test_kernel_choice_by_capability_heads_layout_and_call():
     assert kernel_for(8, "bf16", bf16, (9, 0), config={"block_n": 32}) == "triton"
     with pytest.raises(Glm5labError, match="unknown KV layout 'fp4'"):
         kernel_for(8, "fp4", bf16, (9, 0))
+
+
+def test_gluon_unavailable_names_the_reason():
+    """The one rule behind kernel_for and the refusal of _config={"impl": "gluon"}: each reason in words."""
+    from glm5lab.kernels.sparse_mla import gluon_unavailable
+
+    assert gluon_unavailable(16, True, torch.bfloat16, (9, 0)) is None
+    assert gluon_unavailable(8, False, torch.float16, (9, 0)) is None
+    assert "<= 16 heads, got 64" in gluon_unavailable(64, False, torch.bfloat16, (9, 0))
+    assert "takes bf16 q" in gluon_unavailable(8, True, torch.float16, (9, 0))
+    assert "no interpreter runs Gluon" in gluon_unavailable(8, True, torch.bfloat16, None)
+    assert "sm_90 (Hopper) only" in gluon_unavailable(8, True, torch.bfloat16, (12, 0))

@@ -629,27 +629,45 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
     return int(max(1, min(want, topk // block_n)))
 
 
+def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """Why the Gluon kernels (sparse_mla_sm90) cannot run a call (None when they can): <= 16 heads, bf16 q with an
+    fp8_ds_mla cache (bf16/fp16 caches: q of the cache's dtype, checked by sparse_mla_attention), a compiled launch
+    on an NVIDIA sm_90 GPU -- the only one they were checked on. capability: the GPU's (major, minor), None for no
+    compiled NVIDIA launch (CPU, the interpreter, ROCm)."""
+    if num_heads > 16:
+        return f"the Gluon kernel runs <= 16 heads, got {num_heads}"
+    if fp8 and q_dtype != torch.bfloat16:
+        return f"the Gluon fp8_ds_mla kernel takes bf16 q, got {q_dtype}"
+    if capability is None:
+        return "the Gluon kernel needs a compiled launch on an NVIDIA GPU (no interpreter runs Gluon)"
+    if capability[0] != 9:
+        return "the Gluon kernel was built and checked for sm_90 (Hopper) only"
+    return None
+
+
 def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
                merge: str = "auto", config: dict | None = None) -> str:
     """Which kernel sparse_mla_attention runs by itself: "gluon" (glm5lab.kernels.sparse_mla_sm90) or "triton".
-    capability: the NVIDIA GPU's (major, minor), None for no compiled NVIDIA launch (CPU, the interpreter, ROCm).
-    The Gluon kernels take <= 16 heads on sm_90 (fp8_ds_mla with bf16 q; bf16/fp16 caches) unless the call asks for
-    something only the Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200,
-    NOTES.md v7: fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512
-    tokens (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
+    The Gluon kernels wherever they can run (gluon_unavailable), unless the call asks for something only the
+    Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200, NOTES.md v7: fp8
+    1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512 tokens (0.87 of
+    the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
-    fp8 = layout == "fp8_ds_mla"
-    if (capability is None or capability[0] != 9 or num_heads > 16 or (fp8 and q_dtype != torch.bfloat16)
-            or merge == "fused" or config):
+    if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability):
         return "triton"
     return "gluon"
 
 
+def _compiled_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a compiled NVIDIA launch on this device; None otherwise (CPU, interpreter, ROCm)."""
+    return _capability(device) if _nvidia_sm_at_least(device, (0, 0)) else None
+
+
 def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None) -> bool:
     """kernel_for() for this call's device."""
-    cap = _capability(q.device) if _nvidia_sm_at_least(q.device, (0, 0)) else None
-    return kernel_for(num_heads, "fp8_ds_mla" if fp8 else "bf16", q.dtype, cap, merge, config) == "gluon"
+    return kernel_for(num_heads, "fp8_ds_mla" if fp8 else "bf16", q.dtype, _compiled_capability(q.device), merge,
+                      config) == "gluon"
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
@@ -758,13 +776,14 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     impl = cfg.get("impl", "auto")
     if impl not in ("auto", "triton", "gluon"):
         raise Glm5labError(f"unknown kernel impl {impl!r}; expected 'auto', 'triton' or 'gluon'")
+    if impl == "gluon":
+        why = gluon_unavailable(H, fp8, q.dtype, _compiled_capability(q.device))
+        if why is not None:
+            raise Glm5labError(why)
     gluon = impl == "gluon" or (impl == "auto" and _gluon_by_default(q, fp8, H, merge, _config))
     if gluon:
         from glm5lab.kernels import sparse_mla_sm90
 
-        why = sparse_mla_sm90.unavailable_reason(q, fp8, H, _interpreting())
-        if why is not None:
-            raise Glm5labError(why)
         cfg = {**sparse_mla_sm90.DEFAULT_CONFIG, **(_config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")

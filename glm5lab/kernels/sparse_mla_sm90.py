@@ -359,23 +359,6 @@ def _sparse_mla_16bit_sm90_kernel(
 DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
 
 
-def unavailable_reason(q, fp8: bool, num_heads: int, interpreting: bool) -> str | None:
-    """Why the Gluon kernels cannot run this call (None when they can): <= 16 heads, bf16 q with an fp8_ds_mla
-    cache (bf16/fp16 caches: q of the cache's dtype, checked by the caller), a compiled launch on an NVIDIA sm_90
-    GPU (the only one they were checked on)."""
-    import torch
-
-    if num_heads > 16:
-        return f"the Gluon kernel runs <= 16 heads, got {num_heads}"
-    if fp8 and q.dtype != torch.bfloat16:
-        return f"the Gluon fp8_ds_mla kernel takes bf16 q, got {q.dtype}"
-    if interpreting or q.device.type != "cuda" or torch.version.hip is not None:
-        return "the Gluon kernel needs a compiled launch on an NVIDIA GPU (no interpreter runs Gluon)"
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon kernel was built and checked for sm_90 (Hopper) only"
-    return None
-
-
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
     kernel = _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
