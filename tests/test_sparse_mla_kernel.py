@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
+from glm5lab.kernels.host import next_pow2
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
 from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
@@ -101,15 +102,11 @@ def test_column_merge_many_splits(device, H, splits):
     from glm5lab.kernels.sparse_mla import merge_tiles
 
     mh, dc, sc = merge_tiles(H, splits)
-    assert mh * dc * sc <= 8192 and sc <= triton_next_pow2(splits)
+    assert mh * dc * sc <= 8192 and sc <= next_pow2(splits)
     q, cache, slots, ref = make_case(2, H, 16 * splits - 5, 700, torch.bfloat16, "fp8_ds_mla", device)
     out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", num_splits=splits, merge="separate",
                             _config={"block_n": 16})
     check(out, lse, ref, torch.bfloat16)
-
-
-def triton_next_pow2(n):
-    return 1 << (n - 1).bit_length()
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
