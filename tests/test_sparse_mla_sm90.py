@@ -239,3 +239,14 @@ def test_gluon_unavailable_names_the_reason():
     assert "takes bf16 q" in gluon_unavailable(8, True, torch.float16, (9, 0))
     assert "no interpreter runs Gluon" in gluon_unavailable(8, True, torch.bfloat16, None)
     assert "sm_90 (Hopper) only" in gluon_unavailable(8, True, torch.bfloat16, (12, 0))
+
+
+def test_kernel_bench_gluon_variants_by_name():
+    """GLM5LAB_BENCH_GLUON picks the benchmark's Gluon tiles by name (all when empty); a wrong name is a clear
+    error, not a silently shorter run."""
+    from glm5lab.bench import kernel_bench
+
+    assert kernel_bench.gluon_variants("") == kernel_bench.GLUON_VARIANTS
+    assert [n for n, _ in kernel_bench.gluon_variants("n64w8, s3")] == ["n64w8", "s3"]
+    with pytest.raises(Glm5labError, match=r"unknown Gluon variant\(s\) \['s9'\]"):
+        kernel_bench.gluon_variants("s2,s9")

@@ -28,12 +28,24 @@ FP8_V4_ENV = "GLM5LAB_BENCH_FP8_V4"
 FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 
 
-# the Gluon fp8 kernel's tiles timed by --gluon (NOTES.md v7): 32-row steps on 4 warps with 2 ring stages (two CTAs a
-# SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
+# the Gluon kernels' tiles timed by --gluon (NOTES.md v7): 32-row steps on 4 warps with 2 ring stages (the default:
+# two CTAs a SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
 GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
                   ("n64w8", {"block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
                   ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1})]
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
+
+
+def gluon_variants(names: str = "") -> list:
+    """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON), all when empty."""
+    from glm5lab.errors import Glm5labError
+
+    known = dict(GLUON_VARIANTS)
+    pick = [x.strip() for x in names.split(",") if x.strip()]
+    unknown = [x for x in pick if x not in known]
+    if unknown:
+        raise Glm5labError(f"unknown Gluon variant(s) {unknown} in {GLUON_ENV}; expected names from {list(known)}")
+    return [(n, known[n]) for n in pick] if pick else list(GLUON_VARIANTS)
 
 
 def fp8_v4_variants(H: int, T: int) -> list:
@@ -177,8 +189,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         fused_merge: bool = False, gluon: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
-    the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon fp8 kernel (sparse_mla_sm90) in the GLUON_VARIANTS tiles
-    at <= 16 heads."""
+    the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
+    (those named in env GLM5LAB_BENCH_GLUON, default all) at <= 16 heads."""
     import os
 
     import pandas as pd
@@ -203,6 +215,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     if variants is None:
         variants = prof.variants
     tokens = tuple(tokens or prof.tokens)
+    gluon_tiles = gluon_variants(os.environ.get(GLUON_ENV, "")) if gluon else []
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -269,13 +282,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     impls.append(("glm5lab-triton", lay, functools.partial(make, _config={"impl": "triton"}), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
-                if gluon and H <= 16:   # NOTES.md v7
-                    pick = [x for x in os.environ.get(GLUON_ENV, "").split(",") if x]
-                    for g_name, g_cfg in GLUON_VARIANTS:
-                        if pick and g_name not in pick:
-                            continue
-                        impls.append((f"glm5lab-gluon-{g_name}", lay,
-                                      functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
+                for g_name, g_cfg in (gluon_tiles if H <= 16 else []):   # NOTES.md v7
+                    impls.append((f"glm5lab-gluon-{g_name}", lay,
+                                  functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
                 if fp8_v4 and lay == "fp8_ds_mla":
                     for v4_name, v4_cfg in fp8_v4_variants(H, T):
                         impls.append((v4_name, lay, functools.partial(make, _config=v4_cfg), True))
@@ -437,7 +446,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
-    p.add_argument("--gluon", action="store_true", help="also time the Gluon fp8 kernel (GLUON_VARIANTS, <= 16 heads)")
+    p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS, <= 16 heads)")
     args = p.parse_args(argv)
     import torch
 
