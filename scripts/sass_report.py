@@ -8,7 +8,7 @@ the cubin. The main loop is the longest backward branch of the SASS.
         --config '{"BLOCK_H": 16, "BLOCK_N": 32, "FP8": true, "F16": true, "CVT": 1, "num_warps": 4}'
     PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
     PYTHONPATH=. python scripts/sass_report.py --config '{"gluon": true, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2,
-        "SPLIT": false}'                                          # the Gluon fp8 kernel (sparse_mla_sm90)
+        "SPLIT": false}'            # a Gluon kernel of sparse_mla_sm90 (fp8; "FP8": false for bf16/fp16)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
