@@ -56,7 +56,7 @@ part bench ${BENCH_S:-380} python3 -m glm5lab bench --suite full --budget ${BENC
 # Triton kernel (ktests), then the kernel
 # benchmark with KERNEL_BENCH_ARGS (e.g. "--v5 --no-variants --heads 8 16 64 --tokens 1 8 128 512")
 part kgluon ${KGLUON_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_kgluon.xml" \
-  tests/test_sparse_mla_sm90.py
+  tests/test_sparse_mla_sm90.py ${KGLUON_K:+-k "$KGLUON_K"}
 part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
   tests/test_sparse_mla_kernel.py ${KTESTS_K:+-k "$KTESTS_K"}
 mkdir -p "$stage/results/kernels"

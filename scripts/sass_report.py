@@ -8,7 +8,8 @@ the cubin. The main loop is the longest backward branch of the SASS.
         --config '{"BLOCK_H": 16, "BLOCK_N": 32, "FP8": true, "F16": true, "CVT": 1, "num_warps": 4}'
     PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
     PYTHONPATH=. python scripts/sass_report.py --config '{"gluon": true, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2,
-        "SPLIT": false}'            # a Gluon kernel of sparse_mla_sm90 (fp8; "FP8": false for bf16/fp16)
+        "SPLIT": false}'            # a Gluon kernel of sparse_mla_sm90 (fp8; "FP8": false for bf16/fp16;
+                                    # "BLOCK_H": 64 with "num_warps": 8: the wgmma kernel)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -49,8 +50,7 @@ def build(config: dict, sm: int = 90):
 
         from glm5lab.kernels import sparse_mla_sm90
         cfg.setdefault("FP8", True)          # (not a parameter: it picks the kernel and the cache pointer below)
-        kern = (sparse_mla_sm90._sparse_mla_fp8_sm90_kernel if cfg["FP8"]
-                else sparse_mla_sm90._sparse_mla_16bit_sm90_kernel)
+        kern = sparse_mla_sm90.kernel_of(cfg.get("BLOCK_H", 16), cfg["FP8"])
     else:
         Source = ASTSource
         from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
@@ -59,7 +59,8 @@ def build(config: dict, sm: int = 90):
     opts.setdefault("num_warps", 4)
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
-    consts = {**KERNEL_DEFAULTS, **cfg} if not gluon else {k: v for k, v in cfg.items() if k != "FP8"}
+    consts = ({**KERNEL_DEFAULTS, **cfg} if not gluon
+              else {k: v for k, v in cfg.items() if k != "FP8" or "FP8" in kern.arg_names})
     for param in kern.params:   # a constexpr left out would be built as a runtime argument (its branches kept)
         if param.is_constexpr and param.name not in consts:
             if not param.has_default:

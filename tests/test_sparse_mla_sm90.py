@@ -34,9 +34,9 @@ def test_gluon_kernel_refuses_what_it_does_not_run_with_a_reason(device):
     if device == "cpu":
         with pytest.raises(Glm5labError, match="no interpreter runs Gluon"):
             sparse_mla_attention(q, cache, slots, SCALE, _config=GLUON)
-    with pytest.raises(Glm5labError, match="<= 16 heads"):
-        q17, c17, s17, _ = make_case(1, 17, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
-        sparse_mla_attention(q17, c17, s17, SCALE, _config=GLUON)
+    with pytest.raises(Glm5labError, match=r"head count must be 1..128, got 129"):
+        q129, c129, s129, _ = make_case(1, 129, 40, 100, torch.bfloat16, "fp8_ds_mla", device)
+        sparse_mla_attention(q129, c129, s129, SCALE, _config=GLUON)
     with pytest.raises(Glm5labError, match="fp8_ds_mla kernel takes bf16 q"):
         sparse_mla_attention(q.half(), cache, slots, SCALE, _config=GLUON)
 
@@ -235,7 +235,9 @@ def test_gluon_unavailable_names_the_reason():
 
     assert gluon_unavailable(16, True, torch.bfloat16, (9, 0)) is None
     assert gluon_unavailable(8, False, torch.float16, (9, 0)) is None
-    assert "<= 16 heads, got 64" in gluon_unavailable(64, False, torch.bfloat16, (9, 0))
+    assert gluon_unavailable(64, True, torch.bfloat16, (9, 0)) is None
+    assert gluon_unavailable(128, False, torch.float16, (9, 0)) is None
+    assert "<= 128 heads, got 129" in gluon_unavailable(129, False, torch.bfloat16, (9, 0))
     assert "takes bf16 q" in gluon_unavailable(8, True, torch.float16, (9, 0))
     assert "no interpreter runs Gluon" in gluon_unavailable(8, True, torch.bfloat16, None)
     assert "sm_90 (Hopper) only" in gluon_unavailable(8, True, torch.bfloat16, (12, 0))
@@ -250,3 +252,90 @@ def test_kernel_bench_gluon_variants_by_name():
     assert [n for n, _ in kernel_bench.gluon_variants("n64w8, s3")] == ["n64w8", "s3"]
     with pytest.raises(Glm5labError, match=r"unknown Gluon variant\(s\) \['s9'\]"):
         kernel_bench.gluon_variants("s2,s9")
+
+
+# ------------------------------------------------------------- the 64-head wgmma kernel (NOTES.md v8), 17-128 heads
+
+WGMMA = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+def test_gluon_wgmma_sm90_build_feeds_the_tensor_cores_from_shared_memory(fp8):
+    """The 64-head kernel's sm90 build: wgmma (HGMMA: 36 for q.K^T over 576 values, 4 for P.V a 64-row step) and
+    no mma.sync or ldmatrix, cp.async gathers in the loop, no spill, and the ring fits one CTA a SM (<= 227 KB)."""
+    rep = _sm90_build(BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["HGMMA"] == 40 and rep.get("HMMA", 0) == 0 and rep.get("LDSM", 0) == 0
+    assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
+    if fp8:
+        assert rep["F2FP"] > 0      # e4m3 pairs dequantized in the loop
+
+
+def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cfg = {"gluon": True, "BLOCK_H": 64, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, "FP8": True, "num_warps": 8}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json",
+                           "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600)
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert "64 rows" in line["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype", [("fp8_ds_mla", torch.bfloat16), ("native", torch.bfloat16),
+                                          ("native", torch.float16)], ids=["fp8", "bf16", "fp16"])
+@pytest.mark.parametrize("H", [17, 64, 128])
+@pytest.mark.parametrize("T", [1, 8, 130])
+def test_gpu_gluon_wgmma_real_shapes(layout, dtype, H, T):
+    """Top-k 2048 over 65,536 slots, default splits; 17 heads fills a 64-head tile partly, 128 heads takes two."""
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, layout, "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, _config=WGMMA)
+    check(out, lse, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [64, 32])
+@pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
+def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(block_n, topk, splits):
+    """bf16 cache: odd top-k, forced splits, both step sizes; slot 0 (the fallback of -1 / out-of-range slots)
+    holds NaN, so a read of a skipped row would poison the output."""
+    q, cache, slots, _ = make_case(6, 64, topk, 65536, torch.bfloat16, "native", "cuda", block_size=64)
+    slots[slots == 0] = 1
+    ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
+    cache.view(-1, 576)[0] = float("nan")
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**WGMMA, "block_n": block_n})
+    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk,splits", [(1000, 3), (77, 5)])
+def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits):
+    """fp8_ds_mla: every e4m3 byte pattern, and NaN bytes and scales in slot 0 that no valid slot points at."""
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=64, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config=WGMMA)
+    check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, _ = make_case(4, 64, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    slots[slots == 0] = 1
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    flat = cache.view(-1, 656)
+    flat[0, :512] = 0x7F
+    flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=WGMMA)
+    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph():
+    q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    slots[0] = -1
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    out = torch.full((5, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((5, 128), float("nan"), device="cuda")
+    sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=WGMMA)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=WGMMA)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)

@@ -32,7 +32,10 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # two CTAs a SM) or 3 (one); 64-row steps on 8 warps (one CTA a SM)
 GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
                   ("n64w8", {"block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1})]
+                  ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
+                  # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
+                  ("wg64", {"block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}),
+                  ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2})]
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
@@ -184,13 +187,22 @@ def _errors(out, lse, ref_out, ref_lse, n):
     return rel, err_ln, err_log2
 
 
+def gluon_variant_runs(cfg: dict, num_heads: int, layout: str) -> bool:
+    """Whether a GLUON_VARIANTS tile applies: 16-head tiles at <= 16 heads, the 64-head wgmma tiles beyond (its
+    fp8_ds_mla form takes 64-row steps only)."""
+    wide = cfg.get("block_h", 16) == 64
+    if wide != (num_heads > 16):
+        return False
+    return not (wide and layout == "fp8_ds_mla" and cfg["block_n"] != 64)
+
+
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
         fused_merge: bool = False, gluon: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
-    (those named in env GLM5LAB_BENCH_GLUON, default all) at <= 16 heads."""
+    (those named in env GLM5LAB_BENCH_GLUON, default all): 16-head tiles at <= 16 heads, wgmma tiles beyond."""
     import os
 
     import pandas as pd
@@ -282,7 +294,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     impls.append(("glm5lab-triton", lay, functools.partial(make, _config={"impl": "triton"}), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
-                for g_name, g_cfg in (gluon_tiles if H <= 16 else []):   # NOTES.md v7
+                for g_name, g_cfg in gluon_tiles:   # NOTES.md v7, v8
+                    if not gluon_variant_runs(g_cfg, H, lay):
+                        continue
                     impls.append((f"glm5lab-gluon-{g_name}", lay,
                                   functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
                 if fp8_v4 and lay == "fp8_ds_mla":
@@ -446,7 +460,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
-    p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS, <= 16 heads)")
+    p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS)")
     args = p.parse_args(argv)
     import torch
 

@@ -630,12 +630,12 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
 
 
 def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
-    """Why the Gluon kernels (sparse_mla_sm90) cannot run a call (None when they can): <= 16 heads, bf16 q with an
+    """Why the Gluon kernels (sparse_mla_sm90) cannot run a call (None when they can): <= 128 heads, bf16 q with an
     fp8_ds_mla cache (bf16/fp16 caches: q of the cache's dtype, checked by sparse_mla_attention), a compiled launch
     on an NVIDIA sm_90 GPU -- the only one they were checked on. capability: the GPU's (major, minor), None for no
-    compiled NVIDIA launch (CPU, the interpreter, ROCm)."""
-    if num_heads > 16:
-        return f"the Gluon kernel runs <= 16 heads, got {num_heads}"
+    compiled NVIDIA launch (CPU, the interpreter, ROCm). 17-128 heads run the 64-head wgmma kernel."""
+    if num_heads > 128:
+        return f"the Gluon kernels run <= 128 heads, got {num_heads}"
     if fp8 and q_dtype != torch.bfloat16:
         return f"the Gluon fp8_ds_mla kernel takes bf16 q, got {q_dtype}"
     if capability is None:
@@ -643,6 +643,10 @@ def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capabilit
     if capability[0] != 9:
         return "the Gluon kernel was built and checked for sm_90 (Hopper) only"
     return None
+
+
+# the Gluon kernels run by themselves up to this many heads (beyond: only when _config={"impl": "gluon"})
+GLUON_DEFAULT_MAX_HEADS = 16
 
 
 def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
@@ -655,6 +659,8 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
     if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability):
+        return "triton"
+    if num_heads > GLUON_DEFAULT_MAX_HEADS:
         return "triton"
     return "gluon"
 
@@ -784,7 +790,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if gluon:
         from glm5lab.kernels import sparse_mla_sm90
 
-        cfg = {**sparse_mla_sm90.DEFAULT_CONFIG, **(_config or {})}
+        cfg = {**sparse_mla_sm90.default_config(H), **(_config or {})}
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
 
@@ -352,6 +353,154 @@ def _sparse_mla_16bit_sm90_kernel(
                   num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
 
 
+@gluon.jit
+def _sparse_mla_wgmma_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+):
+    """64-head tiles (17-128 heads) on two warpgroups with wgmma: q and the step's rows in 128-byte-swizzled shared
+    memory feed the tensor cores directly (no ldmatrix, no register copy of K/V); S = q.K^T is split by rows
+    between the warpgroups, P (in registers, the one exchange a step) is the A operand of P.V, and O [64, 512] is
+    split by columns. Same ring of cp.async gathers as the 16-head kernels. fp8_ds_mla: each step's e4m3 chunks
+    are dequantized WITH their scale into a bf16 tile (as FlashMLA does; one more bf16 rounding of K/V than the
+    16-head kernel's fp16 domain), then the same bf16 products."""
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
+    DT: gl.constexpr = Q.dtype.element_ty
+    NW: gl.constexpr = gl.num_warps()
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    P_ROWS: gl.constexpr = gl.SliceLayout(1, P_A)          # a warp holds whole rows of P: row reductions in-warp
+    P_COLS: gl.constexpr = gl.SliceLayout(0, P_A)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [rows, 512] 16-bit, 16-byte copies
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [rows, 64] 16-bit
+    LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])     # [4, rows] float32 (chunk, row)
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if FP8:
+        gl.static_assert(BLOCK_N == 8 * NW, "fp8_ds_mla wgmma steps are 64 rows (scale copies)")
+    LAT: gl.constexpr = LAT8 if FP8 else LAT16
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
+    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
+                        mask=(heads_q < num_heads)[:, None], other=0.0))
+    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
+    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
+                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
+                         mask=(heads_r < num_heads)[:, None], other=0.0))
+
+    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
+    if FP8:
+        lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
+        scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
+        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
+    else:
+        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):
+        n0 = n_start + j * BLOCK_N
+        if FP8:
+            _request_rows(KV, kv_row_stride, num_slots, _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
+                          _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
+                          _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L)),
+                          lat_ring.index(j), rope_ring.index(j), scale_stages.index(j), LAT, ROPE_L, SCALE_L)
+        else:
+            _request_rows_16bit(KV, kv_row_stride, num_slots,
+                                _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
+                                _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
+                                lat_ring.index(j), rope_ring.index(j), LAT, ROPE_L)
+    n_ahead = n_start + (STAGES - 1) * BLOCK_N
+    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
+    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+    nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=P_ROWS)
+    acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=O_L)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    for i in range(num_steps):
+        nxt = (i + STAGES - 1) % STAGES
+        gl.thread_barrier()               # every warp is done with step i - 1's ring slot
+        if FP8:
+            _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale,
+                          lat_ring.index(nxt), rope_ring.index(nxt), scale_stages.index(nxt), LAT, ROPE_L, SCALE_L)
+        else:
+            _request_rows_16bit(KV, kv_row_stride, num_slots, nx_lat, nx_rope, lat_ring.index(nxt),
+                                rope_ring.index(nxt), LAT, ROPE_L)
+        n_ahead = n_start + (i + STAGES) * BLOCK_N
+        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
+        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+        nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
+
+        b = i % STAGES
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        if FP8:
+            for c in gl.static_range(4):
+                raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
+                sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
+                val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+                kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
+            gl.thread_barrier()
+            kv = kv_deq
+        else:
+            kv = lat_ring.index(b)
+        fence_async_shared()              # shared-memory writes (cp.async / st.shared) -> wgmma reads
+        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
+
+        qk = gl.convert_layout(qk, P_A)   # the one exchange a step: each warp now holds whole rows
+        ok = (cur_cols >= 0) & (cur_cols < num_slots)
+        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        keep = gl.convert_layout(alpha, O_ROWS)[:, None]
+        acc = warpgroup_mma(p.to(DT), kv, acc * keep)
+
+    async_copy.wait_group(0)
+    empty = l_i == 0.0
+    inv_l = gl.convert_layout(gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
+    hm = (heads < num_heads)[:, None]
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=P_ROWS)
+    if SPLIT:
+        part = t * num_splits + s
+        gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], acc * inv_l, mask=hm)
+        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        gl.store(o, (acc * inv_l).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+
+
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -359,8 +508,23 @@ def _sparse_mla_16bit_sm90_kernel(
 DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
 
 
+WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
+
+
+def default_config(num_heads: int) -> dict:
+    """The Gluon tile of a head count: 16-head mma.sync tiles up to 16 heads, 64-head wgmma tiles beyond."""
+    return dict(DEFAULT_CONFIG if num_heads <= 16 else WGMMA_CONFIG)
+
+
+def kernel_of(block_h: int, fp8: bool):
+    """The Gluon kernel of a head tile and layout."""
+    if block_h == 64:
+        return _sparse_mla_wgmma_sm90_kernel
+    return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
+
+
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    kernel = _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
-    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
-                 num_warps=cfg["num_warps"])
+    extra = {"FP8": fp8} if cfg["block_h"] == 64 else {}
+    kernel_of(cfg["block_h"], fp8)[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+                                         SPLIT=split, num_warps=cfg["num_warps"], **extra)
