@@ -645,22 +645,17 @@ def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capabilit
     return None
 
 
-# the Gluon kernels run by themselves up to this many heads (beyond: only when _config={"impl": "gluon"})
-GLUON_DEFAULT_MAX_HEADS = 16
-
-
 def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
                merge: str = "auto", config: dict | None = None) -> str:
     """Which kernel sparse_mla_attention runs by itself: "gluon" (glm5lab.kernels.sparse_mla_sm90) or "triton".
     The Gluon kernels wherever they can run (gluon_unavailable), unless the call asks for something only the
-    Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200, NOTES.md v7: fp8
-    1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512 tokens (0.87 of
-    the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token."""
+    Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200, NOTES.md v7 (<= 16
+    heads): fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512 tokens
+    (0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token. NOTES.md v8 (64/128 heads, wgmma):
+    bf16 1.35-1.5x at 32-512 tokens, fp8 1.7-1.9x; 1.05-1.25x at 1-8 tokens."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
     if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability):
-        return "triton"
-    if num_heads > GLUON_DEFAULT_MAX_HEADS:
         return "triton"
     return "gluon"
 
@@ -726,8 +721,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU. merge: "separate" (a
     second kernel, parallel over heads and output columns), "fused" (the last program of a token merges: one
     launch, but one program reads every partial in turn) or "auto" (fused up to FUSED_MERGE_MAX_SPLITS splits,
-    separate beyond). On an sm_90 GPU, <= 16 heads (fp8_ds_mla with bf16 q, or bf16/fp16 caches) run the Gluon
-    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; always the separate merge) unless
+    separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs the Gluon
+    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers: mma.sync tiles of 16 heads up to 16 heads,
+    wgmma tiles of 64 beyond; fp8_ds_mla there is read as its bf16 rounding; always the separate merge) unless
     merge="fused" or a private _config is given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:

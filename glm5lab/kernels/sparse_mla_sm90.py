@@ -1,5 +1,5 @@
-"""Sparse MLA for <= 16 heads in Gluon (fp8_ds_mla, and bf16/fp16 caches): the next steps' gathers are in flight
-during this step.
+"""Sparse MLA in Gluon for Hopper (fp8_ds_mla, and bf16/fp16 caches): the next steps' gathers are in flight during
+this step.
 
 Why a second kernel (NOTES.md v6/v7): in the Triton kernel's sm90 build the pipeliner keeps ONE shared buffer per
 gathered chunk and issues the next step's gathers after this step's dots (their addresses come from a slot load in
@@ -17,6 +17,9 @@ chunk scales applied to the scores and to P, P.V in fp16 relative to the running
 partials, so the column merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
 The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipeline without the dequantization: both
 products read the ring slot itself (H200: 0.87 of the roofline at 8 heads x 128 tokens, the Triton kernel 0.74).
+Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on the H200): `_sparse_mla_wgmma_sm90_
+kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
+v8: 1.35-1.9x the Triton kernel at 32-512 tokens, ~0.72x FlashMLA's kernels there).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
