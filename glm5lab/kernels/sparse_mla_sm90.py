@@ -19,7 +19,7 @@ The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipelin
 products read the ring slot itself (H200: 0.87 of the roofline at 8 heads x 128 tokens, the Triton kernel 0.74).
 Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on the H200): `_sparse_mla_wgmma_sm90_
 kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
-v8: 1.35-1.9x the Triton kernel at 32-512 tokens, ~0.72x FlashMLA's kernels there).
+v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
