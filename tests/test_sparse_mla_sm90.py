@@ -153,16 +153,22 @@ def test_gpu_gluon_all_invalid_tokens_and_cuda_graph():
     q, cache, slots, ref = make_case(5, 16, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    out = torch.full((5, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((5, 16), float("nan"), device="cuda")
-    sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=GLUON)     # compile outside capture
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), GLUON)
+
+
+def _check_cuda_graph_replay(q, cache, slots, ref, config):
+    """Compile outside the capture, capture one call into NaN-poisoned outputs, replay, compare with ref."""
+    T, H, _ = q.shape
+    out = torch.full((T, H, 512), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((T, H), float("nan"), device="cuda")
+    sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=config)
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=GLUON)
+        sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=config)
     graph.replay()
     torch.cuda.synchronize()
-    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+    check(out, lse, ref, q.dtype)
 
 
 def test_unknown_impl_is_a_clear_error(device):
@@ -341,14 +347,4 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits):
 def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph():
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
-    ref = _bf16_dequantized_ref(q, cache, slots)
-    out = torch.full((5, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((5, 128), float("nan"), device="cuda")
-    sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=WGMMA)
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sparse_mla_attention(q, cache, slots, SCALE, out=out, lse=lse, _config=WGMMA)
-    graph.replay()
-    torch.cuda.synchronize()
-    check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+    _check_cuda_graph_replay(q, cache, slots, _bf16_dequantized_ref(q, cache, slots), WGMMA)

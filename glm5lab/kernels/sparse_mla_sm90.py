@@ -70,6 +70,44 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
 
 
 @gluon.jit
+def _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf,
+                        LAT16: gl.constexpr, ROPE_L: gl.constexpr):
+    """One ring slot of bf16/fp16 rows: 512 latent + 64 rope values."""
+    DT: gl.constexpr = KV.dtype.element_ty
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, DT, LAT16)
+    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, 512, 64, DT, ROPE_L)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_slots(slot_row, n0, n_end, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
+                SCALE_L: gl.constexpr, FP8: gl.constexpr):
+    """Slot indices of the rows from n0 on in the layouts of the three copies (bf16/fp16: no scale copy, the rope
+    slots stand in)."""
+    sl_lat = _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
+    sl_rope = _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+    if FP8:
+        sl_scale = _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+    else:
+        sl_scale = sl_rope
+    return sl_lat, sl_rope, sl_scale
+
+
+@gluon.jit
+def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, rope_buf, scale_buf,
+                  sl_lat, sl_rope, sl_scale, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
+                  SCALE_L: gl.constexpr, FP8: gl.constexpr):
+    """Request one ring slot's rows (their slot indices were loaded a step earlier), then load the slot indices of
+    the rows from n_next on for the next request: a step never waits on an address. Returns those indices."""
+    if FP8:
+        _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
+                      LAT, ROPE_L, SCALE_L)
+    else:
+        _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf, LAT, ROPE_L)
+    return _ring_slots(slot_row, n_next, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+
+
+@gluon.jit
 def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP: gl.constexpr):
     """One step of the online softmax, in the P operand's layout (the one exchange between warps a step: every
     warp then holds the whole [heads, rows] tile). Returns (p, alpha, new max, l_acc), l kept per column and summed
@@ -179,17 +217,11 @@ def _sparse_mla_fp8_sm90_kernel(
     n_end = gl.minimum(n_start + rows_per_split, topk)
     slot_row = SLOTS + t * stride_st
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for j in gl.static_range(STAGES - 1):
-        n0 = n_start + j * BLOCK_N
-        _request_rows(KV, kv_row_stride, num_slots,
-                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
-                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
-                      _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L)),
-                      lat_ring.index(j), rope_ring.index(j), scale_stages.index(j), LAT, ROPE_L, SCALE_L)
-    n_ahead = n_start + (STAGES - 1) * BLOCK_N
-    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
-    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
-    nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
+            rope_ring.index(j), scale_stages.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -205,12 +237,10 @@ def _sparse_mla_fp8_sm90_kernel(
         # request step i + STAGES - 1 (its slots arrived one step ago) into the slot step i - 1 used
         nxt = (i + STAGES - 1) % STAGES
         gl.thread_barrier()               # every warp is done with step i - 1's buffers
-        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale,
-                      lat_ring.index(nxt), rope_ring.index(nxt), scale_stages.index(nxt), LAT, ROPE_L, SCALE_L)
-        n_ahead = n_start + (i + STAGES) * BLOCK_N
-        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
-        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
-        nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
+            rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L,
+            True)
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
 
@@ -250,16 +280,6 @@ def _sparse_mla_fp8_sm90_kernel(
     async_copy.wait_group(0)
     _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
                   num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
-
-
-@gluon.jit
-def _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf,
-                        LAT16: gl.constexpr, ROPE_L: gl.constexpr):
-    """One ring slot of bf16/fp16 rows: 512 latent + 64 rope values."""
-    DT: gl.constexpr = KV.dtype.element_ty
-    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, DT, LAT16)
-    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, 512, 64, DT, ROPE_L)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -306,14 +326,11 @@ def _sparse_mla_16bit_sm90_kernel(
     n_end = gl.minimum(n_start + rows_per_split, topk)
     slot_row = SLOTS + t * stride_st
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
     for j in gl.static_range(STAGES - 1):
-        n0 = n_start + j * BLOCK_N
-        _request_rows_16bit(KV, kv_row_stride, num_slots, _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT16)),
-                            _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
-                            lat_ring.index(j), rope_ring.index(j), LAT16, ROPE_L)
-    n_ahead = n_start + (STAGES - 1) * BLOCK_N
-    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT16))
-    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
+            rope_ring.index(j), rope_ring.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -326,11 +343,10 @@ def _sparse_mla_16bit_sm90_kernel(
     for i in range(num_steps):
         nxt = (i + STAGES - 1) % STAGES
         gl.thread_barrier()               # every warp is done with step i - 1's ring slot
-        _request_rows_16bit(KV, kv_row_stride, num_slots, nx_lat, nx_rope, lat_ring.index(nxt), rope_ring.index(nxt),
-                            LAT16, ROPE_L)
-        n_ahead = n_start + (i + STAGES) * BLOCK_N
-        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT16))
-        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
+            rope_ring.index(nxt), rope_ring.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L,
+            False)
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
 
@@ -414,27 +430,17 @@ def _sparse_mla_wgmma_sm90_kernel(
         kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
     else:
         lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+        scale_stages = rope_ring          # (no scales in a bf16/fp16 row: never written)
 
     n_start = s * rows_per_split
     n_end = gl.minimum(n_start + rows_per_split, topk)
     slot_row = SLOTS + t * stride_st
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
     for j in gl.static_range(STAGES - 1):
-        n0 = n_start + j * BLOCK_N
-        if FP8:
-            _request_rows(KV, kv_row_stride, num_slots, _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
-                          _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
-                          _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L)),
-                          lat_ring.index(j), rope_ring.index(j), scale_stages.index(j), LAT, ROPE_L, SCALE_L)
-        else:
-            _request_rows_16bit(KV, kv_row_stride, num_slots,
-                                _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, LAT)),
-                                _slots(slot_row, n0, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L)),
-                                lat_ring.index(j), rope_ring.index(j), LAT, ROPE_L)
-    n_ahead = n_start + (STAGES - 1) * BLOCK_N
-    nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
-    nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
-    nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
+            rope_ring.index(j), scale_stages.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -444,16 +450,10 @@ def _sparse_mla_wgmma_sm90_kernel(
     for i in range(num_steps):
         nxt = (i + STAGES - 1) % STAGES
         gl.thread_barrier()               # every warp is done with step i - 1's ring slot
-        if FP8:
-            _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale,
-                          lat_ring.index(nxt), rope_ring.index(nxt), scale_stages.index(nxt), LAT, ROPE_L, SCALE_L)
-        else:
-            _request_rows_16bit(KV, kv_row_stride, num_slots, nx_lat, nx_rope, lat_ring.index(nxt),
-                                rope_ring.index(nxt), LAT, ROPE_L)
-        n_ahead = n_start + (i + STAGES) * BLOCK_N
-        nx_lat = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, LAT))
-        nx_rope = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(1, ROPE_L))
-        nx_scale = _slots(slot_row, n_ahead, n_end, BLOCK_N, gl.SliceLayout(0, SCALE_L))
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
+            rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L,
+            FP8)
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
 
