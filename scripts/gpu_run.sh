@@ -36,6 +36,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -m glm5lab env --json > "$stage/env.json" 2>&1; cat "$stage/env.json"
 echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
 # a notebooks-only run reads the GPU measurements already committed under results/
+# (results of an EARLIER call are seen only once they are committed: the tree travels, gpu-out does not;
+#  notebook 05 alone takes 85-225 s on the H200, hence the 360 s default for the notebooks part)
 mkdir -p "$stage/results"
 # (so does a bench run of some suite parts only: BENCH_PARTS="indexer attention_stack projection plots")
 case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;; *) seed=1 ;; esac
@@ -70,7 +72,7 @@ part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 
   --out "$stage/results/tp/tp_attention_stack.csv"
 # 4. the notebooks on the gpu profile, reading what the suite wrote
 # (01-03 need vLLM or are CPU stories: the device has no vLLM, so the GPU profile runs 04, 05, 05b, 06)
-part notebooks ${NOTEBOOKS_S:-150} python3 -m glm5lab notebooks run --profile gpu --only ${GPU_NOTEBOOKS:-04 05 06} --results "$stage/results" --no-progress
+part notebooks ${NOTEBOOKS_S:-360} python3 -m glm5lab notebooks run --profile gpu --only ${GPU_NOTEBOOKS:-04 05 06} --results "$stage/results" --no-progress
 
 pack
 ls -la "$out"

@@ -348,3 +348,27 @@ def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph():
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     _check_cuda_graph_replay(q, cache, slots, _bf16_dequantized_ref(q, cache, slots), WGMMA)
+
+
+def test_gluon_tiles_by_head_count():
+    """16-head mma.sync tiles up to 16 heads, the 64-head wgmma tile (8 warps, one CTA a SM) beyond; the benchmark's
+    variants follow the same split, and the wgmma kernel's fp8 form is timed with 64-row steps only."""
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, gluon_variant_runs
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+    from glm5lab.kernels.sparse_mla import resident_ctas
+
+    for H in (1, 8, 16):
+        assert sm90.default_config(H)["block_h"] == 16
+        assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
+        assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
+    for H in (17, 64, 128):
+        cfg = sm90.default_config(H)
+        assert (cfg["block_h"], cfg["num_warps"]) == (64, 8) and resident_ctas(cfg["block_h"]) == 1
+    assert sm90.kernel_of(64, True) is sm90.kernel_of(64, False) is sm90._sparse_mla_wgmma_sm90_kernel
+    sm90.default_config(64)["block_n"] = 1                      # a copy: the module default is not changed
+    assert sm90.WGMMA_CONFIG["block_n"] == 64
+    variants = dict(GLUON_VARIANTS)
+    assert gluon_variant_runs(variants["s2"], 8, "fp8_ds_mla") and not gluon_variant_runs(variants["s2"], 64, "bf16")
+    assert gluon_variant_runs(variants["wg64"], 64, "fp8_ds_mla") and not gluon_variant_runs(variants["wg64"], 16, "bf16")
+    assert gluon_variant_runs(variants["wg64n32"], 128, "bf16")
+    assert not gluon_variant_runs(variants["wg64n32"], 128, "fp8_ds_mla")
