@@ -35,7 +35,9 @@ GLUON_VARIANTS = [("s2", {"stages": 2}), ("s3", {"stages": 3}),
                   ("n64w8s3", {"block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
                   ("wg64", {"block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}),
-                  ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2})]
+                  ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2}),
+                  # <= 16 heads, bf16/fp16: the v8 experiment with the gathered rows as the wgmma M
+                  ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
@@ -193,6 +195,8 @@ def gluon_variant_runs(cfg: dict, num_heads: int, layout: str) -> bool:
     wide = cfg.get("block_h", 16) == 64
     if wide != (num_heads > 16):
         return False
+    if cfg.get("rows"):
+        return layout != "fp8_ds_mla"
     return not (wide and layout == "fp8_ds_mla" and cfg["block_n"] != 64)
 
 

@@ -504,6 +504,108 @@ def _sparse_mla_wgmma_sm90_kernel(
         gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
 
 
+@gluon.jit
+def _sparse_mla_rows_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """EXPERIMENT (v8): <= 16 heads of a bf16/fp16 cache with wgmma, the gathered rows as M: S^T = K.q^T and
+    O^T = V^T.P^T, one warpgroup, both products reading the ring slot from shared memory (no ldmatrix), P^T through
+    a small shared tile."""
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    DT: gl.constexpr = Q.dtype.element_ty
+    NW: gl.constexpr = gl.num_warps()
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)      # per head
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)      # per gathered row
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+
+    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
+    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
+                        mask=(heads_q < num_heads)[:, None], other=0.0))
+    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
+    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
+                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
+                         mask=(heads_r < num_heads)[:, None], other=0.0))
+    lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
+    p_t = gl.allocate_shared_memory(DT, [BLOCK_N, BLOCK_H], SMP)
+
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
+    for j in gl.static_range(STAGES - 1):
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
+            rope_ring.index(j), rope_ring.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
+    sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    acc = gl.zeros([512, BLOCK_H], gl.float32, layout=ST_L)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    for i in range(num_steps):
+        nxt = (i + STAGES - 1) % STAGES
+        gl.thread_barrier()               # every warp is done with step i - 1's ring slot and P^T
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
+            rope_ring.index(nxt), rope_ring.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L,
+            False)
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        b = i % STAGES
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        fence_async_shared()
+        kv = lat_ring.index(b)
+        st = warpgroup_mma(kv, q_lat.permute((1, 0)), zero_s)
+        st = warpgroup_mma(rope_ring.index(b), q_rope.permute((1, 0)), st)
+        ok = (cur_rows >= 0) & (cur_rows < num_slots)
+        st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(st - m_safe[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        p_t.store(p.to(DT))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(kv.permute((1, 0)), p_t, acc * alpha[None, :])
+
+    async_copy.wait_group(0)
+    l_i = gl.sum(l_acc, 0)
+    empty = l_i == 0.0
+    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H_COLS)
+    hm = (heads < num_heads)[None, :]
+    dims = gl.arange(0, 512, layout=N_ROWS)
+    if SPLIT:
+        part = t * num_splits + s
+        gl.store(PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None], acc * inv_l[None, :], mask=hm)
+        gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
+        gl.store(o, (acc * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
+
+
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -519,8 +621,10 @@ def default_config(num_heads: int) -> dict:
     return dict(DEFAULT_CONFIG if num_heads <= 16 else WGMMA_CONFIG)
 
 
-def kernel_of(block_h: int, fp8: bool):
-    """The Gluon kernel of a head tile and layout."""
+def kernel_of(block_h: int, fp8: bool, rows: bool = False):
+    """The Gluon kernel of a head tile and layout (rows: the v8 experiment, rows as the wgmma M)."""
+    if rows:
+        return _sparse_mla_rows_sm90_kernel
     if block_h == 64:
         return _sparse_mla_wgmma_sm90_kernel
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
@@ -528,6 +632,9 @@ def kernel_of(block_h: int, fp8: bool):
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    extra = {"FP8": fp8} if cfg["block_h"] == 64 else {}
-    kernel_of(cfg["block_h"], fp8)[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+    if cfg.get("rows") and fp8:
+        from glm5lab.errors import Glm5labError
+        raise Glm5labError("the rows-as-M experiment reads bf16/fp16 caches only")
+    extra = {"FP8": fp8} if cfg["block_h"] == 64 and not cfg.get("rows") else {}
+    kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                                          SPLIT=split, num_warps=cfg["num_warps"], **extra)
