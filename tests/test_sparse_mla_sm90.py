@@ -191,28 +191,34 @@ def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
 
 # ------------------------------------------------------------- the bf16/fp16-cache kernel (NOTES.md v7, run 8)
 
+MMA_SYNC_16BIT = {"impl": "gluon", "rows": False}     # the mma.sync kernel even where the rows kernel is the default
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
-def test_gpu_gluon_16bit_real_shapes(dtype, H, T):
+def test_gpu_gluon_16bit_real_shapes(cfg, dtype, H, T):
+    """Default (the rows-as-M kernel here: <= 132 programs) and the mma.sync kernel forced."""
     from glm5lab.kernels.sparse_mla import _gluon_by_default
 
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
     assert _gluon_by_default(q, False, H, "auto", None)          # the default for these calls
-    out, lse = run_poisoned(q, cache, slots, _config=GLUON)
+    out, lse = run_poisoned(q, cache, slots, _config=cfg)
     check(out, lse, ref, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 64)])
-def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(topk, splits):
+@pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
+def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(cfg, topk, splits):
     """Odd top-k and forced splits; slot 0 (what -1 and out-of-range slots would fall back to) holds NaN."""
     q, cache, slots, _ = make_case(6, 8, topk, 65536, torch.bfloat16, "native", "cuda", block_size=64)
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
@@ -358,7 +364,11 @@ def test_gluon_tiles_by_head_count():
     from glm5lab.kernels.sparse_mla import resident_ctas
 
     for H in (1, 8, 16):
-        assert sm90.default_config(H)["block_h"] == 16
+        assert sm90.default_config(H)["block_h"] == 16 and not sm90.default_config(H).get("rows")
+        assert sm90.default_config(H, False, 132, 132)["rows"] and sm90.default_config(H, False, 8, 132)["rows"]
+        assert not sm90.default_config(H, False, 133, 132).get("rows")          # past one wave: mma.sync
+        assert not sm90.default_config(H, True, 8, 132).get("rows")             # fp8_ds_mla: mma.sync
+        assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
     for H in (17, 64, 128):
@@ -372,6 +382,8 @@ def test_gluon_tiles_by_head_count():
     assert gluon_variant_runs(variants["wg64"], 64, "fp8_ds_mla") and not gluon_variant_runs(variants["wg64"], 16, "bf16")
     assert gluon_variant_runs(variants["wg64n32"], 128, "bf16")
     assert not gluon_variant_runs(variants["wg64n32"], 128, "fp8_ds_mla")
+    assert gluon_variant_runs(variants["rows64"], 8, "bf16") and not gluon_variant_runs(variants["rows64"], 8, "fp8_ds_mla")
+    assert not gluon_variant_runs(variants["rows64"], 64, "bf16")
 
 
 @pytest.mark.gpu
@@ -379,7 +391,7 @@ def test_gluon_tiles_by_head_count():
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_rows_experiment_real_shapes(dtype, H, T):
-    """The v8 experiment (rows as the wgmma M, bf16/fp16 caches) at real shapes, default splits."""
+    """The rows-as-M wgmma kernel (bf16/fp16 caches) forced at real shapes, default splits."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots, _config={"impl": "gluon", "rows": True, "block_n": 64, "resident": 1})
     check(out, lse, ref, dtype)

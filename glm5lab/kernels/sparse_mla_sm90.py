@@ -511,9 +511,10 @@ def _sparse_mla_rows_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
 ):
-    """EXPERIMENT (v8): <= 16 heads of a bf16/fp16 cache with wgmma, the gathered rows as M: S^T = K.q^T and
-    O^T = V^T.P^T, one warpgroup, both products reading the ring slot from shared memory (no ldmatrix), P^T through
-    a small shared tile."""
+    """<= 16 heads of a bf16/fp16 cache with wgmma, the gathered rows as M (a wgmma's M is 64, the heads are
+    only its N): S^T = K.q^T and O^T = V^T.P^T on one warpgroup, both products reading the ring slot straight from
+    shared memory (no ldmatrix, far fewer instructions a row than mma.sync), P^T through a 2 KB shared tile. 64-row
+    steps and 168 KB of shared memory: one CTA a SM, so it wins while the tokens fit one wave (ROWS_CONFIG)."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     DT: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
@@ -616,13 +617,28 @@ DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4,
 WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
 
 
-def default_config(num_heads: int) -> dict:
-    """The Gluon tile of a head count: 16-head mma.sync tiles up to 16 heads, 64-head wgmma tiles beyond."""
-    return dict(DEFAULT_CONFIG if num_heads <= 16 else WGMMA_CONFIG)
+# <= 16 heads of a bf16/fp16 cache when the tokens fill at most one wave of SMs: the rows-as-M wgmma kernel (168 KB
+# of shared memory: one 4-warp CTA a SM). H200, NOTES.md v8 run 8: 8 / 16 heads x 128 tokens 82.9 / 83.8 us against
+# 89.9 / 95.6 for the mma.sync tile (0.87 of the roofline), 1-8 tokens equal or better (16 heads x 1 token 10.1 vs
+# 12.4 us), 32 tokens 2-3% slower; 512 tokens (four waves) 8-10% slower, so those keep the mma.sync tile.
+ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+               "resident": 1}
+
+
+def default_config(num_heads: int, fp8: bool = False, programs: int | None = None,
+                   num_sms: int | None = None) -> dict:
+    """The Gluon tile of a call: 16-head tiles up to 16 heads (rows-as-M wgmma for bf16/fp16 caches when the
+    call's programs -- tokens x head tiles -- fit one wave of num_sms CTAs, mma.sync otherwise), 64-head wgmma
+    tiles beyond."""
+    if num_heads > 16:
+        return dict(WGMMA_CONFIG)
+    if not fp8 and programs is not None and num_sms is not None and programs <= num_sms:
+        return dict(ROWS_CONFIG)
+    return dict(DEFAULT_CONFIG)
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False):
-    """The Gluon kernel of a head tile and layout (rows: the v8 experiment, rows as the wgmma M)."""
+    """The Gluon kernel of a head tile and layout (rows: the rows-as-M wgmma kernel, bf16/fp16 only)."""
     if rows:
         return _sparse_mla_rows_sm90_kernel
     if block_h == 64:
@@ -634,7 +650,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
     if cfg.get("rows") and fp8:
         from glm5lab.errors import Glm5labError
-        raise Glm5labError("the rows-as-M experiment reads bf16/fp16 caches only")
+        raise Glm5labError("the rows-as-M wgmma kernel reads bf16/fp16 caches only")
     extra = {"FP8": fp8} if cfg["block_h"] == 64 and not cfg.get("rows") else {}
     kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
                                          SPLIT=split, num_warps=cfg["num_warps"], **extra)
