@@ -200,7 +200,8 @@ MMA_SYNC_16BIT = {"impl": "gluon", "rows": False}     # the mma.sync kernel even
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_16bit_real_shapes(cfg, dtype, H, T):
-    """Default (the rows-as-M kernel here: <= 132 programs) and the mma.sync kernel forced."""
+    """Default (the rows-as-M kernel at 1 and 8 tokens, mma.sync at 130) and the mma.sync kernel forced. (Run on
+    the H200 with the first rule, rows-as-M up to 132 programs: both kernels covered at every shape here.)"""
     from glm5lab.kernels.sparse_mla import _gluon_by_default
 
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
@@ -293,6 +294,15 @@ def test_gluon_wgmma_sm90_build_feeds_the_tensor_cores_from_shared_memory(fp8):
         assert rep["F2FP"] > 0      # e4m3 pairs dequantized in the loop
 
 
+def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
+    """The rows-as-M kernel (<= 16 heads, bf16/fp16): 36 wgmma for S^T = K.q^T over 576 values and 32 for O^T =
+    V^T.P^T (8 tiles of 64 latent dims x 4), no mma.sync or ldmatrix, cp.async in the loop, no spill, one CTA a SM."""
+    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=False, num_warps=4)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep.get("LDSM", 0) == 0
+    assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
+
+
 def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -365,9 +375,9 @@ def test_gluon_tiles_by_head_count():
 
     for H in (1, 8, 16):
         assert sm90.default_config(H)["block_h"] == 16 and not sm90.default_config(H).get("rows")
-        assert sm90.default_config(H, False, 132, 132)["rows"] and sm90.default_config(H, False, 8, 132)["rows"]
-        assert not sm90.default_config(H, False, 133, 132).get("rows")          # past one wave: mma.sync
-        assert not sm90.default_config(H, True, 8, 132).get("rows")             # fp8_ds_mla: mma.sync
+        assert sm90.default_config(H, False, 1)["rows"] and sm90.default_config(H, False, 16)["rows"]
+        assert not sm90.default_config(H, False, 17).get("rows")                # larger batches: mma.sync
+        assert not sm90.default_config(H, True, 8).get("rows")                  # fp8_ds_mla: mma.sync
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
@@ -407,3 +417,12 @@ def test_gpu_gluon_rows_experiment_odd_topk_and_skipped_rows(topk, splits):
     out, lse = run_poisoned(q, cache, slots, num_splits=splits,
                             _config={"impl": "gluon", "rows": True, "block_n": 64, "resident": 1})
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+def test_rows_kernel_refuses_fp8_and_wide_tiles_before_launching():
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    with pytest.raises(Glm5labError, match="bf16/fp16 caches and 16-head tiles, got fp8_ds_mla"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG}, False, True)
+    with pytest.raises(Glm5labError, match="block_h 64"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_h": 64}, False, False)

@@ -36,7 +36,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "stages": 2}), ("s3", {"rows": False, "
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
                   ("wg64", {"block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}),
                   ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2}),
-                  # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default while the tokens fit one wave)
+                  # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 

@@ -29,6 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
@@ -514,7 +515,7 @@ def _sparse_mla_rows_sm90_kernel(
     """<= 16 heads of a bf16/fp16 cache with wgmma, the gathered rows as M (a wgmma's M is 64, the heads are
     only its N): S^T = K.q^T and O^T = V^T.P^T on one warpgroup, both products reading the ring slot straight from
     shared memory (no ldmatrix, far fewer instructions a row than mma.sync), P^T through a 2 KB shared tile. 64-row
-    steps and 168 KB of shared memory: one CTA a SM, so it wins while the tokens fit one wave (ROWS_CONFIG)."""
+    steps and 168 KB of shared memory: one CTA a SM, so it is the default only at small batches (ROWS_CONFIG)."""
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     DT: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
@@ -617,22 +618,23 @@ DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4,
 WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
 
 
-# <= 16 heads of a bf16/fp16 cache when the tokens fill at most one wave of SMs: the rows-as-M wgmma kernel (168 KB
-# of shared memory: one 4-warp CTA a SM). H200, NOTES.md v8 run 8: 8 / 16 heads x 128 tokens 82.9 / 83.8 us against
-# 89.9 / 95.6 for the mma.sync tile (0.87 of the roofline), 1-8 tokens equal or better (16 heads x 1 token 10.1 vs
-# 12.4 us), 32 tokens 2-3% slower; 512 tokens (four waves) 8-10% slower, so those keep the mma.sync tile.
+# <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
+# CTA a SM). H200, NOTES.md v8 runs 8-9: 1-8 tokens equal or faster than the mma.sync tile in both runs, by up
+# to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower;
+# at 128 tokens each kernel won the run in which it was timed second (by 8-13%), so there the mma.sync tile stays; 512 tokens
+# (four waves of one CTA a SM) mma.sync. Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
+ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                "resident": 1}
 
 
-def default_config(num_heads: int, fp8: bool = False, programs: int | None = None,
-                   num_sms: int | None = None) -> dict:
+def default_config(num_heads: int, fp8: bool = False, programs: int | None = None) -> dict:
     """The Gluon tile of a call: 16-head tiles up to 16 heads (rows-as-M wgmma for bf16/fp16 caches when the
-    call's programs -- tokens x head tiles -- fit one wave of num_sms CTAs, mma.sync otherwise), 64-head wgmma
-    tiles beyond."""
+    call has at most ROWS_MAX_PROGRAMS programs -- tokens x head tiles --, mma.sync otherwise), 64-head wgmma tiles
+    beyond."""
     if num_heads > 16:
         return dict(WGMMA_CONFIG)
-    if not fp8 and programs is not None and num_sms is not None and programs <= num_sms:
+    if not fp8 and programs is not None and programs <= ROWS_MAX_PROGRAMS:
         return dict(ROWS_CONFIG)
     return dict(DEFAULT_CONFIG)
 
@@ -648,9 +650,10 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    if cfg.get("rows") and fp8:
-        from glm5lab.errors import Glm5labError
-        raise Glm5labError("the rows-as-M wgmma kernel reads bf16/fp16 caches only")
+    if cfg.get("rows") and (fp8 or cfg["block_h"] != 16):
+        raise Glm5labError("the rows-as-M wgmma kernel takes bf16/fp16 caches and 16-head tiles, got "
+                           f"{'fp8_ds_mla' if fp8 else 'a 16-bit cache'} and block_h {cfg['block_h']}")
     extra = {"FP8": fp8} if cfg["block_h"] == 64 and not cfg.get("rows") else {}
-    kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-                                         SPLIT=split, num_warps=cfg["num_warps"], **extra)
+    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
+    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
+                 num_warps=cfg["num_warps"], **extra)
