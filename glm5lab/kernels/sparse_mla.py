@@ -722,8 +722,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     second kernel, parallel over heads and output columns), "fused" (the last program of a token merges: one
     launch, but one program reads every partial in turn) or "auto" (fused up to FUSED_MERGE_MAX_SPLITS splits,
     separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs the Gluon
-    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers: mma.sync tiles of 16 heads up to 16 heads,
-    wgmma tiles of 64 beyond; fp8_ds_mla there is read as its bf16 rounding; always the separate merge) unless
+    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers: mma.sync tiles of 16 heads up to 16 heads, or
+    for bf16/fp16 caches at <= 16 programs the rows-as-M wgmma kernel; wgmma tiles of 64 heads beyond, where
+    fp8_ds_mla is read as its bf16 rounding; always the separate merge) unless
     merge="fused" or a private _config is given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:

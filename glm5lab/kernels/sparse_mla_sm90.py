@@ -19,7 +19,8 @@ The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipelin
 products read the ring slot itself (H200: 0.87 of the roofline at 8 heads x 128 tokens, the Triton kernel 0.74).
 Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on the H200): `_sparse_mla_wgmma_sm90_
 kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
-v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there).
+v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there). At small batches of bf16/fp16
+caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -374,6 +375,25 @@ def _sparse_mla_16bit_sm90_kernel(
 
 
 @gluon.jit
+def _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.constexpr, SM: gl.constexpr,
+                 LAT16: gl.constexpr, ROPE_L: gl.constexpr):
+    """This tile's q as wgmma operands: latent [BLOCK_H, 512] and rope [BLOCK_H, 64] in shared memory (heads past
+    num_heads zero)."""
+    DT: gl.constexpr = Q.dtype.element_ty
+    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
+    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
+                        mask=(heads_q < num_heads)[:, None], other=0.0))
+    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
+    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
+                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
+                         mask=(heads_r < num_heads)[:, None], other=0.0))
+    return q_lat, q_rope
+
+
+@gluon.jit
 def _sparse_mla_wgmma_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -412,16 +432,7 @@ def _sparse_mla_wgmma_sm90_kernel(
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
 
-    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
-    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
-                        mask=(heads_q < num_heads)[:, None], other=0.0))
-    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
-    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
-                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
-                         mask=(heads_r < num_heads)[:, None], other=0.0))
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
 
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     if FP8:
@@ -526,22 +537,12 @@ def _sparse_mla_rows_sm90_kernel(
     SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
 
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
 
-    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
-    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
-                        mask=(heads_q < num_heads)[:, None], other=0.0))
-    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
-    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
-                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
-                         mask=(heads_r < num_heads)[:, None], other=0.0))
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
     lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     p_t = gl.allocate_shared_memory(DT, [BLOCK_N, BLOCK_H], SMP)
