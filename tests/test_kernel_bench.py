@@ -18,3 +18,17 @@ def test_cpu_profile_writes_rows_and_checks_accuracy(tmp_path):
     assert set(w.H) == {8} and set(w.tokens) == {1}
     fig, _ = roofline_figure(csv, tmp_path / "roofline.png")
     assert (tmp_path / "roofline.png").stat().st_size > 0
+
+
+def test_settle_runs_the_call_for_at_least_the_time_asked():
+    """The benchmark's settle (NOTES.md v8): at least one call, and calls until the time has passed."""
+    import time
+
+    from glm5lab.bench.timing import settle
+
+    stamps = []
+    t0 = time.perf_counter()
+    calls = settle(lambda: stamps.append(time.perf_counter()), seconds=0.05)
+    assert calls == len(stamps) >= 1
+    assert time.perf_counter() - t0 >= 0.05 and stamps[-1] - t0 >= 0.04
+    assert settle(lambda: None, seconds=0.0) == 1

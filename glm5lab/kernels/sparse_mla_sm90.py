@@ -622,8 +622,8 @@ WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
 # CTA a SM). H200, NOTES.md v8 runs 8-9: 1-8 tokens equal or faster than the mma.sync tile in both runs, by up
 # to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower;
-# at 128 tokens each kernel won the run in which it was timed second (by 8-13%), so there the mma.sync tile stays; 512 tokens
-# (four waves of one CTA a SM) mma.sync. Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
+# at 128 tokens the two runs are confounded by the benchmark's position effect (NOTES.md v8), so the mma.sync tile
+# stays there and beyond. Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                "resident": 1}
