@@ -400,7 +400,7 @@ def test_gluon_tiles_by_head_count():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
-def test_gpu_gluon_rows_experiment_real_shapes(dtype, H, T):
+def test_gpu_gluon_rows_kernel_real_shapes(dtype, H, T):
     """The rows-as-M wgmma kernel (bf16/fp16 caches) forced at real shapes, default splits."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots, _config={"impl": "gluon", "rows": True, "block_n": 64, "resident": 1})
@@ -409,7 +409,7 @@ def test_gpu_gluon_rows_experiment_real_shapes(dtype, H, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(1000, 3), (77, 5)])
-def test_gpu_gluon_rows_experiment_odd_topk_and_skipped_rows(topk, splits):
+def test_gpu_gluon_rows_kernel_odd_topk_and_skipped_rows(topk, splits):
     q, cache, slots, _ = make_case(6, 8, topk, 65536, torch.bfloat16, "native", "cuda", block_size=64)
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
