@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels import sparse_mla_sm90
 from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
 from glm5lab.sparse.reference import sparse_mla_reference
@@ -270,7 +271,7 @@ def test_kernel_bench_gluon_variants_by_name():
 
 # ------------------------------------------------------------- the 64-head wgmma kernel (NOTES.md v8), 17-128 heads
 
-WGMMA = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
+WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the default tile beyond 16 heads, forced
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -403,7 +404,7 @@ def test_gluon_tiles_by_head_count():
 def test_gpu_gluon_rows_kernel_real_shapes(dtype, H, T):
     """The rows-as-M wgmma kernel (bf16/fp16 caches) forced at real shapes, default splits."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, _config={"impl": "gluon", "rows": True, "block_n": 64, "resident": 1})
+    out, lse = run_poisoned(q, cache, slots, _config=sparse_mla_sm90.ROWS_CONFIG)
     check(out, lse, ref, dtype)
 
 
@@ -415,7 +416,7 @@ def test_gpu_gluon_rows_kernel_odd_topk_and_skipped_rows(topk, splits):
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
     out, lse = run_poisoned(q, cache, slots, num_splits=splits,
-                            _config={"impl": "gluon", "rows": True, "block_n": 64, "resident": 1})
+                            _config=sparse_mla_sm90.ROWS_CONFIG)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 

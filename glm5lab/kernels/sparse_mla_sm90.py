@@ -110,6 +110,53 @@ def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, r
 
 
 @gluon.jit
+def _ring_start(SLOTS, t, s, stride_st, rows_per_split, topk, KV, row_stride, num_slots, lat_ring, rope_ring,
+                scale_stages, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
+                SCALE_L: gl.constexpr, FP8: gl.constexpr):
+    """This split's rows [n_start, n_end) of the token's top-k, with its first STAGES - 1 steps requested into the
+    ring. Returns (n_start, n_end, slot_row, num_steps, and the slot indices of the next request)."""
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    slot_row = SLOTS + t * stride_st
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+    for j in gl.static_range(STAGES - 1):
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
+            rope_ring.index(j), scale_stages.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+    return n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale
+
+
+@gluon.jit
+def _ring_next(i, KV, row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages,
+               nx_lat, nx_rope, nx_scale, sl_cols, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAT: gl.constexpr,
+               ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, COLS: gl.constexpr, FP8: gl.constexpr):
+    """The top of step i: once every warp is done with step i - 1's ring slot (and whatever else it read), request
+    step i + STAGES - 1 into it (its slots arrived a step ago) and load the slots of the request after; load the
+    next step's slot indices in layout COLS (for masking); then wait until step i's rows (every thread's copies)
+    are in shared memory. Returns (next request's slots, step i's slot indices, step i + 1's, ring slot b of i)."""
+    nxt = (i + STAGES - 1) % STAGES
+    gl.thread_barrier()
+    nx_lat, nx_rope, nx_scale = _request_step(
+        KV, row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
+        rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+    cur_cols = sl_cols
+    sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
+    b = i % STAGES
+    async_copy.wait_group(STAGES - 1)
+    gl.thread_barrier()
+    return nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b
+
+
+@gluon.jit
+def _softmax_totals(l_i, m_i, r_i):
+    """(r / l, lse in log2 units) per head; a head with no valid slot (l = 0) gets 0 and -inf."""
+    empty = l_i == 0.0
+    return (gl.where(empty, 0.0, r_i / gl.where(empty, 1.0, l_i)),
+            gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i))))
+
+
+@gluon.jit
 def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP: gl.constexpr):
     """One step of the online softmax, in the P operand's layout (the one exchange between warps a step: every
     warp then holds the whole [heads, rows] tile). Returns (p, alpha, new max, l_acc), l kept per column and summed
@@ -131,9 +178,8 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
     """out = acc * r / l (or the split's normalized partial) and lse; a head with no valid slot gets 0 and -inf.
     r: the unit the accumulators are kept in (the fp8 kernel's running largest scale; 1 otherwise)."""
     O_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    empty = l_i == 0.0
-    inv_l = gl.convert_layout(gl.where(empty, 0.0, r_i / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
+    inv_l = gl.convert_layout(inv_l, O_ROWS)[:, None]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
     hm = heads < num_heads
     dcol = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
@@ -215,15 +261,9 @@ def _sparse_mla_fp8_sm90_kernel(
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)      # the same bytes by stage
     kv16 = gl.allocate_shared_memory(gl.float16, [BLOCK_N, 512], SWZ2)
 
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    slot_row = SLOTS + t * stride_st
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    for j in gl.static_range(STAGES - 1):
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
-            rope_ring.index(j), scale_stages.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
+    n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
+        SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
+        BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, True)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -236,19 +276,9 @@ def _sparse_mla_fp8_sm90_kernel(
     zero_qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
 
     for i in range(num_steps):
-        # request step i + STAGES - 1 (its slots arrived one step ago) into the slot step i - 1 used
-        nxt = (i + STAGES - 1) % STAGES
-        gl.thread_barrier()               # every warp is done with step i - 1's buffers
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
-            rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L,
-            True)
-        cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
-
-        b = i % STAGES
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
+            i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
+            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, True)
         raw = lat_ring.index(b).load(LAT)
         kv16.store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
         gl.thread_barrier()
@@ -324,15 +354,9 @@ def _sparse_mla_16bit_sm90_kernel(
     lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SWZ2)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SWZ2)
 
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    slot_row = SLOTS + t * stride_st
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
-    for j in gl.static_range(STAGES - 1):
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
-            rope_ring.index(j), rope_ring.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
+    n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
+        SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, rope_ring,
+        BLOCK_N, STAGES, LAT16, ROPE_L, ROPE_L, False)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -343,18 +367,9 @@ def _sparse_mla_16bit_sm90_kernel(
     acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
 
     for i in range(num_steps):
-        nxt = (i + STAGES - 1) % STAGES
-        gl.thread_barrier()               # every warp is done with step i - 1's ring slot
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
-            rope_ring.index(nxt), rope_ring.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L,
-            False)
-        cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
-
-        b = i % STAGES
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
+            i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, rope_ring, nx_lat,
+            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT16, ROPE_L, ROPE_L, P_COLS, False)
         kv = lat_ring.index(b)
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
         for c in gl.static_range(4):
@@ -444,15 +459,9 @@ def _sparse_mla_wgmma_sm90_kernel(
         lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
         scale_stages = rope_ring          # (no scales in a bf16/fp16 row: never written)
 
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    slot_row = SLOTS + t * stride_st
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
-    for j in gl.static_range(STAGES - 1):
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
-            rope_ring.index(j), scale_stages.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+    n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
+        SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
+        BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, FP8)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -460,18 +469,9 @@ def _sparse_mla_wgmma_sm90_kernel(
     acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=O_L)
     zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
     for i in range(num_steps):
-        nxt = (i + STAGES - 1) % STAGES
-        gl.thread_barrier()               # every warp is done with step i - 1's ring slot
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
-            rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L,
-            FP8)
-        cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
-
-        b = i % STAGES
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()               # step i's rows (every thread's copies) are in shared memory
+        nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
+            i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
+            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, FP8)
         if FP8:
             for c in gl.static_range(4):
                 raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
@@ -499,9 +499,8 @@ def _sparse_mla_wgmma_sm90_kernel(
         acc = warpgroup_mma(p.to(DT), kv, acc * keep)
 
     async_copy.wait_group(0)
-    empty = l_i == 0.0
-    inv_l = gl.convert_layout(gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i)), O_ROWS)[:, None]
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
+    inv_l = gl.convert_layout(inv_l, O_ROWS)[:, None]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
     hm = (heads < num_heads)[:, None]
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
@@ -547,15 +546,9 @@ def _sparse_mla_rows_sm90_kernel(
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     p_t = gl.allocate_shared_memory(DT, [BLOCK_N, BLOCK_H], SMP)
 
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    slot_row = SLOTS + t * stride_st
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
-    for j in gl.static_range(STAGES - 1):
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, lat_ring.index(j),
-            rope_ring.index(j), rope_ring.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L, False)
+    n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
+        SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, rope_ring,
+        BLOCK_N, STAGES, LAT16, ROPE_L, ROPE_L, False)
     sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -563,17 +556,10 @@ def _sparse_mla_rows_sm90_kernel(
     acc = gl.zeros([512, BLOCK_H], gl.float32, layout=ST_L)
     zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
     for i in range(num_steps):
-        nxt = (i + STAGES - 1) % STAGES
-        gl.thread_barrier()               # every warp is done with step i - 1's ring slot and P^T
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
-            rope_ring.index(nxt), rope_ring.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT16, ROPE_L, ROPE_L,
-            False)
-        cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-        b = i % STAGES
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
+        # (the first barrier of _ring_next also guards P^T: every warp is done reading step i - 1's)
+        nx_lat, nx_rope, nx_scale, cur_rows, sl_rows, b = _ring_next(
+            i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, rope_ring, nx_lat,
+            nx_rope, nx_scale, sl_rows, BLOCK_N, STAGES, LAT16, ROPE_L, ROPE_L, N_ROWS, False)
         fence_async_shared()
         kv = lat_ring.index(b)
         st = warpgroup_mma(kv, q_lat.permute((1, 0)), zero_s)
@@ -593,9 +579,7 @@ def _sparse_mla_rows_sm90_kernel(
 
     async_copy.wait_group(0)
     l_i = gl.sum(l_acc, 0)
-    empty = l_i == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H_COLS)
     hm = (heads < num_heads)[None, :]
     dims = gl.arange(0, 512, layout=N_ROWS)
@@ -629,13 +613,13 @@ ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num
                "resident": 1}
 
 
-def default_config(num_heads: int, fp8: bool = False, programs: int | None = None) -> dict:
+def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None) -> dict:
     """The Gluon tile of a call: 16-head tiles up to 16 heads (rows-as-M wgmma for bf16/fp16 caches when the
-    call has at most ROWS_MAX_PROGRAMS programs -- tokens x head tiles --, mma.sync otherwise), 64-head wgmma tiles
-    beyond."""
+    call has at most ROWS_MAX_PROGRAMS programs -- one head tile, so its tokens --, mma.sync otherwise), 64-head
+    wgmma tiles beyond."""
     if num_heads > 16:
         return dict(WGMMA_CONFIG)
-    if not fp8 and programs is not None and programs <= ROWS_MAX_PROGRAMS:
+    if not fp8 and num_tokens is not None and num_tokens <= ROWS_MAX_PROGRAMS:
         return dict(ROWS_CONFIG)
     return dict(DEFAULT_CONFIG)
 
@@ -654,7 +638,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     if cfg.get("rows") and (fp8 or cfg["block_h"] != 16):
         raise Glm5labError("the rows-as-M wgmma kernel takes bf16/fp16 caches and 16-head tiles, got "
                            f"{'fp8_ds_mla' if fp8 else 'a 16-bit cache'} and block_h {cfg['block_h']}")
-    extra = {"FP8": fp8} if cfg["block_h"] == 64 and not cfg.get("rows") else {}
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
+    extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
