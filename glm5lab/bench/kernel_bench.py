@@ -37,7 +37,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "stages": 2}), ("s3", {"rows": False, "
                   ("wg64", {"block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}),
                   ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
-                  ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
+                  ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  # <= 16 heads, fp8_ds_mla: the rows-as-M wgmma kernel with register operands (NOTES.md v9);
+                  # 108 KB of shared memory with 2 stages (two CTAs a SM), 150 KB with 3 (one)
+                  ("rows8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 2}),
+                  ("rows8s3", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 3, "resident": 1})]
+# the rows-as-M tiles are two kernels: the bf16/fp16 one (one CTA a SM) and the fp8_ds_mla one
+ROWS_VARIANT_LAYOUT_FP8 = {"rows64": False, "rows8": True, "rows8s3": True}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
@@ -189,14 +195,15 @@ def _errors(out, lse, ref_out, ref_lse, n):
     return rel, err_ln, err_log2
 
 
-def gluon_variant_runs(cfg: dict, num_heads: int, layout: str) -> bool:
-    """Whether a GLUON_VARIANTS tile applies: 16-head tiles at <= 16 heads, the 64-head wgmma tiles beyond (its
-    fp8_ds_mla form takes 64-row steps only)."""
+def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
+    """Whether the GLUON_VARIANTS tile `name` applies: 16-head tiles at <= 16 heads, the 64-head wgmma tiles beyond
+    (its fp8_ds_mla form takes 64-row steps only); each rows-as-M tile to its own layout."""
+    cfg = dict(GLUON_VARIANTS)[name]
     wide = cfg.get("block_h", 16) == 64
     if wide != (num_heads > 16):
         return False
     if cfg.get("rows"):
-        return layout != "fp8_ds_mla"
+        return ROWS_VARIANT_LAYOUT_FP8[name] == (layout == "fp8_ds_mla")
     return not (wide and layout == "fp8_ds_mla" and cfg["block_n"] != 64)
 
 
@@ -299,7 +306,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 for g_name, g_cfg in gluon_tiles:   # NOTES.md v7, v8
-                    if not gluon_variant_runs(g_cfg, H, lay):
+                    if not gluon_variant_runs(g_name, H, lay):
                         continue
                     impls.append((f"glm5lab-gluon-{g_name}", lay,
                                   functools.partial(make, _config={"impl": "gluon", **g_cfg}), True))
