@@ -20,15 +20,11 @@ def test_cpu_profile_writes_rows_and_checks_accuracy(tmp_path):
     assert (tmp_path / "roofline.png").stat().st_size > 0
 
 
-def test_settle_runs_the_call_for_at_least_the_time_asked():
-    """The benchmark's settle (NOTES.md v8): at least one call, and calls until the time has passed."""
-    import time
-
-    from glm5lab.bench.timing import settle
-
-    stamps = []
-    t0 = time.perf_counter()
-    calls = settle(lambda: stamps.append(time.perf_counter()), seconds=0.05)
-    assert calls == len(stamps) >= 1
-    assert time.perf_counter() - t0 >= 0.05 and stamps[-1] - t0 >= 0.04
-    assert settle(lambda: None, seconds=0.0) == 1
+def test_first_implementation_of_a_shape_is_timed_twice_on_a_gpu_and_the_first_timing_discarded():
+    """The position effect (NOTES.md v8, v9): on a GPU the first implementation of a shape gets a discarded timing
+    first; every implementation is recorded exactly once, in the order given; without a GPU nothing extra runs."""
+    impls = [("glm5lab", "bf16"), ("glm5lab-triton", "bf16"), ("flashmla", "bf16")]
+    order = kernel_bench.timing_order(impls, cuda=True)
+    assert order[0] == (False, impls[0]) and [i for rec, i in order if rec] == impls
+    assert kernel_bench.timing_order(impls, cuda=False) == [(True, i) for i in impls]
+    assert kernel_bench.timing_order([], cuda=True) == []

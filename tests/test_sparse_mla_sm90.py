@@ -404,6 +404,7 @@ def test_gluon_tiles_by_head_count():
         assert gluon_variant_runs(name, 8, "fp8_ds_mla") and not gluon_variant_runs(name, 16, "bf16")
         assert not gluon_variant_runs(name, 64, "fp8_ds_mla")
     assert {n for n, c in GLUON_VARIANTS if c.get("rows")} == {"rows64", "rows8", "rows8s3"}
+    assert gluon_variant_runs("n64", 16, "bf16") and not gluon_variant_runs("n64", 16, "fp8_ds_mla")
 
 
 @pytest.mark.gpu

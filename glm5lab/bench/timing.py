@@ -33,25 +33,6 @@ def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 10
     return {"p20": q[0], "p50": statistics.median(times), "p80": q[3]}
 
 
-def settle(fn: Callable[[], object], seconds: float = 0.2) -> int:
-    """Run fn back to back for at least `seconds` (at least once), synchronizing the GPU if there is one; returns
-    the number of calls. Why: on the H200 the first implementation timed in a 128-token shape came out ~10% slower
-    than the same kernel timed later in the shape (NOTES.md v8); the shape's float64 reference runs on the GPU just
-    before, so the first timing may catch a clock/power transient or cold TLB/L2 state. Settling first removes
-    that suspect (not yet measured on the H200)."""
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        if calls % 8 == 0 or calls == 1:
-            sync()
-            if time.perf_counter() - t0 >= seconds:
-                return calls
-
-
 def pick_profile(profiles: dict, profile: str):
     """(the profile's settings, device) for a benchmark; the gpu profile refuses to run without CUDA so CPU
     timings are never recorded as GPU numbers."""
