@@ -76,10 +76,8 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 # ------------------------------------------------------------------------------------------------ on the GPU
 
-ROWS8 = sparse_mla_sm90.ROWS_FP8_CONFIG           # the rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-VARIANT_CFGS = [{"stages": 2}, {"stages": 3}, ROWS8]
-VARIANT_IDS = ["s2", "s3", "rows8"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, ROWS8], ids=["default", "rows8"])
+VARIANT_CFGS = [{"stages": 2}, {"stages": 3}]
+VARIANT_IDS = ["s2", "s3"]
 
 
 @pytest.mark.gpu
@@ -98,12 +96,11 @@ def test_gpu_gluon_real_shapes(vcfg, H, T):
 
 
 @pytest.mark.gpu
-@BOTH_FP8
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)])
-def test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits):
-    """Top-k not a multiple of the 32/64-row step, a split boundary inside a step, more splits than steps allow."""
+def test_gpu_gluon_odd_topk_and_forced_splits(topk, splits):
+    """Top-k not a multiple of the 32-row step, a split boundary inside a step, more splits than steps allow."""
     q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=fp8_cfg)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -116,8 +113,7 @@ def test_gpu_gluon_every_byte_pattern(vcfg):
 
 
 @pytest.mark.gpu
-@BOTH_FP8
-def test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg):
+def test_gpu_gluon_skipped_rows_are_never_read():
     """Slots -1 and beyond the cache are not read (zero-filled copies): the row they would fall back to (slot 0)
     holds NaN bytes and scales, and no valid slot points at it, so a read of it would poison the output."""
     q, cache, slots, _ = make_case(4, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
@@ -126,15 +122,14 @@ def test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg):
     flat = cache.view(-1, 656)                       # poisoned after the reference (which reads row 0 for -1)
     flat[0, :512] = 0x7F                                                   # e4m3 NaN
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
-    out, lse = run_poisoned(q, cache, slots, _config=fp8_cfg)
+    out, lse = run_poisoned(q, cache, slots, _config=GLUON)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
-@BOTH_FP8
 @pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
                          ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
-def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
+def test_gpu_gluon_q_and_scale_ranges(q_mag, scale_range):
     """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
     import math
 
@@ -149,18 +144,17 @@ def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
     slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
-    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=GLUON)
     check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
-@BOTH_FP8
-def test_gpu_gluon_all_invalid_tokens_and_cuda_graph(fp8_cfg):
+def test_gpu_gluon_all_invalid_tokens_and_cuda_graph():
     """Tokens with no valid slot give out 0 / lse -inf; the kernel and its merge replay in a CUDA graph."""
     q, cache, slots, ref = make_case(5, 16, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), fp8_cfg)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), GLUON)
 
 
 def _check_cuda_graph_replay(q, cache, slots, ref, config):
@@ -198,17 +192,18 @@ def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
 
 # ------------------------------------------------------------- the bf16/fp16-cache kernel (NOTES.md v7, run 8)
 
-MMA_SYNC_16BIT = {"impl": "gluon", "rows": False}     # the mma.sync kernel even where the rows kernel is the default
+MMA_SYNC_16BIT = dict(sparse_mla_sm90.DEFAULT_CONFIG)   # the 32-row mma.sync tile (two CTAs a SM), forced
+CFGS_16BIT = pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
+@CFGS_16BIT
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [5, 8, 16])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_16bit_real_shapes(cfg, dtype, H, T):
-    """Default (the rows-as-M kernel at 1 and 8 tokens, mma.sync at 130) and the mma.sync kernel forced. (Run on
-    the H200 with the first rule, rows-as-M up to 132 programs: both kernels covered at every shape here.)"""
+    """Default (the rows-as-M kernel at 1 and 8 tokens, the 64-row mma.sync tile at 130: one wave on 132 SMs) and
+    the 32-row mma.sync tile forced."""
     from glm5lab.kernels.sparse_mla import _gluon_by_default
 
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
@@ -219,7 +214,8 @@ def test_gpu_gluon_16bit_real_shapes(cfg, dtype, H, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 64)])
-@pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
+@pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT, sparse_mla_sm90.ONE_WAVE_CONFIG],
+                         ids=["default", "mma_sync", "one_wave"])
 def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(cfg, topk, splits):
     """Odd top-k and forced splits; slot 0 (what -1 and out-of-range slots would fall back to) holds NaN."""
     q, cache, slots, _ = make_case(6, 8, topk, 65536, torch.bfloat16, "native", "cuda", block_size=64)
@@ -383,8 +379,12 @@ def test_gluon_tiles_by_head_count():
     for H in (1, 8, 16):
         assert sm90.default_config(H)["block_h"] == 16 and not sm90.default_config(H).get("rows")
         assert sm90.default_config(H, False, 1)["rows"] and sm90.default_config(H, False, 16)["rows"]
-        assert not sm90.default_config(H, False, 17).get("rows")                # larger batches: mma.sync
-        assert not sm90.default_config(H, True, 8).get("rows")                  # fp8_ds_mla: mma.sync
+        assert not sm90.default_config(H, False, 17).get("rows")                # larger batches: mma.sync,
+        assert sm90.default_config(H, False, 17)["block_n"] == 64               # 64-row steps up to one wave
+        assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
+        assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
+        assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
+        assert sm90.default_config(H, True, 8) == sm90.default_config(H, True, 100) == sm90.DEFAULT_CONFIG
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
@@ -400,10 +400,6 @@ def test_gluon_tiles_by_head_count():
     assert not gluon_variant_runs("wg64n32", 128, "fp8_ds_mla")
     assert gluon_variant_runs("rows64", 8, "bf16") and not gluon_variant_runs("rows64", 8, "fp8_ds_mla")
     assert not gluon_variant_runs("rows64", 64, "bf16")
-    for name in ("rows8", "rows8s3"):         # the fp8_ds_mla rows-as-M kernel
-        assert gluon_variant_runs(name, 8, "fp8_ds_mla") and not gluon_variant_runs(name, 16, "bf16")
-        assert not gluon_variant_runs(name, 64, "fp8_ds_mla")
-    assert {n for n, c in GLUON_VARIANTS if c.get("rows")} == {"rows64", "rows8", "rows8s3"}
     assert gluon_variant_runs("n64", 16, "bf16") and not gluon_variant_runs("n64", 16, "fp8_ds_mla")
 
 
@@ -430,23 +426,12 @@ def test_gpu_gluon_rows_kernel_odd_topk_and_skipped_rows(topk, splits):
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
-def test_rows_kernels_refuse_other_tiles_before_launching():
+def test_rows_kernel_refuses_fp8_and_other_tiles_before_launching():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    for fp8, cfg in ((False, sm90.ROWS_CONFIG), (True, sm90.ROWS_FP8_CONFIG)):
-        with pytest.raises(Glm5labError, match="16-head tiles, 64-row steps and 4 warps, got block_h 64"):
-            sm90.launch((1, 1, 1), (), {**cfg, "block_h": 64}, False, fp8)
-        with pytest.raises(Glm5labError, match="block_n 32"):
-            sm90.launch((1, 1, 1), (), {**cfg, "block_n": 32}, False, fp8)
-    assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
-
-
-def test_gluon_rows_fp8_sm90_build_converts_in_registers():
-    """The fp8_ds_mla rows-as-M kernel (NOTES.md v9): 68 wgmma a 64-row step (4 x 8 for the latent S^T chunks, 4
-    for rope, 4 x 8 for O^T), the e4m3 bytes converted in registers (>= 256 F2FP: every byte once per product) with
-    no fp16 copy written back (a handful of shared stores: P^T only), no mma.sync / ldmatrix, cp.async in the loop,
-    and two CTAs a SM (<= 113 KB of shared memory)."""
-    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
-    assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep.get("LDSM", 0) == 0
-    assert rep["F2FP"] >= 256 and rep.get("STS", 0) <= 8
-    assert rep["LDGSTS"] > 0 and rep["smem"] <= 113 * 1024
+    with pytest.raises(Glm5labError, match="bf16/fp16 caches, 16-head tiles, 64-row steps and 4 warps, got fp8_ds_mla"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG}, False, True)
+    with pytest.raises(Glm5labError, match="block_h 64"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_h": 64}, False, False)
+    with pytest.raises(Glm5labError, match="block_n 32"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_n": 32}, False, False)

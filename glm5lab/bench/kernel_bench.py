@@ -38,15 +38,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "stages": 2}), ("s3", {"rows": False, "
                   ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
-                  # <= 16 heads, fp8_ds_mla: the rows-as-M wgmma kernel with register operands (NOTES.md v9);
-                  # 108 KB of shared memory with 2 stages (two CTAs a SM), 150 KB with 3 (one)
-                  ("rows8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 2}),
-                  ("rows8s3", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 3, "resident": 1}),
                   # <= 16 heads, bf16/fp16: the mma.sync kernel with 64-row steps on 4 warps, one CTA a SM, no split
                   # below one wave (NOTES.md v8 run 9: 0.92 of the roofline at 8 heads x 128 tokens)
                   ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "rows8": True, "rows8s3": True, "n64": False}
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 

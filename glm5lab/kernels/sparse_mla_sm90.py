@@ -593,204 +593,6 @@ def _sparse_mla_rows_sm90_kernel(
         gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
 
 
-# fp8_ds_mla rows as the wgmma M: each thread's register A operand read as contiguous e4m3 bytes. A wgmma's K
-# order and M order are ours to choose as long as the other operand (q) and the output follow, so the kernel reads
-# latent column sigma(k) at A-fragment position k (S^T = K.q^T: 32 contiguous bytes a row and a chunk a thread)
-# and puts latent column pi(m) at M position m of O^T = V^T.P^T (4 contiguous bytes a row a thread). Both are bit
-# permutations, so a reshape / permute of the converted tile lands exactly on the operand layout (checked at
-# build time: assert_trivial) -- no shuffles, no fp16 copy of the tile in shared memory.
-@gluon.jit
-def _sigma(k):
-    """Latent column (in a 128-chunk) at K position k of the S^T product: k = 16 kk + 8 b3 + 2 t + b0 reads byte
-    32 t + 4 kk + 2 b3 + b0."""
-    return 32 * ((k >> 1) & 3) + 4 * ((k >> 4) & 7) + 2 * ((k >> 3) & 1) + (k & 1)
-
-
-@gluon.jit
-def _pi(m):
-    """Latent column (in a 128-chunk) at M position m of O^T: m = 64 m6 + 16 w + 8 m3 + g holds 32 w + 4 g + 2 m6
-    + m3."""
-    return ((m >> 3) & 1) + 2 * ((m >> 6) & 1) + 4 * (m & 7) + 32 * ((m >> 4) & 3)
-
-
-@gluon.jit
-def _e4m3_to_k_operand(chunk, K8: gl.constexpr, A_OP: gl.constexpr):
-    """[64 rows, 128] e4m3 chunk of the ring -> the fp16 A operand of S^T = K.q^T in sigma order."""
-    v = chunk.load(K8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    v = v.reshape([64, 4, 8, 2, 2]).permute((0, 2, 3, 1, 4)).reshape([64, 128])
-    return gl.convert_layout(v, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _e4m3_to_v_operand(chunk, V8: gl.constexpr, A_OP: gl.constexpr):
-    """The same chunk -> the fp16 A operand [128 latent (pi order), 64 rows] of O^T = V^T.P^T."""
-    v = chunk.load(V8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    v = v.reshape([64, 4, 8, 2, 2]).permute((3, 1, 4, 2, 0)).reshape([128, 64])
-    return gl.convert_layout(v, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _store_rows_chunk(OUT, LSE, PART_O, PART_LSE, acc, c: gl.constexpr, inv_l, lse2, t, s, pid_h, num_heads,
-                      num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                      ST_L: gl.constexpr):
-    """Latent chunk c of O^T (M in pi order) -> the split's partial or the output (chunk 0 also writes lse)."""
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, ST_L))
-    hm = (heads < num_heads)[None, :]
-    dims = c * 128 + _pi(gl.arange(0, 128, layout=gl.SliceLayout(1, ST_L)))
-    if SPLIT:
-        part = t * num_splits + s
-        gl.store(PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None], acc * inv_l[None, :], mask=hm)
-        if c == 0:
-            gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
-    else:
-        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
-        gl.store(o, (acc * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        if c == 0:
-            gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
-
-
-@gluon.jit
-def _sparse_mla_rows_fp8_sm90_kernel(
-    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
-    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
-    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-):
-    """<= 16 heads of an fp8_ds_mla cache with wgmma, the gathered rows as M, the e4m3 bytes converted straight
-    into the register A operands (see _sigma / _pi): S^T = sum_c s_c * (K_c.q_c^T) + K_rope.q_rope^T and O^T_c =
-    V_c^T.(P * s_c / r)^T, the fp16-domain arithmetic of the mma.sync fp8 kernel (exact e4m3 -> fp16, q scaled
-    by a power of two, chunk scales on the scores and on P, P.V relative to the running largest scale r). Why:
-    the mma.sync kernel writes and re-reads an fp16 copy of every tile and re-reads q each step through ldmatrix
-    (NOTES.md v7: shared pipe 84% busy, 0.42 of the roofline); here each e4m3 byte is read from shared memory
-    twice, once per product, and nothing is written back but P."""
-    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
-    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    NW: gl.constexpr = gl.num_warps()
-    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)      # per head
-    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)      # per gathered row
-    # a thread's S^T A fragment: rows g, g + 8 (+ 16 w), bytes [32 t, 32 t + 32) of the chunk
-    K8: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
-        lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-        shape=[64, 128])
-    # a thread's O^T A fragment: rows 2 t + {0, 1, 8, 9} (+ 16 kk), bytes [32 w + 4 g, + 4) of the chunk
-    V8: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
-        shape=[64, 128])
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR row: no bank conflicts
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 512] e4m3 copies: 2 rows a thread
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [rows, 64] bf16
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])     # [4, rows] float32
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])         # q chunks [BLOCK_H, 128]
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-    pid_h = gl.program_id(0)
-    t = gl.program_id(1).to(gl.int64)
-    s = gl.program_id(2)
-
-    # ---- q: latent part scaled per head into fp16 (a power of two, exact), each chunk in sigma order; rope bf16
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    hm_q = heads_q < num_heads
-    kq = _sigma(gl.arange(0, 128, layout=gl.SliceLayout(0, QL)))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q0 = gl.load(q_rows + kq[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q1 = gl.load(q_rows + 128 + kq[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q2 = gl.load(q_rows + 256 + kq[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q3 = gl.load(q_rows + 384 + kq[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
-                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
-    q_mul = _pow2_into_f16_range(amax)
-    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
-                         other=0.0))
-    q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
-
-    lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], SM8)
-    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
-    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)      # (P * s_c / r)^T, a chunk each
-
-    n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
-        SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
-        BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, True)
-    sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    r_i = 1.1754943508222875e-38          # running largest chunk scale (P.V in fp16 relative to it)
-    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    for i in range(num_steps):
-        # (the first barrier of _ring_next also guards P^T: every warp is done reading step i - 1's)
-        nx_lat, nx_rope, nx_scale, cur_rows, sl_rows, b = _ring_next(
-            i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
-            nx_rope, nx_scale, sl_rows, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, N_ROWS, True)
-        lat = lat_ring.index(b)
-        s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
-        s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
-        s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
-        s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-        fence_async_shared()
-        st = warpgroup_mma(_e4m3_to_k_operand(lat.slice(0, 128, dim=1), K8, A_OP),
-                           q_lat.index(0).permute((1, 0)), zero_s, use_acc=False) * s0[:, None]
-        st += warpgroup_mma(_e4m3_to_k_operand(lat.slice(128, 128, dim=1), K8, A_OP),
-                            q_lat.index(1).permute((1, 0)), zero_s, use_acc=False) * s1[:, None]
-        st += warpgroup_mma(_e4m3_to_k_operand(lat.slice(256, 128, dim=1), K8, A_OP),
-                            q_lat.index(2).permute((1, 0)), zero_s, use_acc=False) * s2[:, None]
-        st += warpgroup_mma(_e4m3_to_k_operand(lat.slice(384, 128, dim=1), K8, A_OP),
-                            q_lat.index(3).permute((1, 0)), zero_s, use_acc=False) * s3[:, None]
-        st = warpgroup_mma(rope_ring.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-
-        ok = (cur_rows >= 0) & (cur_rows < num_slots)
-        st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(st - m_safe[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
-        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
-        keep = (alpha * (r_i / r_new))[None, :]
-        inv_r = 1.0 / r_new
-        p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc0 = warpgroup_mma(_e4m3_to_v_operand(lat.slice(0, 128, dim=1), V8, A_OP), p_t.index(0), acc0 * keep)
-        acc1 = warpgroup_mma(_e4m3_to_v_operand(lat.slice(128, 128, dim=1), V8, A_OP), p_t.index(1), acc1 * keep)
-        acc2 = warpgroup_mma(_e4m3_to_v_operand(lat.slice(256, 128, dim=1), V8, A_OP), p_t.index(2), acc2 * keep)
-        acc3 = warpgroup_mma(_e4m3_to_v_operand(lat.slice(384, 128, dim=1), V8, A_OP), p_t.index(3), acc3 * keep)
-        r_i = r_new
-
-    async_copy.wait_group(0)
-    inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
-    _store_rows_chunk(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                      stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
-    _store_rows_chunk(OUT, LSE, PART_O, PART_LSE, acc1, 1, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                      stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
-    _store_rows_chunk(OUT, LSE, PART_O, PART_LSE, acc2, 2, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                      stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
-    _store_rows_chunk(OUT, LSE, PART_O, PART_LSE, acc3, 3, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                      stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
-
-
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -803,34 +605,38 @@ WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
 # CTA a SM). H200, NOTES.md v8 runs 8-9: 1-8 tokens equal or faster than the mma.sync tile in both runs, by up
-# to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower;
-# at 128 tokens the two runs are confounded by the benchmark's position effect (NOTES.md v8), so the mma.sync tile
-# stays there and beyond. Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
+# to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower.
+# Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                "resident": 1}
 
+# <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
+# steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
+# SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
+# roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
+ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+                   "resident": 1}
 
-# <= 16 heads of an fp8_ds_mla cache: the rows-as-M wgmma kernel with register operands (NOTES.md v9): 108 KB of
-# shared memory with 2 stages, two CTAs a SM.
-ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2}
-
-
-def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None) -> dict:
-    """The Gluon tile of a call: 16-head tiles up to 16 heads (rows-as-M wgmma for bf16/fp16 caches when the
-    call has at most ROWS_MAX_PROGRAMS programs -- one head tile, so its tokens --, mma.sync otherwise), 64-head
-    wgmma tiles beyond."""
+def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
+    """The Gluon tile of a call: 64-head wgmma tiles beyond 16 heads; up to 16 heads one head tile a token, and for
+    bf16/fp16 caches the tile follows the batch -- rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the 64-row
+    mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond -- while
+    fp8_ds_mla takes the 32-row mma.sync tile at every batch."""
     if num_heads > 16:
         return dict(WGMMA_CONFIG)
-    if not fp8 and num_tokens is not None and num_tokens <= ROWS_MAX_PROGRAMS:
-        return dict(ROWS_CONFIG)
+    if not fp8 and num_tokens is not None:
+        if num_tokens <= ROWS_MAX_PROGRAMS:
+            return dict(ROWS_CONFIG)
+        if num_tokens <= num_sms:
+            return dict(ONE_WAVE_CONFIG)
     return dict(DEFAULT_CONFIG)
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False):
-    """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel, one per layout)."""
+    """The Gluon kernel of a head tile and layout (rows: the rows-as-M wgmma kernel, bf16/fp16 only)."""
     if rows:
-        return _sparse_mla_rows_fp8_sm90_kernel if fp8 else _sparse_mla_rows_sm90_kernel
+        return _sparse_mla_rows_sm90_kernel
     if block_h == 64:
         return _sparse_mla_wgmma_sm90_kernel
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
@@ -838,9 +644,10 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
-    if cfg.get("rows") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4):
-        raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
-                           f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+    if cfg.get("rows") and (fp8 or (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4)):
+        raise Glm5labError("the rows-as-M wgmma kernel takes bf16/fp16 caches, 16-head tiles, 64-row steps and 4 "
+                           f"warps, got {'fp8_ds_mla' if fp8 else 'a 16-bit cache'}, block_h {cfg['block_h']}, "
+                           f"block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
