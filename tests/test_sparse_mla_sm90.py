@@ -435,3 +435,21 @@ def test_rows_kernel_refuses_fp8_and_other_tiles_before_launching():
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_h": 64}, False, False)
     with pytest.raises(Glm5labError, match="block_n 32"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_n": 32}, False, False)
+
+
+def test_named_tiles_forced_over_any_default_are_complete():
+    """Each named tile of the module, given as _config, replaces every key of the default it is laid over that
+    would make another kernel (H200 run v9 call 4: the 32-row tile without "rows": False, forced at 1-8 tokens,
+    was laid over the rows-as-M default and refused)."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "WGMMA_CONFIG"):
+        tile = getattr(sm90, name)
+        for fp8 in (False, True):
+            if fp8 and tile.get("rows"):
+                continue
+            for H in (8, 16, 64):
+                for T in (1, 8, 17, 132, 133, 512):
+                    merged = {**sm90.default_config(H, fp8, T), **tile}
+                    sm90.check_tile(merged, fp8)
+                    assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)

@@ -597,10 +597,10 @@ def _sparse_mla_rows_sm90_kernel(
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
-DEFAULT_CONFIG = {"impl": "gluon", "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
+DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
 
 
-WGMMA_CONFIG = {"impl": "gluon", "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
+WGMMA_CONFIG = {"impl": "gluon", "rows": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -642,12 +642,18 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
-def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
-    """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
+def check_tile(cfg: dict, fp8: bool) -> None:
+    """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernel is bf16/fp16 only, with
+    16-head tiles, 64-row steps and one warpgroup (a _config laid over a default can mix two tiles' keys)."""
     if cfg.get("rows") and (fp8 or (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4)):
         raise Glm5labError("the rows-as-M wgmma kernel takes bf16/fp16 caches, 16-head tiles, 64-row steps and 4 "
                            f"warps, got {'fp8_ds_mla' if fp8 else 'a 16-bit cache'}, block_h {cfg['block_h']}, "
                            f"block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+
+
+def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
+    """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
+    check_tile(cfg, fp8)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
