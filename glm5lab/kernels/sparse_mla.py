@@ -651,8 +651,9 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
     The Gluon kernels wherever they can run (gluon_unavailable), unless the call asks for something only the
     Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200, NOTES.md v7 (<= 16
     heads): fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512 tokens
-    (0.79-0.87 of the roofline at 8 heads x 128 tokens), 0.85-1.06x at 1 token. NOTES.md v8 (17-128 heads,
-    wgmma): bf16 1.43-1.51x at 128-512 tokens at 64/128 heads, fp8 1.83-1.86x; 1.05-1.4x at 1-32 tokens."""
+    (v9, 64-row steps up to one wave: 0.91 of the roofline at 8-16 heads x 128 tokens), 0.85-1.06x at 1 token.
+    NOTES.md v8 (17-128 heads, wgmma): bf16 1.43-1.51x at 128-512 tokens at 64/128 heads, fp8 1.83-1.86x;
+    1.05-1.4x at 1-32 tokens."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
     if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability):

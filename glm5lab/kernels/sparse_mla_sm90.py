@@ -16,7 +16,8 @@ Same arithmetic as the Triton kernel's "f16" path (q's latent part scaled per he
 chunk scales applied to the scores and to P, P.V in fp16 relative to the running largest scale), same outputs and
 partials, so the column merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
 The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipeline without the dequantization: both
-products read the ring slot itself (H200: 0.87 of the roofline at 8 heads x 128 tokens, the Triton kernel 0.74).
+products read the ring slot itself (H200: 0.91 of the roofline at 8-16 heads x 128 tokens with 64-row steps on one
+CTA a SM, the Triton kernel 0.76).
 Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on the H200): `_sparse_mla_wgmma_sm90_
 kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
 v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there). At small batches of bf16/fp16
