@@ -76,8 +76,10 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 # ------------------------------------------------------------------------------------------------ on the GPU
 
-VARIANT_CFGS = [{"stages": 2}, {"stages": 3}]
-VARIANT_IDS = ["s2", "s3"]
+WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
+VARIANT_CFGS = [{"stages": 2}, {"stages": 3}, WS8]
+VARIANT_IDS = ["s2", "s3", "ws8"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
 
 
 @pytest.mark.gpu
@@ -96,11 +98,12 @@ def test_gpu_gluon_real_shapes(vcfg, H, T):
 
 
 @pytest.mark.gpu
+@BOTH_FP8
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)])
-def test_gpu_gluon_odd_topk_and_forced_splits(topk, splits):
-    """Top-k not a multiple of the 32-row step, a split boundary inside a step, more splits than steps allow."""
+def test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits):
+    """Top-k not a multiple of the 32/64-row step, a split boundary inside a step, more splits than steps allow."""
     q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=GLUON)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=fp8_cfg)
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -113,7 +116,8 @@ def test_gpu_gluon_every_byte_pattern(vcfg):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_skipped_rows_are_never_read():
+@BOTH_FP8
+def test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg):
     """Slots -1 and beyond the cache are not read (zero-filled copies): the row they would fall back to (slot 0)
     holds NaN bytes and scales, and no valid slot points at it, so a read of it would poison the output."""
     q, cache, slots, _ = make_case(4, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
@@ -122,14 +126,15 @@ def test_gpu_gluon_skipped_rows_are_never_read():
     flat = cache.view(-1, 656)                       # poisoned after the reference (which reads row 0 for -1)
     flat[0, :512] = 0x7F                                                   # e4m3 NaN
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
-    out, lse = run_poisoned(q, cache, slots, _config=GLUON)
+    out, lse = run_poisoned(q, cache, slots, _config=fp8_cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
+@BOTH_FP8
 @pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
                          ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
-def test_gpu_gluon_q_and_scale_ranges(q_mag, scale_range):
+def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
     import math
 
@@ -144,17 +149,18 @@ def test_gpu_gluon_q_and_scale_ranges(q_mag, scale_range):
     q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
     slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
-    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=GLUON)
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
     check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_all_invalid_tokens_and_cuda_graph():
+@BOTH_FP8
+def test_gpu_gluon_all_invalid_tokens_and_cuda_graph(fp8_cfg):
     """Tokens with no valid slot give out 0 / lse -inf; the kernel and its merge replay in a CUDA graph."""
     q, cache, slots, ref = make_case(5, 16, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), GLUON)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), fp8_cfg)
 
 
 def _check_cuda_graph_replay(q, cache, slots, ref, config):
@@ -401,6 +407,7 @@ def test_gluon_tiles_by_head_count():
     assert gluon_variant_runs("rows64", 8, "bf16") and not gluon_variant_runs("rows64", 8, "fp8_ds_mla")
     assert not gluon_variant_runs("rows64", 64, "bf16")
     assert gluon_variant_runs("n64", 16, "bf16") and not gluon_variant_runs("n64", 16, "fp8_ds_mla")
+    assert gluon_variant_runs("ws8", 8, "fp8_ds_mla") and not gluon_variant_runs("ws8", 8, "bf16")
 
 
 @pytest.mark.gpu
@@ -426,15 +433,27 @@ def test_gpu_gluon_rows_kernel_odd_topk_and_skipped_rows(topk, splits):
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
-def test_rows_kernel_refuses_fp8_and_other_tiles_before_launching():
+def test_rows_kernels_refuse_other_tiles_before_launching():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    with pytest.raises(Glm5labError, match="bf16/fp16 caches, 16-head tiles, 64-row steps and 4 warps, got fp8_ds_mla"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG}, False, True)
-    with pytest.raises(Glm5labError, match="block_h 64"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_h": 64}, False, False)
-    with pytest.raises(Glm5labError, match="block_n 32"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "block_n": 32}, False, False)
+    for fp8, cfg in ((False, sm90.ROWS_CONFIG), (True, sm90.ROWS_FP8_CONFIG)):
+        with pytest.raises(Glm5labError, match="16-head tiles, 64-row steps and 4 warps, got block_h 64"):
+            sm90.launch((1, 1, 1), (), {**cfg, "block_h": 64}, False, fp8)
+        with pytest.raises(Glm5labError, match="block_n 32"):
+            sm90.launch((1, 1, 1), (), {**cfg, "block_n": 32}, False, fp8)
+    with pytest.raises(Glm5labError, match="takes 2 stages"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "stages": 3}, False, True)
+    assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
+
+
+def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
+    """The fp8_ds_mla rows-as-M kernel (NOTES.md v9): a producer warpgroup that converts each e4m3 byte once (128
+    F2FP a 64-row step in its loop) and a consumer warpgroup with 68 wgmma a step reading the fp16 tile from shared
+    memory, mbarrier hand-over, registers moved to the consumer (setmaxnreg), no spill, one CTA a SM (<= 227 KB)."""
+    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep["F2FP"] >= 128
+    assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
 
 
 def test_named_tiles_forced_over_any_default_are_complete():
@@ -443,10 +462,10 @@ def test_named_tiles_forced_over_any_default_are_complete():
     was laid over the rows-as-M default and refused)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "WGMMA_CONFIG"):
+    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "WGMMA_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
-            if fp8 and tile.get("rows"):
+            if tile.get("rows") and fp8 != (name == "ROWS_FP8_CONFIG"):
                 continue
             for H in (8, 16, 64):
                 for T in (1, 8, 17, 132, 133, 512):

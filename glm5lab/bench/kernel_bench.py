@@ -40,9 +40,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "stages": 2}), ("s3", {"rows": False, "
                   ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, bf16/fp16: the mma.sync kernel with 64-row steps on 4 warps, one CTA a SM, no split
                   # below one wave (NOTES.md v8 run 9: 0.92 of the roofline at 8 heads x 128 tokens)
-                  ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
+                  ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
+                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False}
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws8": True}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 

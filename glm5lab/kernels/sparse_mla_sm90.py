@@ -29,7 +29,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
@@ -594,6 +594,200 @@ def _sparse_mla_rows_sm90_kernel(
         gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
 
 
+@gluon.jit
+def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t, n_start, n_end,
+                 num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
+    staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
+    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
+    NW: gl.constexpr = 4
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
+    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
+    slot_row = SLOTS + t * stride_st
+    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
+    _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
+                  LAT, ROPE_L, SCALE_L)
+    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
+    for i in range(num_steps):
+        b = i % STAGES
+        async_copy.wait_group(0)
+        gl.thread_barrier()                    # step i's raw rows are in the staging buffer (every thread's copies)
+        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
+        dst = kv16.index(b)
+        for c in gl.static_range(4):
+            raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
+            dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+        rope16.index(b).store(raw_rope.load(ROPE_L))
+        scale_ring.index(4 * b + 0).store(raw_scale_rows.index(0).load(SV))
+        scale_ring.index(4 * b + 1).store(raw_scale_rows.index(1).load(SV))
+        scale_ring.index(4 * b + 2).store(raw_scale_rows.index(2).load(SV))
+        scale_ring.index(4 * b + 3).store(raw_scale_rows.index(3).load(SV))
+        fence_async_shared()
+        gl.thread_barrier()                    # every thread's stores are done, and its reads of the staging buffer
+        mbarrier.arrive(full.index(b), count=1)
+        _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
+                      LAT, ROPE_L, SCALE_L)
+        sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
+                                                SCALE_L, True)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full, empty, slot_row,
+                 n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                 stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 SPLIT: gl.constexpr, ST_L: gl.constexpr):
+    """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
+    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    r_i = 1.1754943508222875e-38
+    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
+    for i in range(num_steps):
+        b = i % STAGES
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
+        mbarrier.wait(full.index(b), (i // STAGES) & 1)
+        kv = kv16.index(b)
+        s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
+        s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
+        s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
+        s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
+        st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False) * s0[:, None]
+        st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False) * s1[:, None]
+        st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False) * s2[:, None]
+        st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False) * s3[:, None]
+        st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+        ok = (cur_rows >= 0) & (cur_rows < num_slots)
+        st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(st - m_safe[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+        keep = (alpha * (r_i / r_new))[None, :]
+        inv_r = 1.0 / r_new
+        p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
+        acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
+        acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
+        acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+        r_i = r_new
+        gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
+        mbarrier.arrive(empty.index(b), count=1)
+    inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H_COLS)
+    hm = (heads < num_heads)[None, :]
+    dims = gl.arange(0, 128, layout=N_ROWS)
+    if SPLIT:
+        part = t * num_splits + s
+        base = PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None]
+        gl.store(base, acc0 * inv_l[None, :], mask=hm)
+        gl.store(base + 128, acc1 * inv_l[None, :], mask=hm)
+        gl.store(base + 256, acc2 * inv_l[None, :], mask=hm)
+        gl.store(base + 384, acc3 * inv_l[None, :], mask=hm)
+        gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
+        gl.store(o, (acc0 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(o + 128, (acc1 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(o + 256, (acc2 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(o + 384, (acc3 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
+
+
+@gluon.jit
+def _sparse_mla_rows_fp8_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
+    step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
+    bf16/fp16 rows kernel does), the two handing ring slots over through mbarriers. Same fp16-domain arithmetic as
+    the mma.sync fp8 kernel. 218 KB of shared memory: one CTA (8 warps) a SM."""
+    gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus one producer warpgroup)")
+    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
+    NW: gl.constexpr = 4
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
+                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
+    q_mul = _pow2_into_f16_range(amax)
+    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
+                         other=0.0))
+    q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
+
+    kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
+    rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
+    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SM8)         # the producer's staging buffer
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], SM)
+    raw_scale_rows = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], VEC)  # read a chunk's scales per row
+    raw_scale = raw_scale_rows._reinterpret(gl.float32, [4, BLOCK_N], RAW)     # the same bytes, for the copies
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    slot_row = SLOTS + t * stride_st
+    gl.warp_specialize([
+        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full, empty,
+                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L)),
+        (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t, n_start,
+                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES)),
+    ], [4], [168])
+
+
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -619,6 +813,11 @@ ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                    "resident": 1}
 
+# <= 16 heads of an fp8_ds_mla cache, warp-specialized rows-as-M (not a default: NOTES.md v9)
+ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+                   "resident": 1}
+
+
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
     """The Gluon tile of a call: 64-head wgmma tiles beyond 16 heads; up to 16 heads one head tile a token, and for
     bf16/fp16 caches the tile follows the batch -- rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the 64-row
@@ -635,21 +834,23 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False):
-    """The Gluon kernel of a head tile and layout (rows: the rows-as-M wgmma kernel, bf16/fp16 only)."""
+    """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
+    warp-specialized one)."""
     if rows:
-        return _sparse_mla_rows_sm90_kernel
+        return _sparse_mla_rows_fp8_sm90_kernel if fp8 else _sparse_mla_rows_sm90_kernel
     if block_h == 64:
         return _sparse_mla_wgmma_sm90_kernel
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
-    """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernel is bf16/fp16 only, with
-    16-head tiles, 64-row steps and one warpgroup (a _config laid over a default can mix two tiles' keys)."""
-    if cfg.get("rows") and (fp8 or (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4)):
-        raise Glm5labError("the rows-as-M wgmma kernel takes bf16/fp16 caches, 16-head tiles, 64-row steps and 4 "
-                           f"warps, got {'fp8_ds_mla' if fp8 else 'a 16-bit cache'}, block_h {cfg['block_h']}, "
-                           f"block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+    """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
+    steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys)."""
+    if cfg.get("rows") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4):
+        raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
+                           f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+    if cfg.get("rows") and fp8 and cfg["stages"] != 2:
+        raise Glm5labError(f"the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got {cfg['stages']}")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
