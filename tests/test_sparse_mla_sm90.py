@@ -77,7 +77,7 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-VARIANT_CFGS = [{"stages": 2}, {"stages": 3}, WS8]
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
 VARIANT_IDS = ["s2", "s3", "ws8"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
 
@@ -390,7 +390,9 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
         assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
-        assert sm90.default_config(H, True, 8) == sm90.default_config(H, True, 100) == sm90.DEFAULT_CONFIG
+        assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, 512) == sm90.ROWS_FP8_CONFIG
+        assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
+        assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
@@ -472,3 +474,12 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     merged = {**sm90.default_config(H, fp8, T), **tile}
                     sm90.check_tile(merged, fp8)
                     assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)
+
+
+def test_benchmark_tiles_name_every_key_of_a_tile():
+    """The kernel benchmark's Gluon variants are laid over the call's default tile, which changes with the batch
+    and the layout; each names every key that picks a kernel or its launch, so it times the same tile everywhere."""
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS
+
+    for name, cfg in GLUON_VARIANTS:
+        assert {"rows", "block_n", "num_warps", "stages", "resident"} <= set(cfg), name

@@ -30,12 +30,14 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 
 # the Gluon kernels' tiles timed by --gluon (NOTES.md v7, v8): the mma.sync 16-head kernel with 32-row steps on 4 warps
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
-GLUON_VARIANTS = [("s2", {"rows": False, "stages": 2}), ("s3", {"rows": False, "stages": 3}),
+# (each tile names every key of the tile, so that it means the same laid over any default)
+GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
+                  ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
                   ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
                   ("n64w8s3", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
-                  ("wg64", {"block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}),
-                  ("wg64n32", {"block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2}),
+                  ("wg64", {"rows": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("wg64n32", {"rows": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2, "resident": 1}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, bf16/fp16: the mma.sync kernel with 64-row steps on 4 warps, one CTA a SM, no split

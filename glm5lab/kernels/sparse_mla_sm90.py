@@ -22,6 +22,10 @@ Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on t
 kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
 v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
+For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
+same rows-as-M products on a warp-specialized pipeline: a producer warpgroup converts each step's e4m3 rows once into
+an fp16 tile while the consumer warpgroup computes on the previous one (H200, NOTES.md v9: 1.07-1.19x the mma.sync
+kernel at 32-512 tokens, 0.43-0.45 of the roofline, 1.2x FlashMLA's fp8 decode at 128-512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -813,23 +817,33 @@ ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                    "resident": 1}
 
-# <= 16 heads of an fp8_ds_mla cache, warp-specialized rows-as-M (not a default: NOTES.md v9)
+# <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
+# 8 warps a SM). H200, NOTES.md v9 runs 7-8, against the 32-row mma.sync tile: 8 heads 11.0 / 11.3 / 12.1 / 15.5 /
+# 35.3 / 97.5 / 367 us at 1 / 2 / 4 / 8 / 32 / 128 / 512 tokens (mma.sync 9.0 / 9.6 / 12.0 / 15.7 / 37.9 / 112.1 /
+# 392); 16 heads faster at every batch (12.4 ... 371 against 12.9 ... 398). So the default beyond 8 heads, and from
+# FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                    "resident": 1}
+FP8_ROWS_MIN_TOKENS = 4
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
-    """The Gluon tile of a call: 64-head wgmma tiles beyond 16 heads; up to 16 heads one head tile a token, and for
-    bf16/fp16 caches the tile follows the batch -- rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the 64-row
-    mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond -- while
-    fp8_ds_mla takes the 32-row mma.sync tile at every batch."""
+    """The Gluon tile of a call: 64-head wgmma tiles beyond 16 heads; up to 16 heads one head tile a token, and the
+    tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the 64-row mma.sync tile up
+    to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond; fp8_ds_mla: the warp-specialized
+    rows-as-M kernel, except at 1-3 tokens of <= 8 heads (the 32-row mma.sync tile: more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_CONFIG)
-    if not fp8 and num_tokens is not None:
-        if num_tokens <= ROWS_MAX_PROGRAMS:
-            return dict(ROWS_CONFIG)
-        if num_tokens <= num_sms:
-            return dict(ONE_WAVE_CONFIG)
+    if num_tokens is None:
+        return dict(DEFAULT_CONFIG)
+    if fp8:
+        if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
+            return dict(ROWS_FP8_CONFIG)
+        return dict(DEFAULT_CONFIG)
+    if num_tokens <= ROWS_MAX_PROGRAMS:
+        return dict(ROWS_CONFIG)
+    if num_tokens <= num_sms:
+        return dict(ONE_WAVE_CONFIG)
     return dict(DEFAULT_CONFIG)
 
 
