@@ -207,6 +207,32 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
 
 
 @gluon.jit
+def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
+                   QL: gl.constexpr):
+    """The fp8 kernels' q: its latent part scaled per head by a power of two into fp16 range (exact) into q_lat
+    [4, BLOCK_H, 128] (chunk-major), the rope part as is (bf16) into q_rope [BLOCK_H, 64]. Returns the per-head
+    multiplier (in SliceLayout(1, QL)); the scores are divided by it."""
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
+                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
+    q_mul = _pow2_into_f16_range(amax)
+    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
+    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
+    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
+    return q_mul
+
+
+@gluon.jit
 def _sparse_mla_fp8_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -240,23 +266,7 @@ def _sparse_mla_fp8_sm90_kernel(
     # ---- q: latent part scaled per head into fp16 range (exact: a power of two), rope part as is (bf16)
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SWZ2)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SWZ2)
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    hm_q = heads_q < num_heads
-    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
-                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
-    q_mul = _pow2_into_f16_range(amax)
-    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
-    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
 
     # ---- the ring of gathered rows, and the fp16 tile each step's rows are dequantized into
@@ -745,25 +755,9 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     n_end = gl.minimum(n_start + rows_per_split, topk)
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
 
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    hm_q = heads_q < num_heads
-    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
-                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
-    q_mul = _pow2_into_f16_range(amax)
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
-                         other=0.0))
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
 
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
