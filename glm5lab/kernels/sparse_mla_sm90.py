@@ -609,8 +609,9 @@ def _sparse_mla_rows_sm90_kernel(
 
 
 @gluon.jit
-def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t, n_start, n_end,
-                 num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
+                       t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
     """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
     staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
     separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
@@ -650,10 +651,10 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
 
 
 @gluon.jit
-def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full, empty, slot_row,
-                 n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                 stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr, ST_L: gl.constexpr):
+def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
+                       empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
     its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
@@ -677,10 +678,15 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
         s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
         s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-        st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False) * s0[:, None]
-        st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False) * s1[:, None]
-        st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False) * s2[:, None]
-        st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False) * s3[:, None]
+        # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
+        st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
+                           use_acc=False) * s0[:, None]
+        st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
+                            use_acc=False) * s1[:, None]
+        st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
+                            use_acc=False) * s2[:, None]
+        st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
+                            use_acc=False) * s3[:, None]
         st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
         ok = (cur_rows >= 0) & (cur_rows < num_slots)
         st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
@@ -764,7 +770,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
     raw_lat = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SM8)         # the producer's staging buffer
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], SM)
     raw_scale_rows = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], VEC)  # read a chunk's scales per row
@@ -778,12 +784,14 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     gl.thread_barrier()
     slot_row = SLOTS + t * stride_st
     gl.warp_specialize([
-        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full, empty,
-                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L)),
-        (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t, n_start,
-                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES)),
-    ], [4], [168])
+        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
+                              full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
+                              num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT,
+                              ST_L)),
+        (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
+                              full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
+                              STAGES)),
+    ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -858,7 +866,8 @@ def check_tile(cfg: dict, fp8: bool) -> None:
         raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
                            f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
-        raise Glm5labError(f"the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got {cfg['stages']}")
+        raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
+                           f"{cfg['stages']}")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
