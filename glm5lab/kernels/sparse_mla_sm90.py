@@ -177,6 +177,19 @@ def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_
 
 
 @gluon.jit
+def _online_softmax_down_rows(st, rows, num_slots, qk_scale_log2, m_i, l_acc):
+    """The rows-as-M kernels' online-softmax step on S^T [rows, heads]: the same as _online_softmax_step, reduced
+    down the rows (across the warpgroup's warps) instead of along them. Returns (p, alpha, new max, l_acc)."""
+    ok = (rows >= 0) & (rows < num_slots)
+    st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(st, 0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(st - m_safe[None, :])
+    return p, alpha, m_new, l_acc * alpha[None, :] + p
+
+
+@gluon.jit
 def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, m_i, t, s, pid_h, num_heads,
                   num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
                   MMA: gl.constexpr, P_ROWS: gl.constexpr):
@@ -531,6 +544,28 @@ def _sparse_mla_wgmma_sm90_kernel(
 
 
 @gluon.jit
+def _store_columns(OUT, LSE, PART_O, PART_LSE, acc, col0: gl.constexpr, inv_l, lse2, t, s, pid_h, num_heads,
+                   num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
+                   ST_L: gl.constexpr, WITH_LSE: gl.constexpr):
+    """The rows-as-M kernels' O^T [D, heads], latent columns [col0, col0 + D) -> the split's normalized partial or
+    the output (acc * r / l); WITH_LSE also writes the heads' lse (a head with no valid slot: 0 and -inf)."""
+    D: gl.constexpr = acc.shape[0]
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, ST_L))
+    hm = (heads < num_heads)[None, :]
+    dims = col0 + gl.arange(0, D, layout=gl.SliceLayout(1, ST_L))
+    if SPLIT:
+        part = t * num_splits + s
+        gl.store(PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None], acc * inv_l[None, :], mask=hm)
+        if WITH_LSE:
+            gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
+    else:
+        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
+        gl.store(o, (acc * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
+        if WITH_LSE:
+            gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
+
+
+@gluon.jit
 def _sparse_mla_rows_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -579,14 +614,7 @@ def _sparse_mla_rows_sm90_kernel(
         kv = lat_ring.index(b)
         st = warpgroup_mma(kv, q_lat.permute((1, 0)), zero_s)
         st = warpgroup_mma(rope_ring.index(b), q_rope.permute((1, 0)), st)
-        ok = (cur_rows >= 0) & (cur_rows < num_slots)
-        st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(st - m_safe[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
         p_t.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
@@ -595,17 +623,8 @@ def _sparse_mla_rows_sm90_kernel(
     async_copy.wait_group(0)
     l_i = gl.sum(l_acc, 0)
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H_COLS)
-    hm = (heads < num_heads)[None, :]
-    dims = gl.arange(0, 512, layout=N_ROWS)
-    if SPLIT:
-        part = t * num_splits + s
-        gl.store(PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None], acc * inv_l[None, :], mask=hm)
-        gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
-    else:
-        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
-        gl.store(o, (acc * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
 @gluon.jit
@@ -688,14 +707,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
         st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-        ok = (cur_rows >= 0) & (cur_rows < num_slots)
-        st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(st - m_safe[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
         r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         keep = (alpha * (r_i / r_new))[None, :]
         inv_r = 1.0 / r_new
@@ -713,24 +725,14 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
     inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=H_COLS)
-    hm = (heads < num_heads)[None, :]
-    dims = gl.arange(0, 128, layout=N_ROWS)
-    if SPLIT:
-        part = t * num_splits + s
-        base = PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None]
-        gl.store(base, acc0 * inv_l[None, :], mask=hm)
-        gl.store(base + 128, acc1 * inv_l[None, :], mask=hm)
-        gl.store(base + 256, acc2 * inv_l[None, :], mask=hm)
-        gl.store(base + 384, acc3 * inv_l[None, :], mask=hm)
-        gl.store(PART_LSE + part * num_heads + heads, lse2, mask=heads < num_heads)
-    else:
-        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dims[:, None]
-        gl.store(o, (acc0 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 128, (acc1 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 256, (acc2 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 384, (acc3 * inv_l[None, :]).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(LSE + t * stride_lt + heads, lse2 * 0.6931471805599453, mask=heads < num_heads)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
 @gluon.jit
