@@ -9,7 +9,8 @@ the cubin. The main loop is the longest backward branch of the SASS.
     PYTHONPATH=. python scripts/sass_report.py --defaults      # the default tile of each head count and layout
     PYTHONPATH=. python scripts/sass_report.py --config '{"gluon": true, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2,
         "SPLIT": false}'            # a Gluon kernel of sparse_mla_sm90 (fp8; "FP8": false for bf16/fp16;
-                                    # "BLOCK_H": 64 with "num_warps": 8: the wgmma kernel)
+                                    # "BLOCK_H": 64 with "num_warps": 8: the wgmma kernel; "rows": true with
+                                    # "BLOCK_N": 64: the rows-as-M kernels)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -41,8 +42,9 @@ ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", 
 
 
 def build(config: dict, sm: int = 90):
-    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, a Gluon kernel of sparse_mla_sm90: the fp8_ds_mla
-    one, or with "FP8": false the bf16/fp16-cache one) for sm_<sm> with the constexprs and options in `config`."""
+    """Compile _sparse_mla_fwd_kernel (or, with "gluon": true, the Gluon kernel of sparse_mla_sm90 that
+    kernel_of picks for "BLOCK_H", "FP8" (default true) and "rows") for sm_<sm> with the constexprs and options in
+    `config`."""
     cfg = dict(config)
     gluon = cfg.pop("gluon", False)
     if gluon:

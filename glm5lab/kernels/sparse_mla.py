@@ -722,11 +722,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     out = 0, lse = -inf. num_splits=None picks a split of the top-k that fills the GPU. merge: "separate" (a
     second kernel, parallel over heads and output columns), "fused" (the last program of a token merges: one
     launch, but one program reads every partial in turn) or "auto" (fused up to FUSED_MERGE_MAX_SPLITS splits,
-    separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs the Gluon
-    kernels of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers: mma.sync tiles of 16 heads up to 16 heads, or
-    for bf16/fp16 caches at <= 16 programs the rows-as-M wgmma kernel; wgmma tiles of 64 heads beyond, where
-    fp8_ds_mla is read as its bf16 rounding; always the separate merge) unless
-    merge="fused" or a private _config is given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
+    separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs a Gluon
+    kernel of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; the kernel and tile by head count, layout and
+    batch: sparse_mla_sm90.default_config; always the separate merge) unless merge="fused" or a private _config is
+    given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
