@@ -77,9 +77,15 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
-VARIANT_IDS = ["s2", "s3", "ws8"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
+# ... with its options (NOTES.md v10): L2 prefetch of the rows 2 steps ahead (bulk, or per line) and batched wgmma
+WS8_OFF = {"batched": False, "prefetch": 0, "prefetch_lines": False}
+WS8_P2 = {**WS8, **WS8_OFF, "prefetch": 2}
+WS8_BL3 = {**WS8, **WS8_OFF, "batched": True, "prefetch": 3, "prefetch_lines": True}
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3},
+                {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8p2", "ws8bl3"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3],
+                                   ids=["default", "ws8", "ws8p2", "ws8bl3"])
 
 
 @pytest.mark.gpu
@@ -150,6 +156,20 @@ def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
     out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 4])
+def test_gpu_gluon_prefetch_on_any_cache_alignment(offset):
+    """The bulk L2 prefetch needs 16-byte aligned rows: a cache 4 bytes off that alignment runs without it (the
+    launch turns it off), an aligned one with it; both give the reference's result."""
+    q, cache, slots, ref = make_case(3, 8, 1000, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    buf = torch.empty(cache.numel() + 16, dtype=torch.uint8, device="cuda")
+    moved = buf[offset:offset + cache.numel()].view(cache.shape)
+    moved.copy_(cache)
+    assert (moved.data_ptr() % 16 == 0) == (offset == 0)
+    out, lse = run_poisoned(q, moved, slots, _config=WS8_P2)
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -445,6 +465,9 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
             sm90.launch((1, 1, 1), (), {**cfg, "block_n": 32}, False, fp8)
     with pytest.raises(Glm5labError, match="takes 2 stages"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "stages": 3}, False, True)
+    for bad in (-1, 9, 2.0, "2"):
+        with pytest.raises(Glm5labError, match="prefetch is a number of steps from 0 to 8"):
+            sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "prefetch": bad}, False, True)
     assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
 
 
@@ -456,6 +479,20 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
     assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep["F2FP"] >= 128
     assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
+    assert rep["WARPGROUP.DEPBAR"] == 9 and "UBLKPF" not in rep and "CCTL" not in rep     # synchronous, no prefetch
+
+
+def test_gluon_rows_fp8_sm90_build_options_prefetch_and_batch():
+    """The warp-specialized kernel's options (NOTES.md v10) build as meant: PREFETCH asks L2 for rows in the loop
+    (cp.async.bulk.prefetch: UBLKPF; per line: CCTL.PF2), BATCHED waits on its wgmma twice a step (not 9 times);
+    neither spills nor takes more shared memory."""
+    bulk = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, PREFETCH=2, BATCHED=True)
+    lines = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, PREFETCH=2, PREFETCH_LINES=True)
+    assert bulk["UBLKPF"] > 0 and "CCTL" not in bulk and bulk["WARPGROUP.DEPBAR"] == 2
+    assert lines["CCTL"] > 0 and "UBLKPF" not in lines and lines["WARPGROUP.DEPBAR"] == 9
+    for rep in (bulk, lines):
+        assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 68
+        assert rep["smem"] <= 227 * 1024
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

@@ -31,6 +31,7 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # the Gluon kernels' tiles timed by --gluon (NOTES.md v7, v8): the mma.sync 16-head kernel with 32-row steps on 4 warps
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
 # (each tile names every key of the tile, so that it means the same laid over any default)
+_WS_PLAIN = {"batched": False, "prefetch": 0, "prefetch_lines": False}   # the warp-specialized kernel's options, off
 GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
                   ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
                   ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
@@ -44,9 +45,22 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   # below one wave (NOTES.md v8 run 9: 0.92 of the roofline at 8 heads x 128 tokens)
                   ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
-                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1})]
+                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN}),
+                  # ... with its five S^T and four P.V wgmma issued together (two waits a step; NOTES.md v10)
+                  ("ws8b", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                            "batched": True}),
+                  # ... with the rows 2 / 4 steps beyond the producer's cp.async asked of L2 (NOTES.md v10): one
+                  # cp.async.bulk.prefetch a half row ("p"), or one prefetch.global.L2 a 128-byte line ("l")
+                  ("ws8p2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "prefetch": 2}),
+                  ("ws8l2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "prefetch": 2, "prefetch_lines": True}),
+                  ("ws8l4", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "prefetch": 4, "prefetch_lines": True}),
+                  ("ws8bl2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                              "batched": True, "prefetch": 2, "prefetch_lines": True})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws8": True}
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 

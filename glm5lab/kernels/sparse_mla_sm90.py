@@ -33,7 +33,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
@@ -74,6 +75,28 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
     async_copy.commit_group()
+
+
+@gluon.jit
+def _prefetch_rows_l2(KV, row_stride, num_slots, slots, PF: gl.constexpr, LINES: gl.constexpr):
+    """Ask L2 for whole fp8_ds_mla rows ahead of their cp.async (nothing to wait for, no registers or shared memory
+    held), so that more of a SM's gathers are in flight than its ring holds. slots [BLOCK_N] in SliceLayout(1, PF).
+    LINES: one `prefetch.global.L2` a 128-byte line (PF spreads [BLOCK_N, 8] line offsets over the warpgroup: bytes
+    0, 128, ..., 640 and the row's last byte); else one `cp.async.bulk.prefetch.L2` a half row (PF spreads
+    [BLOCK_N, 2]: 336 + 320 bytes, multiples of 16 as it needs; its operands are uniform registers, so ptxas loops
+    over the warp's distinct addresses). Rows -1 / past the cache are skipped."""
+    ok = ((slots >= 0) & (slots < num_slots)).to(gl.int32)[:, None]
+    row = KV + gl.where(ok != 0, slots[:, None], 0).to(gl.int64) * row_stride
+    if LINES:
+        k = gl.arange(0, 8, layout=gl.SliceLayout(0, PF))[None, :]
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [row + gl.minimum(k * 128, 655), ok], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, PF))[None, :]
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [row + half * 336, 336 - half * 16, ok], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -630,20 +653,32 @@ def _sparse_mla_rows_sm90_kernel(
 @gluon.jit
 def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
                        t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, PREFETCH_LINES: gl.constexpr):
     """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
     staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
-    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
+    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows. With
+    PREFETCH > 0 the rows PREFETCH steps beyond that request are asked of L2 at the same time (their slot indices
+    loaded a step earlier): more gathers in flight than the one staging buffer holds."""
     NW: gl.constexpr = 4
     LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
     SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
+    if PREFETCH_LINES:
+        PF: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [NW, 1], [1, 0])      # [rows, 8] L2 line prefetches
+    else:
+        PF: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [NW, 1], [1, 0])      # [rows, 2] bulk prefetches
+    PF_ROWS: gl.constexpr = gl.SliceLayout(1, PF)
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
                   LAT, ROPE_L, SCALE_L)
+    if PREFETCH > 0:
+        for j in gl.static_range(1, PREFETCH + 1):
+            _prefetch_rows_l2(KV, kv_row_stride, num_slots, _slots(slot_row, n_start + j * BLOCK_N, n_end, BLOCK_N,
+                                                                   PF_ROWS), PF, PREFETCH_LINES)
+        pf_rows = _slots(slot_row, n_start + (PREFETCH + 1) * BLOCK_N, n_end, BLOCK_N, PF_ROWS)
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for i in range(num_steps):
         b = i % STAGES
@@ -664,6 +699,9 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
         mbarrier.arrive(full.index(b), count=1)
         _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
                       LAT, ROPE_L, SCALE_L)
+        if PREFETCH > 0:
+            _prefetch_rows_l2(KV, kv_row_stride, num_slots, pf_rows, PF, PREFETCH_LINES)     # step i + 1 + PREFETCH
+            pf_rows = _slots(slot_row, n_start + (i + 2 + PREFETCH) * BLOCK_N, n_end, BLOCK_N, PF_ROWS)
         sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
                                                 SCALE_L, True)
     async_copy.wait_group(0)
@@ -673,9 +711,10 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, BATCHED: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer."""
+    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer. BATCHED: the five S^T products
+    of a step are issued together and waited for once, the four P.V products likewise (2 waits a step, not 9)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -697,16 +736,29 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
         s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
         s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-        # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
-        st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
-                           use_acc=False) * s0[:, None]
-        st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
-                            use_acc=False) * s1[:, None]
-        st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
-                            use_acc=False) * s2[:, None]
-        st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
-                            use_acc=False) * s3[:, None]
-        st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+        if BATCHED:
+            t0 = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            t1 = warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            t2 = warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            t3 = warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            tr = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            t0, t1, t2, t3, tr = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3, tr])
+            st = (t0 * s0[:, None] + t1 * s1[:, None] + t2 * s2[:, None] + t3 * s3[:, None]) * q_unscale[None, :] + tr
+        else:
+            # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
+            st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
+                               use_acc=False) * s0[:, None]
+            st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
+                                use_acc=False) * s1[:, None]
+            st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
+                                use_acc=False) * s2[:, None]
+            st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
+                                use_acc=False) * s3[:, None]
+            st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
         p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
         r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
         keep = (alpha * (r_i / r_new))[None, :]
@@ -717,10 +769,21 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
-        acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
-        acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
-        acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
-        acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+        if BATCHED:
+            a0 = acc0 * keep          # (all four rescaled before the first product is issued)
+            a1 = acc1 * keep
+            a2 = acc2 * keep
+            a3 = acc3 * keep
+            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), a0, is_async=True)
+            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), a1, is_async=True)
+            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), a2, is_async=True)
+            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), a3, is_async=True)
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+        else:
+            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
+            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
+            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
+            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
         r_i = r_new
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
@@ -741,6 +804,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    PREFETCH: gl.constexpr = 0, PREFETCH_LINES: gl.constexpr = False, BATCHED: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -789,10 +853,10 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
                               full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
                               num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT,
-                              ST_L)),
+                              ST_L, BATCHED)),
         (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
                               full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                              STAGES)),
+                              STAGES, PREFETCH, PREFETCH_LINES)),
     ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
 
 
@@ -870,6 +934,8 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
+    if not (isinstance(cfg.get("prefetch", 0), int) and 0 <= cfg.get("prefetch", 0) <= 8):
+        raise Glm5labError(f"prefetch is a number of steps from 0 to 8, got {cfg.get('prefetch')!r}")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
@@ -877,5 +943,9 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     check_tile(cfg, fp8)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
+    if "PREFETCH" in kernel.arg_names:     # (the bulk prefetch wants 16-byte aligned rows)
+        aligned = args[1].data_ptr() % 16 == 0 and args[15] % 16 == 0
+        extra.update(PREFETCH=cfg.get("prefetch", 0) if aligned else 0, BATCHED=bool(cfg.get("batched", False)),
+                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
