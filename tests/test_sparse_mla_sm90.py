@@ -160,17 +160,24 @@ def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offset", [0, 4])
-def test_gpu_gluon_prefetch_on_any_cache_alignment(offset):
-    """The bulk L2 prefetch needs 16-byte aligned rows: a cache 4 bytes off that alignment runs without it (the
-    launch turns it off), an aligned one with it; both give the reference's result."""
-    q, cache, slots, ref = make_case(3, 8, 1000, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    buf = torch.empty(cache.numel() + 16, dtype=torch.uint8, device="cuda")
-    moved = buf[offset:offset + cache.numel()].view(cache.shape)
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+def test_gpu_cache_off_16_byte_alignment_runs_the_triton_kernel(layout):
+    """The Gluon kernels copy rows in 16-byte pieces (v10 call 1: a cache 4 bytes off that alignment failed deep
+    inside Triton's build): such a cache runs the Triton kernel by default, and a forced Gluon call names why not."""
+    from glm5lab.kernels.sparse_mla import kernel_for
+
+    q, cache, slots, ref = make_case(3, 8, 1000, 4096, torch.bfloat16, layout, "cuda", block_size=64)
+    buf = torch.empty(cache.numel() + 16, dtype=cache.dtype, device="cuda")
+    moved = buf[2:2 + cache.numel()].view(cache.shape) if layout == "bf16" else buf[4:4 + cache.numel()].view(
+        cache.shape)
     moved.copy_(cache)
-    assert (moved.data_ptr() % 16 == 0) == (offset == 0)
-    out, lse = run_poisoned(q, moved, slots, _config=WS8_P2)
+    assert moved.data_ptr() % 16 == 4
+    assert kernel_for(8, layout, torch.bfloat16, (9, 0), kv_cache=moved) == "triton"
+    assert kernel_for(8, layout, torch.bfloat16, (9, 0), kv_cache=cache) == "gluon"
+    out, lse = run_poisoned(q, moved, slots)
     check(out, lse, ref, torch.bfloat16)
+    with pytest.raises(Glm5labError, match="16-byte boundary .* address % 16 = 4"):
+        sparse_mla_attention(q, moved, slots, SCALE, _config=WS8_P2 if layout == "fp8_ds_mla" else GLUON)
 
 
 @pytest.mark.gpu
@@ -284,6 +291,13 @@ def test_gluon_unavailable_names_the_reason():
     assert "takes bf16 q" in gluon_unavailable(8, True, torch.float16, (9, 0))
     assert "no interpreter runs Gluon" in gluon_unavailable(8, True, torch.bfloat16, None)
     assert "sm_90 (Hopper) only" in gluon_unavailable(8, True, torch.bfloat16, (12, 0))
+    cache = torch.zeros(4 * 64 * 656 + 16, dtype=torch.uint8)
+    base = (16 - cache.data_ptr() % 16) % 16            # a 16-byte aligned view, and one 4 bytes off it
+    aligned, off = (cache[b:b + 4 * 64 * 656].view(4, 64, 656) for b in (base, (base + 4) % 16))
+    assert gluon_unavailable(8, True, torch.bfloat16, (9, 0), aligned) is None
+    assert "address % 16 = 4 and rows 656 bytes apart" in gluon_unavailable(8, True, torch.bfloat16, (9, 0), off)
+    rows = torch.zeros(64, 580, dtype=torch.bfloat16)[:, :576]       # rows 1160 bytes apart
+    assert "rows 1160 bytes apart" in gluon_unavailable(8, False, torch.bfloat16, (9, 0), rows)
 
 
 def test_kernel_bench_gluon_variants_by_name():
@@ -468,6 +482,10 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
     for bad in (-1, 9, 2.0, "2"):
         with pytest.raises(Glm5labError, match="prefetch is a number of steps from 0 to 8"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "prefetch": bad}, False, True)
+    with pytest.raises(Glm5labError, match="ws_diag 2 is a private timing diagnostic"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 2}, False, True)
+    with pytest.raises(Glm5labError, match="ws_diag 5 is a private timing diagnostic"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 5, "_diagnostic": True}, False, True)
     assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
 
 

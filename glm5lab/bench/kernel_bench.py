@@ -58,7 +58,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   ("ws8l4", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
                              "prefetch": 4, "prefetch_lines": True}),
                   ("ws8bl2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "batched": True, "prefetch": 2, "prefetch_lines": True})]
+                              "batched": True, "prefetch": 2, "prefetch_lines": True}),
+                  # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS): the producer
+                  # alone (d1), the consumer alone (d2), the gathers alone (d3)
+                  *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

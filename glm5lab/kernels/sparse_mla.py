@@ -629,11 +629,19 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
     return int(max(1, min(want, topk // block_n)))
 
 
-def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capability: tuple[int, int] | None,
+                      kv_cache: torch.Tensor | None = None) -> str | None:
     """Why the Gluon kernels (sparse_mla_sm90) cannot run a call (None when they can): <= 128 heads, bf16 q with an
     fp8_ds_mla cache (bf16/fp16 caches: q of the cache's dtype, checked by sparse_mla_attention), a compiled launch
-    on an NVIDIA sm_90 GPU -- the only one they were checked on. capability: the GPU's (major, minor), None for no
-    compiled NVIDIA launch (CPU, the interpreter, ROCm). 17-128 heads run the 64-head wgmma kernel."""
+    on an NVIDIA sm_90 GPU -- the only one they were checked on -- and, when kv_cache is given, a cache whose rows
+    start on 16-byte boundaries (their cp.async copies 16-byte pieces). capability: the GPU's (major, minor), None
+    for no compiled NVIDIA launch (CPU, the interpreter, ROCm). 17-128 heads run the 64-head wgmma kernel."""
+    if kv_cache is not None:
+        row_bytes = _kv_rows(kv_cache)[1] * kv_cache.element_size()
+        if kv_cache.data_ptr() % 16 or row_bytes % 16:
+            return ("the Gluon kernels copy the cache rows in 16-byte pieces: the cache must start on a 16-byte "
+                    f"boundary and its rows be a multiple of 16 bytes apart, got address % 16 = "
+                    f"{kv_cache.data_ptr() % 16} and rows {row_bytes} bytes apart")
     if num_heads > 128:
         return f"the Gluon kernels run <= 128 heads, got {num_heads}"
     if fp8 and q_dtype != torch.bfloat16:
@@ -646,7 +654,7 @@ def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capabilit
 
 
 def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
-               merge: str = "auto", config: dict | None = None) -> str:
+               merge: str = "auto", config: dict | None = None, kv_cache: torch.Tensor | None = None) -> str:
     """Which kernel sparse_mla_attention runs by itself: "gluon" (glm5lab.kernels.sparse_mla_sm90) or "triton".
     The Gluon kernels wherever they can run (gluon_unavailable), unless the call asks for something only the
     Triton kernel has: a fused merge, or any private Triton tile/path setting in _config. H200, NOTES.md v7 (<= 16
@@ -656,7 +664,8 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
     1.05-1.4x at 1-32 tokens."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
-    if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability):
+    if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability,
+                                                       kv_cache):
         return "triton"
     return "gluon"
 
@@ -666,10 +675,11 @@ def _compiled_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device) if _nvidia_sm_at_least(device, (0, 0)) else None
 
 
-def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None) -> bool:
-    """kernel_for() for this call's device."""
+def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None,
+                      kv_cache: torch.Tensor | None = None) -> bool:
+    """kernel_for() for this call's device (and cache)."""
     return kernel_for(num_heads, "fp8_ds_mla" if fp8 else "bf16", q.dtype, _compiled_capability(q.device), merge,
-                      config) == "gluon"
+                      config, kv_cache) == "gluon"
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
@@ -780,10 +790,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if impl not in ("auto", "triton", "gluon"):
         raise Glm5labError(f"unknown kernel impl {impl!r}; expected 'auto', 'triton' or 'gluon'")
     if impl == "gluon":
-        why = gluon_unavailable(H, fp8, q.dtype, _compiled_capability(q.device))
+        why = gluon_unavailable(H, fp8, q.dtype, _compiled_capability(q.device), kv_cache)
         if why is not None:
             raise Glm5labError(why)
-    gluon = impl == "gluon" or (impl == "auto" and _gluon_by_default(q, fp8, H, merge, _config))
+    gluon = impl == "gluon" or (impl == "auto" and _gluon_by_default(q, fp8, H, merge, _config, kv_cache))
     if gluon:
         from glm5lab.kernels import sparse_mla_sm90
 

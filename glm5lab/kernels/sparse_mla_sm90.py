@@ -653,7 +653,8 @@ def _sparse_mla_rows_sm90_kernel(
 @gluon.jit
 def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
                        t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, PREFETCH_LINES: gl.constexpr):
+                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, PREFETCH_LINES: gl.constexpr,
+                       DIAG: gl.constexpr):
     """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
     staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
     separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows. With
@@ -672,8 +673,9 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
     PF_ROWS: gl.constexpr = gl.SliceLayout(1, PF)
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
-                  LAT, ROPE_L, SCALE_L)
+    if DIAG != 2:                              # (DIAG 2: no gathers and no conversion, the consumer timed alone)
+        _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
+                      LAT, ROPE_L, SCALE_L)
     if PREFETCH > 0:
         for j in gl.static_range(1, PREFETCH + 1):
             _prefetch_rows_l2(KV, kv_row_stride, num_slots, _slots(slot_row, n_start + j * BLOCK_N, n_end, BLOCK_N,
@@ -682,23 +684,26 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for i in range(num_steps):
         b = i % STAGES
-        async_copy.wait_group(0)
-        gl.thread_barrier()                    # step i's raw rows are in the staging buffer (every thread's copies)
+        if DIAG != 2:
+            async_copy.wait_group(0)
+            gl.thread_barrier()                # step i's raw rows are in the staging buffer (every thread's copies)
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        dst = kv16.index(b)
-        for c in gl.static_range(4):
-            raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
-            dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
-        rope16.index(b).store(raw_rope.load(ROPE_L))
-        scale_ring.index(4 * b + 0).store(raw_scale_rows.index(0).load(SV))
-        scale_ring.index(4 * b + 1).store(raw_scale_rows.index(1).load(SV))
-        scale_ring.index(4 * b + 2).store(raw_scale_rows.index(2).load(SV))
-        scale_ring.index(4 * b + 3).store(raw_scale_rows.index(3).load(SV))
+        if DIAG < 2:                           # (DIAG 3: gathers without the conversion)
+            dst = kv16.index(b)
+            for c in gl.static_range(4):
+                raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
+                dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+            rope16.index(b).store(raw_rope.load(ROPE_L))
+            scale_ring.index(4 * b + 0).store(raw_scale_rows.index(0).load(SV))
+            scale_ring.index(4 * b + 1).store(raw_scale_rows.index(1).load(SV))
+            scale_ring.index(4 * b + 2).store(raw_scale_rows.index(2).load(SV))
+            scale_ring.index(4 * b + 3).store(raw_scale_rows.index(3).load(SV))
         fence_async_shared()
         gl.thread_barrier()                    # every thread's stores are done, and its reads of the staging buffer
         mbarrier.arrive(full.index(b), count=1)
-        _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
-                      LAT, ROPE_L, SCALE_L)
+        if DIAG != 2:
+            _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
+                          LAT, ROPE_L, SCALE_L)
         if PREFETCH > 0:
             _prefetch_rows_l2(KV, kv_row_stride, num_slots, pf_rows, PF, PREFETCH_LINES)     # step i + 1 + PREFETCH
             pf_rows = _slots(slot_row, n_start + (i + 2 + PREFETCH) * BLOCK_N, n_end, BLOCK_N, PF_ROWS)
@@ -711,7 +716,8 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, BATCHED: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, BATCHED: gl.constexpr,
+                       DIAG: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
     its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer. BATCHED: the five S^T products
     of a step are issued together and waited for once, the four P.V products likewise (2 waits a step, not 9)."""
@@ -731,60 +737,62 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         cur_rows = sl_rows
         sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)
-        kv = kv16.index(b)
-        s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
-        s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
-        s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
-        s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-        if BATCHED:
-            t0 = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            t1 = warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            t2 = warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            t3 = warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            tr = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            t0, t1, t2, t3, tr = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3, tr])
-            st = (t0 * s0[:, None] + t1 * s1[:, None] + t2 * s2[:, None] + t3 * s3[:, None]) * q_unscale[None, :] + tr
-        else:
-            # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
-            st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
-                               use_acc=False) * s0[:, None]
-            st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
-                                use_acc=False) * s1[:, None]
-            st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
-                                use_acc=False) * s2[:, None]
-            st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
-                                use_acc=False) * s3[:, None]
-            st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-        p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
-        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
-        keep = (alpha * (r_i / r_new))[None, :]
-        inv_r = 1.0 / r_new
-        p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        if BATCHED:
-            a0 = acc0 * keep          # (all four rescaled before the first product is issued)
-            a1 = acc1 * keep
-            a2 = acc2 * keep
-            a3 = acc3 * keep
-            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), a0, is_async=True)
-            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), a1, is_async=True)
-            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), a2, is_async=True)
-            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), a3, is_async=True)
-            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
-        else:
-            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
-            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
-            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
-            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
-        r_i = r_new
+        if DIAG % 2 == 0:                     # (DIAG 1 / 3: no products, the producer timed alone)
+            kv = kv16.index(b)
+            s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
+            s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
+            s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
+            s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
+            if BATCHED:
+                t0 = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                t1 = warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                t2 = warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                t3 = warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+                tr = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                t0, t1, t2, t3, tr = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3, tr])
+                st = t0 * s0[:, None] + t1 * s1[:, None] + t2 * s2[:, None] + t3 * s3[:, None]
+                st = st * q_unscale[None, :] + tr
+            else:
+                # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
+                st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
+                                   use_acc=False) * s0[:, None]
+                st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
+                                    use_acc=False) * s1[:, None]
+                st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
+                                    use_acc=False) * s2[:, None]
+                st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
+                                    use_acc=False) * s3[:, None]
+                st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+            p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
+            r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+            keep = (alpha * (r_i / r_new))[None, :]
+            inv_r = 1.0 / r_new
+            p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+            p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+            p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+            p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            if BATCHED:
+                a0 = acc0 * keep          # (all four rescaled before the first product is issued)
+                a1 = acc1 * keep
+                a2 = acc2 * keep
+                a3 = acc3 * keep
+                acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), a0, is_async=True)
+                acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), a1, is_async=True)
+                acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), a2, is_async=True)
+                acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), a3, is_async=True)
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+            else:
+                acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
+                acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
+                acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
+                acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+            r_i = r_new
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
     inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
@@ -805,6 +813,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     PREFETCH: gl.constexpr = 0, PREFETCH_LINES: gl.constexpr = False, BATCHED: gl.constexpr = False,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -853,10 +862,10 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
                               full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
                               num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT,
-                              ST_L, BATCHED)),
+                              ST_L, BATCHED, DIAG)),
         (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
                               full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                              STAGES, PREFETCH, PREFETCH_LINES)),
+                              STAGES, PREFETCH, PREFETCH_LINES, DIAG)),
     ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
 
 
@@ -925,6 +934,12 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
+# Timing diagnostics of the warp-specialized kernel (NOTES.md v10; results are wrong on purpose): 1 the producer alone
+# (gathers and conversion, no products), 2 the consumer alone (products on whatever the ring holds, no gathers),
+# 3 the gathers alone (no conversion, no products).
+WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only"}
+
+
 def check_tile(cfg: dict, fp8: bool) -> None:
     """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
     steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys)."""
@@ -934,6 +949,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
+    if cfg.get("ws_diag", 0) not in WS_DIAGNOSTICS or (cfg.get("ws_diag", 0) and cfg.get("_diagnostic") is not True):
+        raise Glm5labError(f"ws_diag {cfg.get('ws_diag')!r} is a private timing diagnostic (wrong results): one of "
+                           f"{sorted(WS_DIAGNOSTICS)} with _diagnostic=True")
     if not (isinstance(cfg.get("prefetch", 0), int) and 0 <= cfg.get("prefetch", 0) <= 8):
         raise Glm5labError(f"prefetch is a number of steps from 0 to 8, got {cfg.get('prefetch')!r}")
 
@@ -943,9 +961,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     check_tile(cfg, fp8)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
-    if "PREFETCH" in kernel.arg_names:     # (the bulk prefetch wants 16-byte aligned rows)
-        aligned = args[1].data_ptr() % 16 == 0 and args[15] % 16 == 0
-        extra.update(PREFETCH=cfg.get("prefetch", 0) if aligned else 0, BATCHED=bool(cfg.get("batched", False)),
-                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)))
+    if "PREFETCH" in kernel.arg_names:     # (the caller has checked that the rows are 16-byte aligned)
+        extra.update(PREFETCH=cfg.get("prefetch", 0), BATCHED=bool(cfg.get("batched", False)),
+                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)), DIAG=cfg.get("ws_diag", 0))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
