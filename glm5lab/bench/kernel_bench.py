@@ -31,7 +31,8 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # the Gluon kernels' tiles timed by --gluon (NOTES.md v7, v8): the mma.sync 16-head kernel with 32-row steps on 4 warps
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
 # (each tile names every key of the tile, so that it means the same laid over any default)
-_WS_PLAIN = {"batched": False, "prefetch": 0, "prefetch_lines": False}   # the warp-specialized kernel's options, off
+_WS_PLAIN = {"batched": False, "prefetch": 0, "prefetch_lines": False,   # the warp-specialized kernel's options, off
+             "producer_warps": 4, "producer_regs": 96}
 GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
                   ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
                   ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
@@ -59,10 +60,21 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                              "prefetch": 4, "prefetch_lines": True}),
                   ("ws8bl2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
                               "batched": True, "prefetch": 2, "prefetch_lines": True}),
+                  # ... with a producer of two warpgroups (96 or 128 registers), alone or with the options above
+                  ("ws8w8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "producer_warps": 8, "producer_regs": 96}),
+                  ("ws8w8r128", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                                 **_WS_PLAIN, "producer_warps": 8, "producer_regs": 128}),
+                  ("ws8w8l2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                               "producer_warps": 8, "producer_regs": 96, "prefetch": 2, "prefetch_lines": True}),
+                  ("ws8w8b", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                              "producer_warps": 8, "producer_regs": 96, "batched": True}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS): the producer
                   # alone (d1), the consumer alone (d2), the gathers alone (d3)
                   *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
+                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3)),
+                  ("ws8w8d1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                               "producer_warps": 8, "producer_regs": 96, "_diagnostic": True, "ws_diag": 1})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

@@ -660,7 +660,7 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
     separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows. With
     PREFETCH > 0 the rows PREFETCH steps beyond that request are asked of L2 at the same time (their slot indices
     loaded a step earlier): more gathers in flight than the one staging buffer holds."""
-    NW: gl.constexpr = 4
+    NW: gl.constexpr = gl.num_warps()           # the producer partition's warps (one or two warpgroups)
     LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
@@ -813,7 +813,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     PREFETCH: gl.constexpr = 0, PREFETCH_LINES: gl.constexpr = False, BATCHED: gl.constexpr = False,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PRODUCER_WARPS: gl.constexpr = 4, PRODUCER_REGS: gl.constexpr = 96,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -866,7 +866,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
                               full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
                               STAGES, PREFETCH, PREFETCH_LINES, DIAG)),
-    ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
+    ], [PRODUCER_WARPS], [168 if PRODUCER_WARPS == 4 else PRODUCER_REGS])   # (the consumer gets the rest)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -952,6 +952,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("ws_diag", 0) not in WS_DIAGNOSTICS or (cfg.get("ws_diag", 0) and cfg.get("_diagnostic") is not True):
         raise Glm5labError(f"ws_diag {cfg.get('ws_diag')!r} is a private timing diagnostic (wrong results): one of "
                            f"{sorted(WS_DIAGNOSTICS)} with _diagnostic=True")
+    if cfg.get("producer_warps", 4) not in (4, 8) or cfg.get("producer_regs", 96) not in range(24, 169, 8):
+        raise Glm5labError("the warp-specialized kernel's producer is 4 or 8 warps, with 24-168 registers (a multiple "
+                           f"of 8) when 8, got {cfg.get('producer_warps')!r} warps, {cfg.get('producer_regs')!r}")
     if not (isinstance(cfg.get("prefetch", 0), int) and 0 <= cfg.get("prefetch", 0) <= 8):
         raise Glm5labError(f"prefetch is a number of steps from 0 to 8, got {cfg.get('prefetch')!r}")
 
@@ -963,6 +966,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "PREFETCH" in kernel.arg_names:     # (the caller has checked that the rows are 16-byte aligned)
         extra.update(PREFETCH=cfg.get("prefetch", 0), BATCHED=bool(cfg.get("batched", False)),
-                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)), DIAG=cfg.get("ws_diag", 0))
+                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)), DIAG=cfg.get("ws_diag", 0),
+                     PRODUCER_WARPS=cfg.get("producer_warps", 4), PRODUCER_REGS=cfg.get("producer_regs", 96))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
