@@ -78,15 +78,16 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 # ... with its options (NOTES.md v10): L2 prefetch of the rows 2 steps ahead (bulk, or per line) and batched wgmma
-WS8_OFF = {"batched": False, "prefetch": 0, "prefetch_lines": False, "producer_warps": 4}
+WS8_OFF = {"batched": False, "prefetch": 0, "prefetch_lines": False, "producer_warps": 4, "raw_stages": 1}
 WS8_P2 = {**WS8, **WS8_OFF, "prefetch": 2}
 WS8_BL3 = {**WS8, **WS8_OFF, "batched": True, "prefetch": 3, "prefetch_lines": True}
 WS8_W8 = {**WS8, **WS8_OFF, "producer_warps": 8, "producer_regs": 96}    # a producer of two warpgroups
+WS8_C3 = {**WS8, **WS8_OFF, "raw_stages": 3}                             # chunked, 3 steps of raw rows in flight
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3},
-                {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8p2", "ws8bl3", "ws8w8"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8],
-                                   ids=["default", "ws8", "ws8p2", "ws8bl3", "ws8w8"])
+                {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8, WS8_C3, {**WS8_C3, "raw_stages": 2}]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8p2", "ws8bl3", "ws8w8", "ws8c3", "ws8c2"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8, WS8_C3],
+                                   ids=["default", "ws8", "ws8p2", "ws8bl3", "ws8w8", "ws8c3"])
 
 
 @pytest.mark.gpu
@@ -486,6 +487,10 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
     for bad in ({"producer_warps": 6}, {"producer_warps": 8, "producer_regs": 100}, {"producer_regs": 176}):
         with pytest.raises(Glm5labError, match="producer is 4 or 8 warps"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, **bad}, False, True)
+    with pytest.raises(Glm5labError, match="raw_stages is 1"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "raw_stages": 4}, False, True)
+    with pytest.raises(Glm5labError, match="chunked warp-specialized kernel .* has no prefetch"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "raw_stages": 3, "prefetch": 2}, False, True)
     with pytest.raises(Glm5labError, match="ws_diag 2 is a private timing diagnostic"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 2}, False, True)
     with pytest.raises(Glm5labError, match="ws_diag 5 is a private timing diagnostic"):

@@ -32,7 +32,7 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
 # (each tile names every key of the tile, so that it means the same laid over any default)
 _WS_PLAIN = {"batched": False, "prefetch": 0, "prefetch_lines": False,   # the warp-specialized kernel's options, off
-             "producer_warps": 4, "producer_regs": 96}
+             "producer_warps": 4, "producer_regs": 96, "raw_stages": 1}
 GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
                   ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
                   ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
@@ -69,6 +69,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                                "producer_warps": 8, "producer_regs": 96, "prefetch": 2, "prefetch_lines": True}),
                   ("ws8w8b", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
                               "producer_warps": 8, "producer_regs": 96, "batched": True}),
+                  # ... chunked (NOTES.md v10): 2 or 3 steps of raw rows in flight, one fp16 tile handed over by chunk
+                  ("ws8c3", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "raw_stages": 3}),
+                  ("ws8c2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                             "raw_stages": 2}),
+                  ("ws8c3w8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
+                               "raw_stages": 3, "producer_warps": 8, "producer_regs": 96}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS): the producer
                   # alone (d1), the consumer alone (d2), the gathers alone (d3)
                   *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,

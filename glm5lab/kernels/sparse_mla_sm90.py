@@ -807,6 +807,167 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
+def _fp8_chunked_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, kv16, chunk_full, chunk_empty, raw_free,
+                          t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
+                          RAW_STAGES: gl.constexpr):
+    """The producer of the chunked warp-specialized kernel (NOTES.md v10): RAW_STAGES steps of raw rows in flight
+    (cp.async into a ring of staging buffers), each step's e4m3 latent converted into the ONE fp16 tile chunk by
+    chunk as the consumer gives each chunk back (`chunk_empty[c]` -> convert -> `chunk_full[c]`); a staging buffer
+    is refilled once the consumer has also read its rope and scales (`raw_free`)."""
+    NW: gl.constexpr = gl.num_warps()
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
+    slot_row = SLOTS + t * stride_st
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
+    for j in gl.static_range(RAW_STAGES):
+        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(j), raw_rope.index(j),
+                      raw_scale.index(j), LAT, ROPE_L, SCALE_L)
+        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (j + 1) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
+                                                SCALE_L, True)
+    for i in range(num_steps):
+        st = i % RAW_STAGES
+        async_copy.wait_group(RAW_STAGES - 1)
+        gl.thread_barrier()                    # step i's raw rows are in staging buffer st (every thread's copies)
+        for c in gl.static_range(4):
+            mbarrier.wait(chunk_empty.index(c), (i & 1) ^ 1)         # the consumer is done with chunk c of step i-1
+            raw = raw_lat.index(st).slice(c * 128, 128, dim=1).load(DQ)
+            kv16.index(0).slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+            fence_async_shared()               # (also orders the landed rope rows before the consumer's wgmma)
+            gl.thread_barrier()
+            mbarrier.arrive(chunk_full.index(c), count=1)
+        mbarrier.wait(raw_free.index(st), (i // RAW_STAGES) & 1)      # the consumer has read step i's rope, scales
+        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(st), raw_rope.index(st),
+                      raw_scale.index(st), LAT, ROPE_L, SCALE_L)    # step i + RAW_STAGES
+        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (i + RAW_STAGES + 1) * BLOCK_N, n_end, BLOCK_N,
+                                                LAT, ROPE_L, SCALE_L, True)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _fp8_chunked_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, raw_rope, scale_rows, p_t,
+                          chunk_full, chunk_empty, raw_free, slot_row, n_start, n_end, num_steps, num_slots,
+                          qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RAW_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          ST_L: gl.constexpr):
+    """The consumer of the chunked kernel: _fp8_rows_consumer's products, S^T chunk by chunk as each chunk is
+    converted, the rope product and the scales read from the staging buffer (then `raw_free` to the producer),
+    and each chunk given back right after its P.V product (`chunk_empty[c]`)."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    r_i = 1.1754943508222875e-38
+    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
+    for i in range(num_steps):
+        st = i % RAW_STAGES
+        ph = i & 1
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
+        # (the one fp16 tile through an index the compiler cannot fold: with a constant one it hoists the 68
+        # wgmma descriptors out of the loop and spills them)
+        kv = kv16.index(i // num_steps)
+        mbarrier.wait(chunk_full.index(0), ph)
+        s0 = scale_rows.index(4 * st + 0).load(N_ROWS)
+        s1 = scale_rows.index(4 * st + 1).load(N_ROWS)
+        s2 = scale_rows.index(4 * st + 2).load(N_ROWS)
+        s3 = scale_rows.index(4 * st + 3).load(N_ROWS)
+        st_acc = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
+                               use_acc=False) * s0[:, None]
+        mbarrier.wait(chunk_full.index(1), ph)
+        st_acc += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
+                                use_acc=False) * s1[:, None]
+        mbarrier.wait(chunk_full.index(2), ph)
+        st_acc += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
+                                use_acc=False) * s2[:, None]
+        mbarrier.wait(chunk_full.index(3), ph)
+        st_acc += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
+                                use_acc=False) * s3[:, None]
+        st_acc = warpgroup_mma(raw_rope.index(st), q_rope.permute((1, 0)), st_acc * q_unscale[None, :])
+        gl.thread_barrier()                   # every warp is done with staging buffer st (rope product, scales)
+        mbarrier.arrive(raw_free.index(st), count=1)
+        p, alpha, m_i, l_acc = _online_softmax_down_rows(st_acc, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
+        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+        keep = (alpha * (r_i / r_new))[None, :]
+        inv_r = 1.0 / r_new
+        p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+        p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
+        gl.thread_barrier()
+        mbarrier.arrive(chunk_empty.index(0), count=1)
+        acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
+        gl.thread_barrier()
+        mbarrier.arrive(chunk_empty.index(1), count=1)
+        acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
+        gl.thread_barrier()
+        mbarrier.arrive(chunk_empty.index(2), count=1)
+        acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+        gl.thread_barrier()                   # (also: every warp's P.V is done with P^T before the next step's)
+        mbarrier.arrive(chunk_empty.index(3), count=1)
+        r_i = r_new
+    inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
+
+
+@gluon.jit
+def _rows_fp8_chunked(Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
+                      num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s, pid_h,
+                      n_start, n_end, num_steps, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
+                      RAW_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      ST_L: gl.constexpr):
+    """The chunked form of _sparse_mla_rows_fp8_sm90_kernel (RAW_STAGES > 1, NOTES.md v10): RAW_STAGES staging
+    buffers of raw rows in flight and ONE fp16 tile handed over chunk by chunk (213 KB with 3 stages)."""
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    kv16 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, 512], SM)
+    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BLOCK_N, 512], SM8)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, BLOCK_N, 64], SM)
+    scale_rows = gl.allocate_shared_memory(gl.float32, [RAW_STAGES * 4, BLOCK_N], VEC)  # stage j: rows 4j .. 4j + 3
+    raw_scale = scale_rows._reinterpret(gl.float32, [RAW_STAGES, 4, BLOCK_N], RAW)      # the same bytes, for copies
+    chunk_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    chunk_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    raw_free = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(4):
+        mbarrier.init(chunk_full.index(j), count=1)
+        mbarrier.init(chunk_empty.index(j), count=1)
+    for j in gl.static_range(RAW_STAGES):
+        mbarrier.init(raw_free.index(j), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    slot_row = SLOTS + t * stride_st
+    gl.warp_specialize([
+        (_fp8_chunked_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, raw_rope, scale_rows, p_t,
+                                 chunk_full, chunk_empty, raw_free, slot_row, n_start, n_end, num_steps, num_slots,
+                                 qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                                 BLOCK_H, BLOCK_N, RAW_STAGES, SPLIT, ST_L)),
+        (_fp8_chunked_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, kv16, chunk_full, chunk_empty, raw_free,
+                                 t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
+                                 RAW_STAGES)),
+    ], [PRODUCER_WARPS], [168 if PRODUCER_WARPS == 4 else PRODUCER_REGS])
+
+
+@gluon.jit
 def _sparse_mla_rows_fp8_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -814,6 +975,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     PREFETCH: gl.constexpr = 0, PREFETCH_LINES: gl.constexpr = False, BATCHED: gl.constexpr = False,
     DIAG: gl.constexpr = 0, PRODUCER_WARPS: gl.constexpr = 4, PRODUCER_REGS: gl.constexpr = 96,
+    RAW_STAGES: gl.constexpr = 1,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -840,6 +1002,12 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
+    if RAW_STAGES > 1:
+        _rows_fp8_chunked(Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2,
+                          num_slots, num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+                          t, s, pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, RAW_STAGES,
+                          PRODUCER_WARPS, PRODUCER_REGS, ST_L)
+        return
 
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
@@ -955,6 +1123,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("producer_warps", 4) not in (4, 8) or cfg.get("producer_regs", 96) not in range(24, 169, 8):
         raise Glm5labError("the warp-specialized kernel's producer is 4 or 8 warps, with 24-168 registers (a multiple "
                            f"of 8) when 8, got {cfg.get('producer_warps')!r} warps, {cfg.get('producer_regs')!r}")
+    if cfg.get("raw_stages", 1) not in (1, 2, 3):
+        raise Glm5labError("raw_stages is 1 (two fp16 slots) or 2-3 (one chunked fp16 tile), got "
+                           f"{cfg['raw_stages']!r}")
+    if cfg.get("raw_stages", 1) > 1 and (cfg.get("prefetch") or cfg.get("batched") or cfg.get("ws_diag")):
+        raise Glm5labError("the chunked warp-specialized kernel (raw_stages 2-3) has no prefetch, batched or ws_diag "
+                           "option")
     if not (isinstance(cfg.get("prefetch", 0), int) and 0 <= cfg.get("prefetch", 0) <= 8):
         raise Glm5labError(f"prefetch is a number of steps from 0 to 8, got {cfg.get('prefetch')!r}")
 
@@ -967,6 +1141,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     if "PREFETCH" in kernel.arg_names:     # (the caller has checked that the rows are 16-byte aligned)
         extra.update(PREFETCH=cfg.get("prefetch", 0), BATCHED=bool(cfg.get("batched", False)),
                      PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)), DIAG=cfg.get("ws_diag", 0),
-                     PRODUCER_WARPS=cfg.get("producer_warps", 4), PRODUCER_REGS=cfg.get("producer_regs", 96))
+                     PRODUCER_WARPS=cfg.get("producer_warps", 4), PRODUCER_REGS=cfg.get("producer_regs", 96),
+                     RAW_STAGES=cfg.get("raw_stages", 1))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
