@@ -77,17 +77,9 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-# ... with its options (NOTES.md v10): L2 prefetch of the rows 2 steps ahead (bulk, or per line) and batched wgmma
-WS8_OFF = {"batched": False, "prefetch": 0, "prefetch_lines": False, "producer_warps": 4, "raw_stages": 1}
-WS8_P2 = {**WS8, **WS8_OFF, "prefetch": 2}
-WS8_BL3 = {**WS8, **WS8_OFF, "batched": True, "prefetch": 3, "prefetch_lines": True}
-WS8_W8 = {**WS8, **WS8_OFF, "producer_warps": 8, "producer_regs": 96}    # a producer of two warpgroups
-WS8_C3 = {**WS8, **WS8_OFF, "raw_stages": 3}                             # chunked, 3 steps of raw rows in flight
-VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3},
-                {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8, WS8_C3, {**WS8_C3, "raw_stages": 2}]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8p2", "ws8bl3", "ws8w8", "ws8c3", "ws8c2"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, {**WS8, **WS8_OFF}, WS8_P2, WS8_BL3, WS8_W8, WS8_C3],
-                                   ids=["default", "ws8", "ws8p2", "ws8bl3", "ws8w8", "ws8c3"])
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
+VARIANT_IDS = ["s2", "s3", "ws8"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
 
 
 @pytest.mark.gpu
@@ -179,7 +171,7 @@ def test_gpu_cache_off_16_byte_alignment_runs_the_triton_kernel(layout):
     out, lse = run_poisoned(q, moved, slots)
     check(out, lse, ref, torch.bfloat16)
     with pytest.raises(Glm5labError, match="16-byte boundary .* address % 16 = 4"):
-        sparse_mla_attention(q, moved, slots, SCALE, _config=WS8_P2 if layout == "fp8_ds_mla" else GLUON)
+        sparse_mla_attention(q, moved, slots, SCALE, _config=WS8 if layout == "fp8_ds_mla" else GLUON)
 
 
 @pytest.mark.gpu
@@ -307,7 +299,10 @@ def test_kernel_bench_gluon_variants_by_name():
     error, not a silently shorter run."""
     from glm5lab.bench import kernel_bench
 
-    assert kernel_bench.gluon_variants("") == kernel_bench.GLUON_VARIANTS
+    everything = kernel_bench.gluon_variants("")
+    assert [n for n, _ in everything] == [n for n, c in kernel_bench.GLUON_VARIANTS if not c.get("_diagnostic")]
+    assert "ws8" in dict(everything) and not any(n.startswith("ws8d") for n, _ in everything)
+    assert kernel_bench.gluon_variants("ws8d2")[0][1]["ws_diag"] == 2          # diagnostics only by name
     assert [n for n, _ in kernel_bench.gluon_variants("n64w8, s3")] == ["n64w8", "s3"]
     with pytest.raises(Glm5labError, match=r"unknown Gluon variant\(s\) \['s9'\]"):
         kernel_bench.gluon_variants("s2,s9")
@@ -481,20 +476,12 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
             sm90.launch((1, 1, 1), (), {**cfg, "block_n": 32}, False, fp8)
     with pytest.raises(Glm5labError, match="takes 2 stages"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "stages": 3}, False, True)
-    for bad in (-1, 9, 2.0, "2"):
-        with pytest.raises(Glm5labError, match="prefetch is a number of steps from 0 to 8"):
-            sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "prefetch": bad}, False, True)
-    for bad in ({"producer_warps": 6}, {"producer_warps": 8, "producer_regs": 100}, {"producer_regs": 176}):
-        with pytest.raises(Glm5labError, match="producer is 4 or 8 warps"):
-            sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, **bad}, False, True)
-    with pytest.raises(Glm5labError, match="raw_stages is 1"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "raw_stages": 4}, False, True)
-    with pytest.raises(Glm5labError, match="chunked warp-specialized kernel .* has no prefetch"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "raw_stages": 3, "prefetch": 2}, False, True)
     with pytest.raises(Glm5labError, match="ws_diag 2 is a private timing diagnostic"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 2}, False, True)
     with pytest.raises(Glm5labError, match="ws_diag 5 is a private timing diagnostic"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 5, "_diagnostic": True}, False, True)
+    with pytest.raises(Glm5labError, match="ws_diag 1 is a private timing diagnostic of the fp8_ds_mla rows-as-M"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "ws_diag": 1, "_diagnostic": True}, False, False)
     assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
 
 
@@ -506,20 +493,19 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
     assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep["F2FP"] >= 128
     assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
-    assert rep["WARPGROUP.DEPBAR"] == 9 and "UBLKPF" not in rep and "CCTL" not in rep     # synchronous, no prefetch
+    assert rep["WARPGROUP.DEPBAR"] == 9          # each of its nine wgmma products waited for in turn
 
 
-def test_gluon_rows_fp8_sm90_build_options_prefetch_and_batch():
-    """The warp-specialized kernel's options (NOTES.md v10) build as meant: PREFETCH asks L2 for rows in the loop
-    (cp.async.bulk.prefetch: UBLKPF; per line: CCTL.PF2), BATCHED waits on its wgmma twice a step (not 9 times);
-    neither spills nor takes more shared memory."""
-    bulk = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, PREFETCH=2, BATCHED=True)
-    lines = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, PREFETCH=2, PREFETCH_LINES=True)
-    assert bulk["UBLKPF"] > 0 and "CCTL" not in bulk and bulk["WARPGROUP.DEPBAR"] == 2
-    assert lines["CCTL"] > 0 and "UBLKPF" not in lines and lines["WARPGROUP.DEPBAR"] == 9
-    for rep in (bulk, lines):
-        assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 68
-        assert rep["smem"] <= 227 * 1024
+def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
+    """The warp-specialized kernel's timing diagnostics (ws_diag, NOTES.md v10) leave out what they say: the
+    producer alone has the conversion and no wgmma, the consumer alone its 68 wgmma and no gather, the gathers alone
+    neither conversion nor wgmma."""
+    producer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=1)
+    consumer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=2)
+    gathers = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=3)
+    assert "HGMMA" not in producer and producer["F2FP"] >= 128 and producer["LDGSTS"] > 0
+    assert consumer["HGMMA"] == 68 and "LDGSTS" not in consumer
+    assert "HGMMA" not in gathers and gathers.get("F2FP", 0) < 128 and gathers["LDGSTS"] > 0
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

@@ -31,8 +31,6 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # the Gluon kernels' tiles timed by --gluon (NOTES.md v7, v8): the mma.sync 16-head kernel with 32-row steps on 4 warps
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
 # (each tile names every key of the tile, so that it means the same laid over any default)
-_WS_PLAIN = {"batched": False, "prefetch": 0, "prefetch_lines": False,   # the warp-specialized kernel's options, off
-             "producer_warps": 4, "producer_regs": 96, "raw_stages": 1}
 GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
                   ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
                   ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
@@ -46,49 +44,19 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   # below one wave (NOTES.md v8 run 9: 0.92 of the roofline at 8 heads x 128 tokens)
                   ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
-                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN}),
-                  # ... with its five S^T and four P.V wgmma issued together (two waits a step; NOTES.md v10)
-                  ("ws8b", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                            "batched": True}),
-                  # ... with the rows 2 / 4 steps beyond the producer's cp.async asked of L2 (NOTES.md v10): one
-                  # cp.async.bulk.prefetch a half row ("p"), or one prefetch.global.L2 a 128-byte line ("l")
-                  ("ws8p2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "prefetch": 2}),
-                  ("ws8l2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "prefetch": 2, "prefetch_lines": True}),
-                  ("ws8l4", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "prefetch": 4, "prefetch_lines": True}),
-                  ("ws8bl2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "batched": True, "prefetch": 2, "prefetch_lines": True}),
-                  # ... with a producer of two warpgroups (96 or 128 registers), alone or with the options above
-                  ("ws8w8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "producer_warps": 8, "producer_regs": 96}),
-                  ("ws8w8r128", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                                 **_WS_PLAIN, "producer_warps": 8, "producer_regs": 128}),
-                  ("ws8w8l2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                               "producer_warps": 8, "producer_regs": 96, "prefetch": 2, "prefetch_lines": True}),
-                  ("ws8w8b", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                              "producer_warps": 8, "producer_regs": 96, "batched": True}),
-                  # ... chunked (NOTES.md v10): 2 or 3 steps of raw rows in flight, one fp16 tile handed over by chunk
-                  ("ws8c3", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "raw_stages": 3}),
-                  ("ws8c2", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                             "raw_stages": 2}),
-                  ("ws8c3w8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                               "raw_stages": 3, "producer_warps": 8, "producer_regs": 96}),
-                  # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS): the producer
-                  # alone (d1), the consumer alone (d2), the gathers alone (d3)
-                  *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3)),
-                  ("ws8w8d1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, **_WS_PLAIN,
-                               "producer_warps": 8, "producer_regs": 96, "_diagnostic": True, "ws_diag": 1})]
+                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10):
+                  # the producer alone (d1), the consumer alone (d2), the gathers alone (d3)
+                  *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
 def gluon_variants(names: str = "") -> list:
-    """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON), all when empty."""
+    """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON); when empty, all but the
+    timing diagnostics (wrong results on purpose), which run only by name."""
     from glm5lab.errors import Glm5labError
 
     known = dict(GLUON_VARIANTS)
@@ -96,7 +64,9 @@ def gluon_variants(names: str = "") -> list:
     unknown = [x for x in pick if x not in known]
     if unknown:
         raise Glm5labError(f"unknown Gluon variant(s) {unknown} in {GLUON_ENV}; expected names from {list(known)}")
-    return [(n, known[n]) for n in pick] if pick else list(GLUON_VARIANTS)
+    if pick:
+        return [(n, known[n]) for n in pick]
+    return [(n, cfg) for n, cfg in GLUON_VARIANTS if not cfg.get("_diagnostic")]   # (diagnostics: by name only)
 
 
 def fp8_v4_variants(H: int, T: int) -> list:

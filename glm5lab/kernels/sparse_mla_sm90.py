@@ -33,8 +33,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
@@ -75,28 +74,6 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _prefetch_rows_l2(KV, row_stride, num_slots, slots, PF: gl.constexpr, LINES: gl.constexpr):
-    """Ask L2 for whole fp8_ds_mla rows ahead of their cp.async (nothing to wait for, no registers or shared memory
-    held), so that more of a SM's gathers are in flight than its ring holds. slots [BLOCK_N] in SliceLayout(1, PF).
-    LINES: one `prefetch.global.L2` a 128-byte line (PF spreads [BLOCK_N, 8] line offsets over the warpgroup: bytes
-    0, 128, ..., 640 and the row's last byte); else one `cp.async.bulk.prefetch.L2` a half row (PF spreads
-    [BLOCK_N, 2]: 336 + 320 bytes, multiples of 16 as it needs; its operands are uniform registers, so ptxas loops
-    over the warp's distinct addresses). Rows -1 / past the cache are skipped."""
-    ok = ((slots >= 0) & (slots < num_slots)).to(gl.int32)[:, None]
-    row = KV + gl.where(ok != 0, slots[:, None], 0).to(gl.int64) * row_stride
-    if LINES:
-        k = gl.arange(0, 8, layout=gl.SliceLayout(0, PF))[None, :]
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [row + gl.minimum(k * 128, 655), ok], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, PF))[None, :]
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [row + half * 336, 336 - half * 16, ok], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -653,34 +630,21 @@ def _sparse_mla_rows_sm90_kernel(
 @gluon.jit
 def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
                        t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, PREFETCH: gl.constexpr, PREFETCH_LINES: gl.constexpr,
-                       DIAG: gl.constexpr):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr):
     """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
     staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
-    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows. With
-    PREFETCH > 0 the rows PREFETCH steps beyond that request are asked of L2 at the same time (their slot indices
-    loaded a step earlier): more gathers in flight than the one staging buffer holds."""
-    NW: gl.constexpr = gl.num_warps()           # the producer partition's warps (one or two warpgroups)
+    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
+    NW: gl.constexpr = 4
     LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
     SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
-    if PREFETCH_LINES:
-        PF: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [NW, 1], [1, 0])      # [rows, 8] L2 line prefetches
-    else:
-        PF: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [NW, 1], [1, 0])      # [rows, 2] bulk prefetches
-    PF_ROWS: gl.constexpr = gl.SliceLayout(1, PF)
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    if DIAG != 2:                              # (DIAG 2: no gathers and no conversion, the consumer timed alone)
+    if DIAG != 2:                              # (ws_diag 2: no gathers and no conversion, the consumer timed alone)
         _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
                       LAT, ROPE_L, SCALE_L)
-    if PREFETCH > 0:
-        for j in gl.static_range(1, PREFETCH + 1):
-            _prefetch_rows_l2(KV, kv_row_stride, num_slots, _slots(slot_row, n_start + j * BLOCK_N, n_end, BLOCK_N,
-                                                                   PF_ROWS), PF, PREFETCH_LINES)
-        pf_rows = _slots(slot_row, n_start + (PREFETCH + 1) * BLOCK_N, n_end, BLOCK_N, PF_ROWS)
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for i in range(num_steps):
         b = i % STAGES
@@ -688,7 +652,7 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
             async_copy.wait_group(0)
             gl.thread_barrier()                # step i's raw rows are in the staging buffer (every thread's copies)
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        if DIAG < 2:                           # (DIAG 3: gathers without the conversion)
+        if DIAG < 2:                           # (ws_diag 3: the gathers without the conversion)
             dst = kv16.index(b)
             for c in gl.static_range(4):
                 raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
@@ -704,9 +668,6 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
         if DIAG != 2:
             _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
                           LAT, ROPE_L, SCALE_L)
-        if PREFETCH > 0:
-            _prefetch_rows_l2(KV, kv_row_stride, num_slots, pf_rows, PF, PREFETCH_LINES)     # step i + 1 + PREFETCH
-            pf_rows = _slots(slot_row, n_start + (i + 2 + PREFETCH) * BLOCK_N, n_end, BLOCK_N, PF_ROWS)
         sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
                                                 SCALE_L, True)
     async_copy.wait_group(0)
@@ -716,11 +677,9 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, BATCHED: gl.constexpr,
-                       DIAG: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer. BATCHED: the five S^T products
-    of a step are issued together and waited for once, the four P.V products likewise (2 waits a step, not 9)."""
+    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -737,36 +696,22 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         cur_rows = sl_rows
         sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)
-        if DIAG % 2 == 0:                     # (DIAG 1 / 3: no products, the producer timed alone)
+        if DIAG % 2 == 0:                     # (ws_diag 1 / 3: no products, the producer timed alone)
             kv = kv16.index(b)
             s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
             s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
             s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
             s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-            if BATCHED:
-                t0 = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                t1 = warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                t2 = warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                t3 = warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s, use_acc=False,
-                                   is_async=True)
-                tr = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                t0, t1, t2, t3, tr = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3, tr])
-                st = t0 * s0[:, None] + t1 * s1[:, None] + t2 * s2[:, None] + t3 * s3[:, None]
-                st = st * q_unscale[None, :] + tr
-            else:
-                # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
-                st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
-                                   use_acc=False) * s0[:, None]
-                st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
-                                    use_acc=False) * s1[:, None]
-                st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
-                                    use_acc=False) * s2[:, None]
-                st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
-                                    use_acc=False) * s3[:, None]
-                st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+            # S^T chunk by chunk (each chunk's product times its scale), then the rope product on top
+            st = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
+                               use_acc=False) * s0[:, None]
+            st += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
+                                use_acc=False) * s1[:, None]
+            st += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
+                                use_acc=False) * s2[:, None]
+            st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
+                                use_acc=False) * s3[:, None]
+            st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
             p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
             r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
@@ -777,21 +722,10 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
-            if BATCHED:
-                a0 = acc0 * keep          # (all four rescaled before the first product is issued)
-                a1 = acc1 * keep
-                a2 = acc2 * keep
-                a3 = acc3 * keep
-                acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), a0, is_async=True)
-                acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), a1, is_async=True)
-                acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), a2, is_async=True)
-                acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), a3, is_async=True)
-                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
-            else:
-                acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
-                acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
-                acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
-                acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
+            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
+            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
+            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
             r_i = r_new
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
@@ -807,175 +741,12 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
-def _fp8_chunked_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, kv16, chunk_full, chunk_empty, raw_free,
-                          t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                          RAW_STAGES: gl.constexpr):
-    """The producer of the chunked warp-specialized kernel (NOTES.md v10): RAW_STAGES steps of raw rows in flight
-    (cp.async into a ring of staging buffers), each step's e4m3 latent converted into the ONE fp16 tile chunk by
-    chunk as the consumer gives each chunk back (`chunk_empty[c]` -> convert -> `chunk_full[c]`); a staging buffer
-    is refilled once the consumer has also read its rope and scales (`raw_free`)."""
-    NW: gl.constexpr = gl.num_warps()
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
-    slot_row = SLOTS + t * stride_st
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    for j in gl.static_range(RAW_STAGES):
-        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(j), raw_rope.index(j),
-                      raw_scale.index(j), LAT, ROPE_L, SCALE_L)
-        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (j + 1) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
-                                                SCALE_L, True)
-    for i in range(num_steps):
-        st = i % RAW_STAGES
-        async_copy.wait_group(RAW_STAGES - 1)
-        gl.thread_barrier()                    # step i's raw rows are in staging buffer st (every thread's copies)
-        for c in gl.static_range(4):
-            mbarrier.wait(chunk_empty.index(c), (i & 1) ^ 1)         # the consumer is done with chunk c of step i-1
-            raw = raw_lat.index(st).slice(c * 128, 128, dim=1).load(DQ)
-            kv16.index(0).slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
-            fence_async_shared()               # (also orders the landed rope rows before the consumer's wgmma)
-            gl.thread_barrier()
-            mbarrier.arrive(chunk_full.index(c), count=1)
-        mbarrier.wait(raw_free.index(st), (i // RAW_STAGES) & 1)      # the consumer has read step i's rope, scales
-        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(st), raw_rope.index(st),
-                      raw_scale.index(st), LAT, ROPE_L, SCALE_L)    # step i + RAW_STAGES
-        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (i + RAW_STAGES + 1) * BLOCK_N, n_end, BLOCK_N,
-                                                LAT, ROPE_L, SCALE_L, True)
-    async_copy.wait_group(0)
-
-
-@gluon.jit
-def _fp8_chunked_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, raw_rope, scale_rows, p_t,
-                          chunk_full, chunk_empty, raw_free, slot_row, n_start, n_end, num_steps, num_slots,
-                          qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, RAW_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          ST_L: gl.constexpr):
-    """The consumer of the chunked kernel: _fp8_rows_consumer's products, S^T chunk by chunk as each chunk is
-    converted, the rope product and the scales read from the staging buffer (then `raw_free` to the producer),
-    and each chunk given back right after its P.V product (`chunk_empty[c]`)."""
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    r_i = 1.1754943508222875e-38
-    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
-    for i in range(num_steps):
-        st = i % RAW_STAGES
-        ph = i & 1
-        cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
-        # (the one fp16 tile through an index the compiler cannot fold: with a constant one it hoists the 68
-        # wgmma descriptors out of the loop and spills them)
-        kv = kv16.index(i // num_steps)
-        mbarrier.wait(chunk_full.index(0), ph)
-        s0 = scale_rows.index(4 * st + 0).load(N_ROWS)
-        s1 = scale_rows.index(4 * st + 1).load(N_ROWS)
-        s2 = scale_rows.index(4 * st + 2).load(N_ROWS)
-        s3 = scale_rows.index(4 * st + 3).load(N_ROWS)
-        st_acc = warpgroup_mma(kv.slice(0, 128, dim=1), q_lat.index(0).permute((1, 0)), zero_s,
-                               use_acc=False) * s0[:, None]
-        mbarrier.wait(chunk_full.index(1), ph)
-        st_acc += warpgroup_mma(kv.slice(128, 128, dim=1), q_lat.index(1).permute((1, 0)), zero_s,
-                                use_acc=False) * s1[:, None]
-        mbarrier.wait(chunk_full.index(2), ph)
-        st_acc += warpgroup_mma(kv.slice(256, 128, dim=1), q_lat.index(2).permute((1, 0)), zero_s,
-                                use_acc=False) * s2[:, None]
-        mbarrier.wait(chunk_full.index(3), ph)
-        st_acc += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
-                                use_acc=False) * s3[:, None]
-        st_acc = warpgroup_mma(raw_rope.index(st), q_rope.permute((1, 0)), st_acc * q_unscale[None, :])
-        gl.thread_barrier()                   # every warp is done with staging buffer st (rope product, scales)
-        mbarrier.arrive(raw_free.index(st), count=1)
-        p, alpha, m_i, l_acc = _online_softmax_down_rows(st_acc, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
-        r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
-        keep = (alpha * (r_i / r_new))[None, :]
-        inv_r = 1.0 / r_new
-        p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-        p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
-        gl.thread_barrier()
-        mbarrier.arrive(chunk_empty.index(0), count=1)
-        acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
-        gl.thread_barrier()
-        mbarrier.arrive(chunk_empty.index(1), count=1)
-        acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
-        gl.thread_barrier()
-        mbarrier.arrive(chunk_empty.index(2), count=1)
-        acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
-        gl.thread_barrier()                   # (also: every warp's P.V is done with P^T before the next step's)
-        mbarrier.arrive(chunk_empty.index(3), count=1)
-        r_i = r_new
-    inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
-
-
-@gluon.jit
-def _rows_fp8_chunked(Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
-                      num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s, pid_h,
-                      n_start, n_end, num_steps, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-                      RAW_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      ST_L: gl.constexpr):
-    """The chunked form of _sparse_mla_rows_fp8_sm90_kernel (RAW_STAGES > 1, NOTES.md v10): RAW_STAGES staging
-    buffers of raw rows in flight and ONE fp16 tile handed over chunk by chunk (213 KB with 3 stages)."""
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    kv16 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, 512], SM)
-    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BLOCK_N, 512], SM8)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, BLOCK_N, 64], SM)
-    scale_rows = gl.allocate_shared_memory(gl.float32, [RAW_STAGES * 4, BLOCK_N], VEC)  # stage j: rows 4j .. 4j + 3
-    raw_scale = scale_rows._reinterpret(gl.float32, [RAW_STAGES, 4, BLOCK_N], RAW)      # the same bytes, for copies
-    chunk_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    chunk_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    raw_free = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(4):
-        mbarrier.init(chunk_full.index(j), count=1)
-        mbarrier.init(chunk_empty.index(j), count=1)
-    for j in gl.static_range(RAW_STAGES):
-        mbarrier.init(raw_free.index(j), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
-    slot_row = SLOTS + t * stride_st
-    gl.warp_specialize([
-        (_fp8_chunked_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, raw_rope, scale_rows, p_t,
-                                 chunk_full, chunk_empty, raw_free, slot_row, n_start, n_end, num_steps, num_slots,
-                                 qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                 BLOCK_H, BLOCK_N, RAW_STAGES, SPLIT, ST_L)),
-        (_fp8_chunked_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, kv16, chunk_full, chunk_empty, raw_free,
-                                 t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                                 RAW_STAGES)),
-    ], [PRODUCER_WARPS], [168 if PRODUCER_WARPS == 4 else PRODUCER_REGS])
-
-
-@gluon.jit
 def _sparse_mla_rows_fp8_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PREFETCH_LINES: gl.constexpr = False, BATCHED: gl.constexpr = False,
-    DIAG: gl.constexpr = 0, PRODUCER_WARPS: gl.constexpr = 4, PRODUCER_REGS: gl.constexpr = 96,
-    RAW_STAGES: gl.constexpr = 1,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -1002,12 +773,6 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
-    if RAW_STAGES > 1:
-        _rows_fp8_chunked(Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2,
-                          num_slots, num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
-                          t, s, pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, RAW_STAGES,
-                          PRODUCER_WARPS, PRODUCER_REGS, ST_L)
-        return
 
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
@@ -1030,11 +795,11 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
                               full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
                               num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT,
-                              ST_L, BATCHED, DIAG)),
+                              ST_L, DIAG)),
         (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
                               full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                              STAGES, PREFETCH, PREFETCH_LINES, DIAG)),
-    ], [PRODUCER_WARPS], [168 if PRODUCER_WARPS == 4 else PRODUCER_REGS])   # (the consumer gets the rest)
+                              STAGES, DIAG)),
+    ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1102,9 +867,9 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
-# Timing diagnostics of the warp-specialized kernel (NOTES.md v10; results are wrong on purpose): 1 the producer alone
-# (gathers and conversion, no products), 2 the consumer alone (products on whatever the ring holds, no gathers),
-# 3 the gathers alone (no conversion, no products).
+# Timing diagnostics of the warp-specialized kernel (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
+# purpose; NOTES.md v10): 1 the producer alone (gathers and conversion, no products), 2 the consumer alone (products
+# on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products).
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only"}
 
 
@@ -1117,20 +882,10 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
-    if cfg.get("ws_diag", 0) not in WS_DIAGNOSTICS or (cfg.get("ws_diag", 0) and cfg.get("_diagnostic") is not True):
-        raise Glm5labError(f"ws_diag {cfg.get('ws_diag')!r} is a private timing diagnostic (wrong results): one of "
-                           f"{sorted(WS_DIAGNOSTICS)} with _diagnostic=True")
-    if cfg.get("producer_warps", 4) not in (4, 8) or cfg.get("producer_regs", 96) not in range(24, 169, 8):
-        raise Glm5labError("the warp-specialized kernel's producer is 4 or 8 warps, with 24-168 registers (a multiple "
-                           f"of 8) when 8, got {cfg.get('producer_warps')!r} warps, {cfg.get('producer_regs')!r}")
-    if cfg.get("raw_stages", 1) not in (1, 2, 3):
-        raise Glm5labError("raw_stages is 1 (two fp16 slots) or 2-3 (one chunked fp16 tile), got "
-                           f"{cfg['raw_stages']!r}")
-    if cfg.get("raw_stages", 1) > 1 and (cfg.get("prefetch") or cfg.get("batched") or cfg.get("ws_diag")):
-        raise Glm5labError("the chunked warp-specialized kernel (raw_stages 2-3) has no prefetch, batched or ws_diag "
-                           "option")
-    if not (isinstance(cfg.get("prefetch", 0), int) and 0 <= cfg.get("prefetch", 0) <= 8):
-        raise Glm5labError(f"prefetch is a number of steps from 0 to 8, got {cfg.get('prefetch')!r}")
+    diag = cfg.get("ws_diag", 0)
+    if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not (fp8 and cfg.get("rows")))):
+        raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic of the fp8_ds_mla rows-as-M kernel "
+                           f"(wrong results): one of {sorted(WS_DIAGNOSTICS)} with _diagnostic=True")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
@@ -1138,10 +893,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     check_tile(cfg, fp8)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
-    if "PREFETCH" in kernel.arg_names:     # (the caller has checked that the rows are 16-byte aligned)
-        extra.update(PREFETCH=cfg.get("prefetch", 0), BATCHED=bool(cfg.get("batched", False)),
-                     PREFETCH_LINES=bool(cfg.get("prefetch_lines", False)), DIAG=cfg.get("ws_diag", 0),
-                     PRODUCER_WARPS=cfg.get("producer_warps", 4), PRODUCER_REGS=cfg.get("producer_regs", 96),
-                     RAW_STAGES=cfg.get("raw_stages", 1))
+    if cfg.get("ws_diag"):
+        extra["DIAG"] = cfg["ws_diag"]
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
