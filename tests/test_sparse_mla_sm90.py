@@ -499,13 +499,16 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
     """The warp-specialized kernel's timing diagnostics (ws_diag, NOTES.md v10) leave out what they say: the
     producer alone has the conversion and no wgmma, the consumer alone its 68 wgmma and no gather, the gathers alone
-    neither conversion nor wgmma."""
+    neither conversion nor wgmma (4: with three staging buffers)."""
     producer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=1)
     consumer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=2)
     gathers = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=3)
+    deep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=4)
     assert "HGMMA" not in producer and producer["F2FP"] >= 128 and producer["LDGSTS"] > 0
     assert consumer["HGMMA"] == 68 and "LDGSTS" not in consumer
-    assert "HGMMA" not in gathers and gathers.get("F2FP", 0) < 128 and gathers["LDGSTS"] > 0
+    for rep in (gathers, deep):
+        assert "HGMMA" not in rep and rep.get("F2FP", 0) < 128 and rep["LDGSTS"] > 0 and rep["stack"] == 0
+    assert deep["smem"] >= 3 * 41 * 1024 > gathers["smem"]         # three staging buffers, not one
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

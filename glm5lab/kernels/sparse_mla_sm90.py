@@ -696,7 +696,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         cur_rows = sl_rows
         sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)
-        if DIAG % 2 == 0:                     # (ws_diag 1 / 3: no products, the producer timed alone)
+        if DIAG == 0 or DIAG == 2:            # (ws_diag 1 / 3 / 4: no products, the producer timed alone)
             kv = kv16.index(b)
             s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
             s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
@@ -741,6 +741,67 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
+def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
+                           num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DEPTH: gl.constexpr):
+    """ws_diag 4: the producer's gathers alone, DEPTH steps of them in flight (DEPTH staging buffers), handed to a
+    consumer that computes nothing: how fast a SM's gathers go when more of them are in flight than the kernel's
+    one staging buffer allows."""
+    NW: gl.constexpr = 4
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    slot_row = SLOTS + t * stride_st
+    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
+    for j in gl.static_range(DEPTH):
+        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(j), raw_rope.index(j),
+                      raw_scale.index(j), LAT, ROPE_L, SCALE_L)
+        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (j + 1) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
+                                                SCALE_L, True)
+    for i in range(num_steps):
+        async_copy.wait_group(DEPTH - 1)
+        gl.thread_barrier()                    # step i's rows are in staging buffer i % DEPTH
+        mbarrier.wait(empty.index(i % 2), ((i // 2) & 1) ^ 1)
+        mbarrier.arrive(full.index(i % 2), count=1)
+        st = i % DEPTH
+        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(st), raw_rope.index(st),
+                      raw_scale.index(st), LAT, ROPE_L, SCALE_L)      # step i + DEPTH
+        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (i + DEPTH + 1) * BLOCK_N, n_end, BLOCK_N, LAT,
+                                                ROPE_L, SCALE_L, True)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
+                       num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s, pid_h,
+                       n_start, n_end, num_steps, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
+                       ST_L: gl.constexpr):
+    """The body of _sparse_mla_rows_fp8_sm90_kernel under ws_diag 4 (wrong results on purpose): 3 staging buffers
+    (123 KB) and the consumer without products."""
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [3, BLOCK_N, 512], SM8)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], SM)
+    raw_scale = gl.allocate_shared_memory(gl.float32, [3, 4, BLOCK_N], RAW)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    slot_row = SLOTS + t * stride_st
+    gl.warp_specialize([
+        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_rope, raw_rope, raw_scale,
+                              raw_rope, full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t,
+                              s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, 2,
+                              SPLIT, ST_L, 4)),
+        (_deep_gathers_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
+                                  num_slots, kv_row_stride, stride_st, BLOCK_N, 3)),
+    ], [4], [168])
+
+
+@gluon.jit
 def _sparse_mla_rows_fp8_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -773,6 +834,11 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
+    if DIAG == 4:
+        _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
+                           num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s,
+                           pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, ST_L)
+        return
 
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
@@ -869,8 +935,10 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
 
 # Timing diagnostics of the warp-specialized kernel (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
 # purpose; NOTES.md v10): 1 the producer alone (gathers and conversion, no products), 2 the consumer alone (products
-# on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products).
-WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only"}
+# on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products), 4 the gathers alone
+# with 3 steps of them in flight (3 staging buffers).
+WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
+                  4: "gathers only, 3 in flight"}
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
