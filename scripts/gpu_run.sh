@@ -2,7 +2,7 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # kgluon ktests kbench kanatomy ksweep: kernel experiments (see 2b)
+#                                           # kgluon ktests kbench kceiling kanatomy ksweep: kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without .git: pass the commit it was taken from as GLM5LAB_GIT_SHA=$(git rev-parse --short=12 HEAD)
 # so every result row names it.
@@ -64,6 +64,7 @@ part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu 
 mkdir -p "$stage/results/kernels"
 part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}.csv" \
   --summary "$stage/results/kernels/summary_${KBENCH_TAG:-exp}.csv" ${KERNEL_BENCH_ARGS:-}
+part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_h200.csv"
 part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_h200.csv"
 part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)

@@ -1,0 +1,109 @@
+"""How fast the GPU reads random KV-cache rows at all: the ceiling under the sparse-MLA kernels (NOTES.md v10).
+
+The issue's roofline divides the bytes a call must read by the device-to-device copy bandwidth. Reading 2048 random
+rows a token is not a copy: every row is its own short burst (656 bytes in fp8_ds_mla, 1152 in bf16). This times a
+kernel that does nothing but that read -- the sparse-MLA access pattern (a token's top-k rows of a 524,288-slot
+cache, random) summed into a few words a program, with tens of thousands of programs so parallelism is never short
+-- beside the copy bandwidth, in one process: the fraction of the roofline a gather of those rows reaches by itself.
+
+    python -m glm5lab.bench.gather_ceiling --out results/kernels/gather_ceiling_h200.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import triton
+import triton.language as tl
+
+ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}     # glm5lab.kernels.fp8_ds_mla's row; 576 bf16 values
+BLOCK_ROWS = 32
+
+
+@triton.jit
+def _gather_sum_kernel(CACHE, SLOTS, OUT, topk, ROW_WORDS: tl.constexpr, WORDS: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    """Program (token t, row block c): read rows SLOTS[t, c*BLOCK_R : (c+1)*BLOCK_R] of the cache (int32 words,
+    16-byte aligned rows) and store their column sums, so the loads cannot be dropped."""
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.load(SLOTS + t * topk + r, mask=r < topk, other=0).to(tl.int64)
+    w = tl.arange(0, WORDS)
+    base = tl.multiple_of(rows * ROW_WORDS, 4)
+    x = tl.load(CACHE + base[:, None] + w[None, :], mask=(r < topk)[:, None] & (w < ROW_WORDS)[None, :], other=0)
+    tl.store(OUT + (t * tl.num_programs(1) + c) * WORDS + w, tl.sum(x, 0))
+
+
+def gather_sum(cache_words, slots, out=None):
+    """Column sums of each BLOCK_ROWS-row block of every token's rows: [tokens, blocks, WORDS] int32 (the words
+    past a row's end are 0). cache_words: [slots, row words] int32, slots: [tokens, topk] int32."""
+    import torch
+
+    num_tokens, topk = slots.shape
+    row_words = cache_words.shape[1]
+    words = triton.next_power_of_2(row_words)
+    blocks = triton.cdiv(topk, BLOCK_ROWS)
+    if out is None:
+        out = torch.empty(num_tokens, blocks, words, dtype=torch.int32, device=slots.device)
+    _gather_sum_kernel[(num_tokens, blocks)](cache_words, slots, out, topk, ROW_WORDS=row_words, WORDS=words,
+                                             BLOCK_R=BLOCK_ROWS, num_warps=4)
+    return out
+
+
+def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
+    """Time the gather of each layout's rows (CUDA-graph replays over rotating slot sets, as the kernel
+    benchmark) beside the copy bandwidth; append long-format rows to out_csv and return them."""
+    import torch
+
+    from glm5lab.bench.kernel_bench import graph_time_us
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import copy_bandwidth_gbps
+    from glm5lab.errors import Glm5labError
+
+    if not torch.cuda.is_available():
+        raise Glm5labError("the gather ceiling is a GPU measurement (no CUDA device here)")
+    copy = copy_bandwidth_gbps()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for layout, row_bytes in ROW_BYTES.items():
+        cache = torch.randint(0, 1 << 30, (num_slots, row_bytes // 4), dtype=torch.int32, device="cuda", generator=g)
+        sets = [torch.randint(0, num_slots, (tokens, topk), dtype=torch.int32, device="cuda", generator=g)
+                for _ in range(4)]
+        outs = [gather_sum(cache, s) for s in sets]
+        us = graph_time_us([lambda s=s, o=o: gather_sum(cache, s, o) for s, o in zip(sets, outs)])
+        read_gbps = tokens * topk * row_bytes / (us * 1e-6) / 1e9
+        shape = f"T{tokens}_K{topk}_S{num_slots}"
+        rows += [dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
+                      layout=layout, metric="time_graph", value=us, unit="us"),
+                 dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
+                      layout=layout, metric="read_bandwidth", value=read_gbps, unit="GB/s"),
+                 dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
+                      layout=layout, metric="fraction_of_copy_bandwidth", value=read_gbps / copy, unit="1")]
+        print(f"{layout:11s} rows of {row_bytes:4d} B: {us:8.1f} us, {read_gbps:7.0f} GB/s read = "
+              f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
+        del cache, sets, outs
+    rows.append(dict(suite="gather_ceiling", implementation="torch-copy", shape="2GiB", dtype="uint8", layout="-",
+                     metric="copy_bandwidth", value=copy, unit="GB/s"))
+    append_rows(out_csv, rows, command=command)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.gather_ceiling", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="CSV to append long-format rows to")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--topk", type=int, default=2048)
+    args = p.parse_args(argv)
+    from glm5lab.errors import Glm5labError
+
+    try:
+        run(args.out, args.tokens, args.topk, command=" ".join(sys.argv))
+    except Glm5labError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
