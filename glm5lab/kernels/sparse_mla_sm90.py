@@ -741,6 +741,20 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
+def _handover_barriers(N: gl.constexpr):
+    """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b) and `empty` (the
+    consumer is done with it), one arrival each, initialised and made visible before the partitions start."""
+    full = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(N):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    return full, empty
+
+
+@gluon.jit
 def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
                            num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DEPTH: gl.constexpr):
     """ws_diag 4: the producer's gathers alone, DEPTH steps of them in flight (DEPTH staging buffers), handed to a
@@ -783,13 +797,7 @@ def _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_u
     raw_lat = gl.allocate_shared_memory(gl.uint8, [3, BLOCK_N, 512], SM8)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], SM)
     raw_scale = gl.allocate_shared_memory(gl.float32, [3, 4, BLOCK_N], RAW)
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
+    full, empty = _handover_barriers(2)
     slot_row = SLOTS + t * stride_st
     gl.warp_specialize([
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_rope, raw_rope, raw_scale,
@@ -849,13 +857,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], SM)
     raw_scale_rows = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], VEC)  # read a chunk's scales per row
     raw_scale = raw_scale_rows._reinterpret(gl.float32, [4, BLOCK_N], RAW)     # the same bytes, for the copies
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(full.index(j), count=1)
-        mbarrier.init(empty.index(j), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
+    full, empty = _handover_barriers(STAGES)
     slot_row = SLOTS + t * stride_st
     gl.warp_specialize([
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
