@@ -767,20 +767,18 @@ def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty,
     slot_row = SLOTS + t * stride_st
     nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for j in gl.static_range(DEPTH):
-        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(j), raw_rope.index(j),
-                      raw_scale.index(j), LAT, ROPE_L, SCALE_L)
-        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (j + 1) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
-                                                SCALE_L, True)
+        nx_lat, nx_rope, nx_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, raw_lat.index(j),
+            raw_rope.index(j), raw_scale.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for i in range(num_steps):
         async_copy.wait_group(DEPTH - 1)
         gl.thread_barrier()                    # step i's rows are in staging buffer i % DEPTH
         mbarrier.wait(empty.index(i % 2), ((i // 2) & 1) ^ 1)
         mbarrier.arrive(full.index(i % 2), count=1)
         st = i % DEPTH
-        _request_rows(KV, kv_row_stride, num_slots, nx_lat, nx_rope, nx_scale, raw_lat.index(st), raw_rope.index(st),
-                      raw_scale.index(st), LAT, ROPE_L, SCALE_L)      # step i + DEPTH
-        nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start + (i + DEPTH + 1) * BLOCK_N, n_end, BLOCK_N, LAT,
-                                                ROPE_L, SCALE_L, True)
+        nx_lat, nx_rope, nx_scale = _request_step(                     # step i + DEPTH
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + DEPTH + 1) * BLOCK_N, n_end, raw_lat.index(st),
+            raw_rope.index(st), raw_scale.index(st), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     async_copy.wait_group(0)
 
 
