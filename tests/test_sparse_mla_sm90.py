@@ -77,9 +77,11 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
-VARIANT_IDS = ["s2", "s3", "ws8"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
+WS8R = {**WS8, "row_gather": True}          # ... its producer's cp.async a row a warp (NOTES.md v11)
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
+                WS8R]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8r"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R], ids=["default", "ws8", "ws8r"])
 
 
 @pytest.mark.gpu
@@ -509,6 +511,21 @@ def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
     for rep in (gathers, deep):
         assert "HGMMA" not in rep and rep.get("F2FP", 0) < 128 and rep["LDGSTS"] > 0 and rep["stack"] == 0
     assert deep["smem"] >= 3 * 41 * 1024 > gathers["smem"]         # three staging buffers, not one
+
+
+def test_gluon_rows_fp8_sm90_row_gather_changes_only_the_gathers():
+    """row_gather (a warp's cp.async = 512 bytes of one row): the same copies, products and conversions as the
+    kernel, more slot-index loads (a thread copies from 16 rows instead of 2); refused for any other kernel."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    base = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
+    rows = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, ROW_GATHER=True)
+    assert rows["stack"] == 0 and rows.get("LDL", 0) == 0
+    for key in ("LDGSTS", "HGMMA", "F2FP", "smem"):
+        assert rows[key] == base[key], key
+    assert rows["LDG"] > base["LDG"]
+    with pytest.raises(Glm5labError, match="row_gather is an option of the fp8_ds_mla rows-as-M"):
+        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "row_gather": True}, False, False)
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

@@ -627,15 +627,24 @@ def _sparse_mla_rows_sm90_kernel(
                    stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
+@gluon.constexpr_function
+def _gather_layout(NW, ROW_GATHER):
+    """The producer's cp.async layout of the 512 latent bytes of its rows: 64 bytes of eight rows a warp
+    instruction, or (ROW_GATHER) 512 bytes of one row, as the gather-ceiling kernel reads them."""
+    if ROW_GATHER:
+        return gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])
+    return gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+
+
 @gluon.jit
 def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
                        t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr, ROW_GATHER: gl.constexpr):
     """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
     staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
     separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
     NW: gl.constexpr = 4
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])       # [rows, 512] e4m3 copies
+    LAT: gl.constexpr = _gather_layout(NW, ROW_GATHER)                              # [rows, 512] e4m3 copies
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
@@ -756,12 +765,13 @@ def _handover_barriers(N: gl.constexpr):
 
 @gluon.jit
 def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
-                           num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DEPTH: gl.constexpr):
+                           num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DEPTH: gl.constexpr,
+                           ROW_GATHER: gl.constexpr):
     """ws_diag 4: the producer's gathers alone, DEPTH steps of them in flight (DEPTH staging buffers), handed to a
     consumer that computes nothing: how fast a SM's gathers go when more of them are in flight than the kernel's
     one staging buffer allows."""
     NW: gl.constexpr = 4
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+    LAT: gl.constexpr = _gather_layout(NW, ROW_GATHER)
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
     slot_row = SLOTS + t * stride_st
@@ -786,7 +796,7 @@ def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty,
 def _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
                        num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s, pid_h,
                        n_start, n_end, num_steps, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr):
+                       ST_L: gl.constexpr, ROW_GATHER: gl.constexpr):
     """The body of _sparse_mla_rows_fp8_sm90_kernel under ws_diag 4 (wrong results on purpose): 3 staging buffers
     (123 KB) and the consumer without products."""
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -803,7 +813,7 @@ def _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_u
                               s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, 2,
                               SPLIT, ST_L, 4)),
         (_deep_gathers_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
-                                  num_slots, kv_row_stride, stride_st, BLOCK_N, 3)),
+                                  num_slots, kv_row_stride, stride_st, BLOCK_N, 3, ROW_GATHER)),
     ], [4], [168])
 
 
@@ -813,7 +823,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, ROW_GATHER: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -843,7 +853,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     if DIAG == 4:
         _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
                            num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s,
-                           pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, ST_L)
+                           pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, ST_L, ROW_GATHER)
         return
 
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
@@ -864,7 +874,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
                               ST_L, DIAG)),
         (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
                               full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                              STAGES, DIAG)),
+                              STAGES, DIAG, ROW_GATHER)),
     ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
 
 
@@ -950,6 +960,8 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
+    if cfg.get("row_gather") and not (fp8 and cfg.get("rows")):
+        raise Glm5labError("row_gather is an option of the fp8_ds_mla rows-as-M kernel's producer only")
     diag = cfg.get("ws_diag", 0)
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not (fp8 and cfg.get("rows")))):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic of the fp8_ds_mla rows-as-M kernel "
@@ -963,5 +975,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
+    if cfg.get("row_gather"):
+        extra["ROW_GATHER"] = True
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
