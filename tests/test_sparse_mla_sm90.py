@@ -79,10 +79,12 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8R = {**WS8, "row_gather": True}          # ... its producer's cp.async a row a warp (NOTES.md v11)
 WS8G = {**WS8, "reg_gather": True}          # ... its producer's rows in registers, no staging buffer (NOTES.md v11)
+WS8H = {**WS8, "half_steps": True}          # ... its producer's staging buffer in two halves (NOTES.md v11)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8R, WS8G]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8r", "ws8g"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R, WS8G], ids=["default", "ws8", "ws8r", "ws8g"])
+                WS8R, WS8G, WS8H]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8r", "ws8g", "ws8h"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R, WS8G, WS8H],
+                                   ids=["default", "ws8", "ws8r", "ws8g", "ws8h"])
 
 
 @pytest.mark.gpu

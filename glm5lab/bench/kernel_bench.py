@@ -58,7 +58,12 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   ("ws8g", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
                             "reg_gather": True}),
                   ("ws8gd1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "_diagnostic": True, "ws_diag": 1, "reg_gather": True})]
+                              "_diagnostic": True, "ws_diag": 1, "reg_gather": True}),
+                  # ... with the staging buffer in two halves of a step (half_steps; NOTES.md v11)
+                  ("ws8h", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                            "half_steps": True}),
+                  ("ws8hd1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                              "_diagnostic": True, "ws_diag": 1, "half_steps": True})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

@@ -627,6 +627,69 @@ def _sparse_mla_rows_sm90_kernel(
                    stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
+@gluon.jit
+def _convert_rows(raw_lat, raw_rope, raw_scale_rows, sc0: gl.constexpr, kv16, rope16, scale_ring, b, r0: gl.constexpr,
+                  ROWS: gl.constexpr, DQ: gl.constexpr, ROPE_L: gl.constexpr, SV: gl.constexpr):
+    """Staged raw rows into rows [r0, r0 + ROWS) of ring slot b: the e4m3 bytes converted ONCE to fp16 (exact; the
+    scales stay separate), chunk by chunk of 128 values, then rope and scales (rows sc0.. of raw_scale_rows) copied
+    beside them."""
+    dst = kv16.index(b).slice(r0, ROWS, dim=0)
+    for c in gl.static_range(4):
+        raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
+        dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+    rope16.index(b).slice(r0, ROWS, dim=0).store(raw_rope.load(ROPE_L))
+    for c in gl.static_range(4):
+        scale_ring.index(4 * b + c).slice(r0, ROWS).store(raw_scale_rows.index(sc0 + c).load(SV))
+
+
+@gluon.jit
+def _fp8_rows_producer_halves(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t,
+                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr):
+    """half_steps: the producer with its staging buffer in two halves of a step. Half A of step i is converted, then
+    half A of step i + 1 requested into the staging it freed, while half B of step i is still landing: half of each
+    conversion overlaps the next step's gathers (the one-buffer producer converts between them)."""
+    NW: gl.constexpr = 4
+    HALF: gl.constexpr = BLOCK_N // 2
+    LAT: gl.constexpr = _gather_layout(NW, True)
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    slot_row = SLOTS + t * stride_st
+    la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
+                  raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
+    _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
+                  raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
+    la, ra, sa = _ring_slots(slot_row, n_start + BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    lb, rb, sb = _ring_slots(slot_row, n_start + BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
+        async_copy.wait_group(1)
+        gl.thread_barrier()                    # half A of step i has landed (every thread's copies)
+        _convert_rows(raw_lat.index(0), raw_rope.index(0), raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, HALF,
+                      DQ, ROPE_L, SV)
+        gl.thread_barrier()                    # every thread is done reading half A's staging
+        _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
+                      raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)            # half A of step i + 1
+        async_copy.wait_group(1)
+        gl.thread_barrier()                    # half B of step i has landed
+        _convert_rows(raw_lat.index(1), raw_rope.index(1), raw_scale_rows, 4, kv16, rope16, scale_ring, b, HALF,
+                      HALF, DQ, ROPE_L, SV)
+        fence_async_shared()
+        gl.thread_barrier()                    # every thread's stores are done, and its reads of half B's staging
+        mbarrier.arrive(full.index(b), count=1)
+        _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
+                      raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)            # half B of step i + 1
+        la, ra, sa = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+        lb, rb, sb = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L,
+                                 True)
+    async_copy.wait_group(0)
+
+
 @gluon.constexpr_function
 def _gather_layout(NW, ROW_GATHER):
     """The producer's cp.async layout of the 512 latent bytes of its rows: 64 bytes of eight rows a warp
@@ -662,15 +725,8 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
             gl.thread_barrier()                # step i's raw rows are in the staging buffer (every thread's copies)
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
         if DIAG < 2:                           # (ws_diag 3: the gathers without the conversion)
-            dst = kv16.index(b)
-            for c in gl.static_range(4):
-                raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
-                dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
-            rope16.index(b).store(raw_rope.load(ROPE_L))
-            scale_ring.index(4 * b + 0).store(raw_scale_rows.index(0).load(SV))
-            scale_ring.index(4 * b + 1).store(raw_scale_rows.index(1).load(SV))
-            scale_ring.index(4 * b + 2).store(raw_scale_rows.index(2).load(SV))
-            scale_ring.index(4 * b + 3).store(raw_scale_rows.index(3).load(SV))
+            _convert_rows(raw_lat, raw_rope, raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, BLOCK_N, DQ, ROPE_L,
+                          SV)
         fence_async_shared()
         gl.thread_barrier()                    # every thread's stores are done, and its reads of the staging buffer
         mbarrier.arrive(full.index(b), count=1)
@@ -908,7 +964,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, ROW_GATHER: gl.constexpr = False, REG_GATHER: gl.constexpr = False,
-    PRODUCER_REGS: gl.constexpr = 168,
+    PRODUCER_REGS: gl.constexpr = 168, HALF_STEPS: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -955,6 +1011,24 @@ def _sparse_mla_rows_fp8_sm90_kernel(
             (_fp8_rows_producer_regs, (KV, SLOTS, kv16, rope16, scale_ring, full, empty, t, n_start, n_end, num_steps,
                                        num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
         ], [4], [PRODUCER_REGS])
+        return
+    if HALF_STEPS:
+        SM8H: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+        RAWH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        raw_lat2 = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N // 2, 512], SM8H)     # staging, a half a buffer
+        raw_rope2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N // 2, 64], SM)
+        raw_scale_rows2 = gl.allocate_shared_memory(gl.float32, [8, BLOCK_N // 2], VEC)   # half h: rows 4h .. 4h + 3
+        raw_scale2 = raw_scale_rows2._reinterpret(gl.float32, [8, BLOCK_N // 2], RAWH)
+        full, empty = _handover_barriers(STAGES)
+        gl.warp_specialize([
+            (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
+                                  p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
+            (_fp8_rows_producer_halves, (KV, SLOTS, raw_lat2, raw_rope2, raw_scale2, raw_scale_rows2, kv16, rope16, scale_ring, full,
+                                         empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
+                                         BLOCK_N, STAGES)),
+        ], [4], [168])
         return
     SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
     raw_lat = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SM8)         # the producer's staging buffer
@@ -1056,7 +1130,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
-    for opt in ("row_gather", "reg_gather"):
+    if cfg.get("half_steps") and cfg.get("ws_diag", 0) not in (0, 1):
+        raise Glm5labError("half_steps: of the timing diagnostics only ws_diag 1 applies")
+    for opt in ("row_gather", "reg_gather", "half_steps"):
         if cfg.get(opt) and not (fp8 and cfg.get("rows")):
             raise Glm5labError(f"{opt} is an option of the fp8_ds_mla rows-as-M kernel's producer only")
     if cfg.get("reg_gather") and cfg.get("ws_diag", 0) not in (0, 1, 2):
@@ -1076,6 +1152,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("row_gather"):
         extra["ROW_GATHER"] = True
+    if cfg.get("half_steps"):
+        extra["HALF_STEPS"] = True
     if cfg.get("reg_gather"):
         extra["REG_GATHER"] = True
         extra["PRODUCER_REGS"] = cfg.get("producer_regs", 168)
