@@ -78,13 +78,13 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8R = {**WS8, "row_gather": True}          # ... its producer's cp.async a row a warp (NOTES.md v11)
-WS8G = {**WS8, "reg_gather": True}          # ... its producer's rows in registers, no staging buffer (NOTES.md v11)
 WS8H = {**WS8, "half_steps": True}          # ... its producer's staging buffer in two halves (NOTES.md v11)
+WS8L = {**WS8, "loader": True}              # ... a loader warpgroup and a converter warpgroup (NOTES.md v11)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8R, WS8G, WS8H]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8r", "ws8g", "ws8h"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R, WS8G, WS8H],
-                                   ids=["default", "ws8", "ws8r", "ws8g", "ws8h"])
+                WS8R, WS8H, WS8L]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8r", "ws8h", "ws8l"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R, WS8H, WS8L],
+                                   ids=["default", "ws8", "ws8r", "ws8h", "ws8l"])
 
 
 @pytest.mark.gpu
@@ -531,19 +531,12 @@ def test_gluon_rows_fp8_sm90_row_gather_changes_only_the_gathers():
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "row_gather": True}, False, False)
 
 
-def test_gluon_rows_fp8_sm90_reg_gather_has_no_staging_buffer():
-    """reg_gather: the producer's rows come by plain 16-byte loads into registers (no cp.async), four e4m3 values a
-    register (the 128 pair conversions of a step, no byte shuffling to speak of), no staging buffer (<= 177 KB),
-    no spill; the same 68 wgmma in the consumer; diagnostics that need the staging buffer refused."""
-    from glm5lab.kernels import sparse_mla_sm90 as sm90
-
-    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, REG_GATHER=True)
-    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and "LDGSTS" not in rep
-    assert rep["HGMMA"] == 68 and rep["F2FP"] >= 128 and rep.get("PRMT", 0) < 128
-    assert rep["smem"] <= 177 * 1024
-    with pytest.raises(Glm5labError, match="reg_gather has no staging buffer"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "reg_gather": True, "ws_diag": 3, "_diagnostic": True},
-                    False, True)
+def test_gluon_rows_fp8_sm90_loader_splits_the_producer():
+    """loader: three warpgroups (consumer 256 registers, converter 144, loader 104: the 12-warp CTA's 168 a thread),
+    the same copies, conversions and products as the kernel, no spill, the same shared memory (one CTA a SM)."""
+    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, HALF_STEPS=True, LOADER=True)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["regs"] <= 168
+    assert rep["HGMMA"] == 68 and rep["LDGSTS"] == 22 and rep["F2FP"] >= 128 and rep["smem"] <= 227 * 1024
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

@@ -54,16 +54,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                             "row_gather": True}),
                   *((f"ws8d{d}r", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
                                    "_diagnostic": True, "ws_diag": d, "row_gather": True}) for d in (1, 3, 4)),
-                  # ... with the rows carried in registers, no staging buffer (reg_gather; NOTES.md v11)
-                  ("ws8g", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                            "reg_gather": True}),
-                  ("ws8gd1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "_diagnostic": True, "ws_diag": 1, "reg_gather": True}),
                   # ... with the staging buffer in two halves of a step (half_steps; NOTES.md v11)
                   ("ws8h", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
                             "half_steps": True}),
                   ("ws8hd1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "_diagnostic": True, "ws_diag": 1, "half_steps": True})]
+                              "_diagnostic": True, "ws_diag": 1, "half_steps": True}),
+                  # ... with a loader warpgroup issuing the gathers and a converter warpgroup (loader; NOTES.md v11)
+                  ("ws8l", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "loader": True}),
+                  ("ws8ld1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                              "_diagnostic": True, "ws_diag": 1, "loader": True})]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

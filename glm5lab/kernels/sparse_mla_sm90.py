@@ -690,6 +690,63 @@ def _fp8_rows_producer_halves(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale
     async_copy.wait_group(0)
 
 
+@gluon.jit
+def _fp8_rows_loader(KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps, num_slots,
+                     kv_row_stride, stride_st, BLOCK_N: gl.constexpr):
+    """loader: a warpgroup that only issues the gathers, half a step at a time into the two halves of the staging
+    buffer, as soon as the converter has freed a half; each thread's copies arrive on `staged[h]` when they land
+    (cp.async.mbarrier.arrive), so the loader never waits on memory, only on the converter."""
+    NW: gl.constexpr = 4
+    HALF: gl.constexpr = BLOCK_N // 2
+    LAT: gl.constexpr = _gather_layout(NW, True)
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    slot_row = SLOTS + t * stride_st
+    la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+    for i in range(num_steps):
+        ph = (i & 1) ^ 1
+        mbarrier.wait(free.index(0), ph)       # the converter is done with half A of step i - 1
+        _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
+                      raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
+        async_copy.mbarrier_arrive(staged.index(0), increment_count=False)
+        la, ra, sa = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+        mbarrier.wait(free.index(1), ph)
+        _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
+                      raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
+        async_copy.mbarrier_arrive(staged.index(1), increment_count=False)
+        lb, rb, sb = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L,
+                                 True)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_ring, staged, free, full, empty,
+                        num_steps, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """loader: the warpgroup between loader and consumer -- converts each staged half into the fp16 slot (never
+    issuing a gather, so a throttled copy queue cannot hold a conversion up), frees the half, hands the slot over."""
+    NW: gl.constexpr = 4
+    HALF: gl.constexpr = BLOCK_N // 2
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
+    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
+        mbarrier.wait(staged.index(0), i & 1)                        # half A of step i has landed
+        _convert_rows(raw_lat.index(0), raw_rope.index(0), raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, HALF,
+                      DQ, ROPE_L, SV)
+        gl.thread_barrier()                    # every thread is done reading half A's staging
+        mbarrier.arrive(free.index(0))
+        mbarrier.wait(staged.index(1), i & 1)
+        _convert_rows(raw_lat.index(1), raw_rope.index(1), raw_scale_rows, 4, kv16, rope16, scale_ring, b, HALF,
+                      HALF, DQ, ROPE_L, SV)
+        fence_async_shared()
+        gl.thread_barrier()                    # every thread's stores are done, and its reads of half B's staging
+        mbarrier.arrive(free.index(1))
+        mbarrier.arrive(full.index(b), count=1)
+
+
 @gluon.constexpr_function
 def _gather_layout(NW, ROW_GATHER):
     """The producer's cp.async layout of the 512 latent bytes of its rows: 64 bytes of eight rows a warp
@@ -736,90 +793,6 @@ def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, 
         sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
                                                 SCALE_L, True)
     async_copy.wait_group(0)
-
-
-@gluon.jit
-def _half_slots(slot_row, n0, n_end, HALF: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr, SV: gl.constexpr):
-    """Slot indices of rows [n0, n0 + HALF) in the layouts of _load_rows' three loads."""
-    return (_slots(slot_row, n0, n_end, HALF, gl.SliceLayout(1, LAT)),
-            _slots(slot_row, n0, n_end, HALF, gl.SliceLayout(1, ROPE_L)), _slots(slot_row, n0, n_end, HALF, SV))
-
-
-@gluon.jit
-def _load_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, LAT: gl.constexpr, ROPE_L: gl.constexpr,
-               SV: gl.constexpr):
-    """Rows of an fp8_ds_mla cache into registers (plain loads, 0 for skipped rows): the 512 e4m3 bytes as 128 words
-    (four values a register, not one), 64 bf16 rope values and the 4 scales (one [rows] tensor a chunk)."""
-    ok = (sl_lat >= 0) & (sl_lat < num_slots)
-    base = (KV + gl.where(ok, sl_lat, 0).to(gl.int64)[:, None] * row_stride).to(gl.pointer_type(gl.int32))
-    lat = gl.load(base + gl.arange(0, 128, layout=gl.SliceLayout(0, LAT))[None, :], mask=ok[:, None], other=0)
-    ok_r = (sl_rope >= 0) & (sl_rope < num_slots)
-    base_r = (KV + gl.where(ok_r, sl_rope, 0).to(gl.int64)[:, None] * row_stride + ROPE_OFFSET)
-    rope = gl.load(base_r.to(gl.pointer_type(gl.bfloat16)) + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
-                   mask=ok_r[:, None], other=0.0)
-    ok_s = (sl_scale >= 0) & (sl_scale < num_slots)
-    base_s = (KV + gl.where(ok_s, sl_scale, 0).to(gl.int64) * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32))
-    return (lat, rope, gl.load(base_s + 0, mask=ok_s, other=0.0), gl.load(base_s + 1, mask=ok_s, other=0.0),
-            gl.load(base_s + 2, mask=ok_s, other=0.0), gl.load(base_s + 3, mask=ok_s, other=0.0))
-
-
-@gluon.jit
-def _e4m3x4_to_f16x4(words):
-    """Four e4m3 values a word -> two words of two fp16 each (exact; byte k of the word is value k)."""
-    lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
-        "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    both = gl.join(lo, hi)                                      # [rows, words, 2]
-    return gl.reshape(both, [both.shape[0], 2 * both.shape[1]])
-
-
-@gluon.jit
-def _store_rows(kv16w, rope16, scale_ring, b, r0: gl.constexpr, HALF: gl.constexpr, lat, rope, s0, s1, s2, s3):
-    """Rows [r0, r0 + HALF) of ring slot b from registers: the e4m3 words converted to fp16 pairs (exact) into the
-    slot seen as words (kv16w), rope, scales."""
-    kv16w.index(b).slice(r0, HALF, dim=0).store(_e4m3x4_to_f16x4(lat))
-    rope16.index(b).slice(r0, HALF, dim=0).store(rope)
-    scale_ring.index(4 * b + 0).slice(r0, HALF).store(s0)
-    scale_ring.index(4 * b + 1).slice(r0, HALF).store(s1)
-    scale_ring.index(4 * b + 2).slice(r0, HALF).store(s2)
-    scale_ring.index(4 * b + 3).slice(r0, HALF).store(s3)
-
-
-@gluon.jit
-def _fp8_rows_producer_regs(KV, SLOTS, kv16, rope16, scale_ring, full, empty, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                            DIAG: gl.constexpr):
-    """reg_gather: the producer without a staging buffer. A step's rows travel in registers as two halves; each half
-    of step i is converted into the fp16 slot, then the same half of step i + 1 is loaded into the registers it
-    freed, so a step's conversion overlaps the next step's gathers (their slot indices come a step earlier still)."""
-    NW: gl.constexpr = 4
-    HALF: gl.constexpr = BLOCK_N // 2
-    LAT: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])       # [rows, 128] e4m3 words: a row a warp
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
-    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
-    W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    kv16w = kv16._reinterpret(gl.int32, [STAGES, BLOCK_N, 256], W32)              # the same bytes, a word = 2 fp16
-    slot_row = SLOTS + t * stride_st
-    la, ra, sa = _half_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SV)
-    lb, rb, sb = _half_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SV)
-    latA, ropeA, a0, a1, a2, a3 = _load_rows(KV, kv_row_stride, num_slots, la, ra, sa, LAT, ROPE_L, SV)
-    latB, ropeB, b0, b1, b2, b3 = _load_rows(KV, kv_row_stride, num_slots, lb, rb, sb, LAT, ROPE_L, SV)
-    la, ra, sa = _half_slots(slot_row, n_start + BLOCK_N, n_end, HALF, LAT, ROPE_L, SV)
-    lb, rb, sb = _half_slots(slot_row, n_start + BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SV)
-    for i in range(num_steps):
-        b = i % STAGES
-        n_after = n_start + (i + 2) * BLOCK_N
-        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        if DIAG != 2:                          # (ws_diag 2: the consumer timed alone, on whatever the ring holds)
-            _store_rows(kv16w, rope16, scale_ring, b, 0, HALF, latA, ropeA, a0, a1, a2, a3)
-            latA, ropeA, a0, a1, a2, a3 = _load_rows(KV, kv_row_stride, num_slots, la, ra, sa, LAT, ROPE_L, SV)
-            _store_rows(kv16w, rope16, scale_ring, b, HALF, HALF, latB, ropeB, b0, b1, b2, b3)
-            latB, ropeB, b0, b1, b2, b3 = _load_rows(KV, kv_row_stride, num_slots, lb, rb, sb, LAT, ROPE_L, SV)
-        la, ra, sa = _half_slots(slot_row, n_after, n_end, HALF, LAT, ROPE_L, SV)
-        lb, rb, sb = _half_slots(slot_row, n_after + HALF, n_end, HALF, LAT, ROPE_L, SV)
-        fence_async_shared()
-        gl.thread_barrier()                    # every thread's stores are done
-        mbarrier.arrive(full.index(b), count=1)
 
 
 @gluon.jit
@@ -963,8 +936,8 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, ROW_GATHER: gl.constexpr = False, REG_GATHER: gl.constexpr = False,
-    PRODUCER_REGS: gl.constexpr = 168, HALF_STEPS: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, ROW_GATHER: gl.constexpr = False, HALF_STEPS: gl.constexpr = False,
+    LOADER: gl.constexpr = False, LOADER_REGS_CONV: gl.constexpr = 144, LOADER_REGS_LOAD: gl.constexpr = 104,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
     step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
@@ -1001,17 +974,6 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-    if REG_GATHER:
-        full, empty = _handover_barriers(STAGES)
-        gl.warp_specialize([
-            (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
-                                  p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
-            (_fp8_rows_producer_regs, (KV, SLOTS, kv16, rope16, scale_ring, full, empty, t, n_start, n_end, num_steps,
-                                       num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-        ], [4], [PRODUCER_REGS])
-        return
     if HALF_STEPS:
         SM8H: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
         RAWH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -1020,6 +982,25 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         raw_scale_rows2 = gl.allocate_shared_memory(gl.float32, [8, BLOCK_N // 2], VEC)   # half h: rows 4h .. 4h + 3
         raw_scale2 = raw_scale_rows2._reinterpret(gl.float32, [8, BLOCK_N // 2], RAWH)
         full, empty = _handover_barriers(STAGES)
+        if LOADER:
+            staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(2):
+                mbarrier.init(staged.index(j), count=4 * 32)     # every loader thread's copies
+                mbarrier.init(free.index(j), count=1)
+            fence_async_shared()
+            gl.thread_barrier()
+            gl.warp_specialize([
+                (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
+                                      p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                      qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                                      stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
+                (_fp8_rows_converter, (raw_lat2, raw_rope2, raw_scale_rows2, kv16, rope16, scale_ring, staged, free,
+                                       full, empty, num_steps, STAGES, BLOCK_N)),
+                (_fp8_rows_loader, (KV, SLOTS, raw_lat2, raw_rope2, raw_scale2, staged, free, t, n_start, n_end,
+                                    num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N)),
+            ], [4, 4], [LOADER_REGS_CONV, LOADER_REGS_LOAD])
+            return
         gl.warp_specialize([
             (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
                                   p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
@@ -1130,13 +1111,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
-    if cfg.get("half_steps") and cfg.get("ws_diag", 0) not in (0, 1):
-        raise Glm5labError("half_steps: of the timing diagnostics only ws_diag 1 applies")
-    for opt in ("row_gather", "reg_gather", "half_steps"):
+    for opt in ("half_steps", "loader"):
+        if cfg.get(opt) and cfg.get("ws_diag", 0) not in (0, 1):
+            raise Glm5labError(f"{opt}: of the timing diagnostics only ws_diag 1 applies")
+    for opt in ("row_gather", "half_steps", "loader"):
         if cfg.get(opt) and not (fp8 and cfg.get("rows")):
             raise Glm5labError(f"{opt} is an option of the fp8_ds_mla rows-as-M kernel's producer only")
-    if cfg.get("reg_gather") and cfg.get("ws_diag", 0) not in (0, 1, 2):
-        raise Glm5labError("reg_gather has no staging buffer: of the timing diagnostics only ws_diag 1 and 2 apply")
     diag = cfg.get("ws_diag", 0)
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not (fp8 and cfg.get("rows")))):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic of the fp8_ds_mla rows-as-M kernel "
@@ -1154,8 +1134,9 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
         extra["ROW_GATHER"] = True
     if cfg.get("half_steps"):
         extra["HALF_STEPS"] = True
-    if cfg.get("reg_gather"):
-        extra["REG_GATHER"] = True
-        extra["PRODUCER_REGS"] = cfg.get("producer_regs", 168)
+    if cfg.get("loader"):
+        extra["HALF_STEPS"] = True
+        extra["LOADER"] = True
+        extra["LOADER_REGS_CONV"], extra["LOADER_REGS_LOAD"] = cfg.get("loader_regs", (144, 104))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
