@@ -77,14 +77,9 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-WS8R = {**WS8, "row_gather": True}          # ... its producer's cp.async a row a warp (NOTES.md v11)
-WS8H = {**WS8, "half_steps": True}          # ... its producer's staging buffer in two halves (NOTES.md v11)
-WS8L = {**WS8, "loader": True}              # ... a loader warpgroup and a converter warpgroup (NOTES.md v11)
-VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8R, WS8H, WS8L]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8r", "ws8h", "ws8l"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8R, WS8H, WS8L],
-                                   ids=["default", "ws8", "ws8r", "ws8h", "ws8l"])
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
+VARIANT_IDS = ["s2", "s3", "ws8"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
 
 
 @pytest.mark.gpu
@@ -491,52 +486,28 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
 
 
 def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
-    """The fp8_ds_mla rows-as-M kernel (NOTES.md v9): a producer warpgroup that converts each e4m3 byte once (128
-    F2FP a 64-row step in its loop) and a consumer warpgroup with 68 wgmma a step reading the fp16 tile from shared
-    memory, mbarrier hand-over, registers moved to the consumer (setmaxnreg), no spill, one CTA a SM (<= 227 KB)."""
+    """The fp8_ds_mla rows-as-M kernel (NOTES.md v9, v11): three warpgroups in one 12-warp CTA -- a loader whose loop
+    issues the step's 22 cp.async a thread (LDGSTS) and nothing heavier, a converter that converts each e4m3 byte
+    once (128 F2FP a 64-row step), a consumer with 68 wgmma a step reading the fp16 slot from shared memory --
+    registers moved to the consumer (setmaxnreg), no spill, one CTA a SM (<= 227 KB)."""
     rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
-    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["regs"] <= 168
     assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep["F2FP"] >= 128
-    assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
+    assert rep["LDGSTS"] == 22 and rep["smem"] <= 227 * 1024
     assert rep["WARPGROUP.DEPBAR"] == 9          # each of its nine wgmma products waited for in turn
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
-    """The warp-specialized kernel's timing diagnostics (ws_diag, NOTES.md v10) leave out what they say: the
-    producer alone has the conversion and no wgmma, the consumer alone its 68 wgmma and no gather, the gathers alone
-    neither conversion nor wgmma (4: with three staging buffers)."""
+    """The warp-specialized kernel's timing diagnostics (ws_diag, NOTES.md v10-11) leave out what they say: loader
+    and converter alone have the conversion and no wgmma, the consumer alone its 68 wgmma and no gather, the gathers
+    alone neither conversion nor wgmma nor the fp16 ring."""
     producer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=1)
     consumer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=2)
     gathers = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=3)
-    deep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=4)
     assert "HGMMA" not in producer and producer["F2FP"] >= 128 and producer["LDGSTS"] > 0
     assert consumer["HGMMA"] == 68 and "LDGSTS" not in consumer
-    for rep in (gathers, deep):
-        assert "HGMMA" not in rep and rep.get("F2FP", 0) < 128 and rep["LDGSTS"] > 0 and rep["stack"] == 0
-    assert deep["smem"] >= 3 * 41 * 1024 > gathers["smem"]         # three staging buffers, not one
-
-
-def test_gluon_rows_fp8_sm90_row_gather_changes_only_the_gathers():
-    """row_gather (a warp's cp.async = 512 bytes of one row): the same copies, products and conversions as the
-    kernel, more slot-index loads (a thread copies from 16 rows instead of 2); refused for any other kernel."""
-    from glm5lab.kernels import sparse_mla_sm90 as sm90
-
-    base = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
-    rows = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, ROW_GATHER=True)
-    assert rows["stack"] == 0 and rows.get("LDL", 0) == 0
-    for key in ("LDGSTS", "HGMMA", "F2FP", "smem"):
-        assert rows[key] == base[key], key
-    assert rows["LDG"] > base["LDG"]
-    with pytest.raises(Glm5labError, match="row_gather is an option of the fp8_ds_mla rows-as-M"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "row_gather": True}, False, False)
-
-
-def test_gluon_rows_fp8_sm90_loader_splits_the_producer():
-    """loader: three warpgroups (consumer 256 registers, converter 144, loader 104: the 12-warp CTA's 168 a thread),
-    the same copies, conversions and products as the kernel, no spill, the same shared memory (one CTA a SM)."""
-    rep = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, HALF_STEPS=True, LOADER=True)
-    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["regs"] <= 168
-    assert rep["HGMMA"] == 68 and rep["LDGSTS"] == 22 and rep["F2FP"] >= 128 and rep["smem"] <= 227 * 1024
+    assert "HGMMA" not in gathers and gathers.get("F2FP", 0) < 128 and gathers["LDGSTS"] > 0
+    assert gathers["stack"] == 0 and gathers["smem"] < 64 * 1024 < producer["smem"]
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

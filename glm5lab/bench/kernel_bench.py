@@ -45,24 +45,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
                   ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
-                  # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10):
-                  # the producer alone (d1), the consumer alone (d2), the gathers alone (d3; d4: 3 steps in flight)
+                  # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
+                  # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3)
                   *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
-                  # ... with the producer's cp.async covering 512 bytes of one row a warp (row_gather; NOTES.md v11)
-                  ("ws8r", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                            "row_gather": True}),
-                  *((f"ws8d{d}r", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                                   "_diagnostic": True, "ws_diag": d, "row_gather": True}) for d in (1, 3, 4)),
-                  # ... with the staging buffer in two halves of a step (half_steps; NOTES.md v11)
-                  ("ws8h", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                            "half_steps": True}),
-                  ("ws8hd1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "_diagnostic": True, "ws_diag": 1, "half_steps": True}),
-                  # ... with a loader warpgroup issuing the gathers and a converter warpgroup (loader; NOTES.md v11)
-                  ("ws8l", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "loader": True}),
-                  ("ws8ld1", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                              "_diagnostic": True, "ws_diag": 1, "loader": True})]
+                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

@@ -643,156 +643,62 @@ def _convert_rows(raw_lat, raw_rope, raw_scale_rows, sc0: gl.constexpr, kv16, ro
 
 
 @gluon.jit
-def _fp8_rows_producer_halves(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty, t,
-                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                              STAGES: gl.constexpr):
-    """half_steps: the producer with its staging buffer in two halves of a step. Half A of step i is converted, then
-    half A of step i + 1 requested into the staging it freed, while half B of step i is still landing: half of each
-    conversion overlaps the next step's gathers (the one-buffer producer converts between them)."""
-    NW: gl.constexpr = 4
-    HALF: gl.constexpr = BLOCK_N // 2
-    LAT: gl.constexpr = _gather_layout(NW, True)
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
-    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    slot_row = SLOTS + t * stride_st
-    la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
-                  raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
-    _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
-                  raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
-    la, ra, sa = _ring_slots(slot_row, n_start + BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    lb, rb, sb = _ring_slots(slot_row, n_start + BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    for i in range(num_steps):
-        b = i % STAGES
-        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        async_copy.wait_group(1)
-        gl.thread_barrier()                    # half A of step i has landed (every thread's copies)
-        _convert_rows(raw_lat.index(0), raw_rope.index(0), raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, HALF,
-                      DQ, ROPE_L, SV)
-        gl.thread_barrier()                    # every thread is done reading half A's staging
-        _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
-                      raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)            # half A of step i + 1
-        async_copy.wait_group(1)
-        gl.thread_barrier()                    # half B of step i has landed
-        _convert_rows(raw_lat.index(1), raw_rope.index(1), raw_scale_rows, 4, kv16, rope16, scale_ring, b, HALF,
-                      HALF, DQ, ROPE_L, SV)
-        fence_async_shared()
-        gl.thread_barrier()                    # every thread's stores are done, and its reads of half B's staging
-        mbarrier.arrive(full.index(b), count=1)
-        _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
-                      raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)            # half B of step i + 1
-        la, ra, sa = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-        lb, rb, sb = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L,
-                                 True)
-    async_copy.wait_group(0)
-
-
-@gluon.jit
 def _fp8_rows_loader(KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps, num_slots,
-                     kv_row_stride, stride_st, BLOCK_N: gl.constexpr):
-    """loader: a warpgroup that only issues the gathers, half a step at a time into the two halves of the staging
-    buffer, as soon as the converter has freed a half; each thread's copies arrive on `staged[h]` when they land
-    (cp.async.mbarrier.arrive), so the loader never waits on memory, only on the converter."""
+                     kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):
+    """The loader warpgroup: only issues the gathers (cp.async), half a step at a time into the two halves of the
+    staging buffer, as soon as the converter has freed a half; each thread's copies arrive on `staged[h]` when they
+    land (cp.async.mbarrier.arrive), so the loader waits on the converter only, never on memory. A warp's copy is 512
+    bytes of ONE row (NOTES.md v11: 64 bytes of eight rows was 8% slower)."""
     NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
-    LAT: gl.constexpr = _gather_layout(NW, True)
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
     slot_row = SLOTS + t * stride_st
     la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
     lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    for i in range(num_steps):
-        ph = (i & 1) ^ 1
-        mbarrier.wait(free.index(0), ph)       # the converter is done with half A of step i - 1
-        _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
-                      raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
-        async_copy.mbarrier_arrive(staged.index(0), increment_count=False)
-        la, ra, sa = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-        mbarrier.wait(free.index(1), ph)
-        _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
-                      raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
-        async_copy.mbarrier_arrive(staged.index(1), increment_count=False)
-        lb, rb, sb = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L,
-                                 True)
-    async_copy.wait_group(0)
+    if DIAG != 2:                              # (ws_diag 2: no gathers, the consumer timed alone)
+        for i in range(num_steps):
+            ph = (i & 1) ^ 1
+            mbarrier.wait(free.index(0), ph)   # the converter is done with half A of step i - 1
+            _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
+                          raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
+            async_copy.mbarrier_arrive(staged.index(0), increment_count=False)
+            la, ra, sa = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
+            mbarrier.wait(free.index(1), ph)
+            _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
+                          raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
+            async_copy.mbarrier_arrive(staged.index(1), increment_count=False)
+            lb, rb, sb = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L,
+                                     SCALE_L, True)
+        async_copy.wait_group(0)
 
 
 @gluon.jit
 def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_ring, staged, free, full, empty,
-                        num_steps, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """loader: the warpgroup between loader and consumer -- converts each staged half into the fp16 slot (never
-    issuing a gather, so a throttled copy queue cannot hold a conversion up), frees the half, hands the slot over."""
+                        num_steps, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):
+    """The converter warpgroup, between loader and consumer: converts each staged half into the fp16 ring slot,
+    frees the half for the loader, hands the slot to the consumer. It issues no gather, so a throttled copy queue
+    never holds a conversion up (NOTES.md v11: the one producer warpgroup that did both took 0.6 us a step longer)."""
     NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
-    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    for i in range(num_steps):
-        b = i % STAGES
-        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        mbarrier.wait(staged.index(0), i & 1)                        # half A of step i has landed
-        _convert_rows(raw_lat.index(0), raw_rope.index(0), raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, HALF,
-                      DQ, ROPE_L, SV)
-        gl.thread_barrier()                    # every thread is done reading half A's staging
-        mbarrier.arrive(free.index(0))
-        mbarrier.wait(staged.index(1), i & 1)
-        _convert_rows(raw_lat.index(1), raw_rope.index(1), raw_scale_rows, 4, kv16, rope16, scale_ring, b, HALF,
-                      HALF, DQ, ROPE_L, SV)
-        fence_async_shared()
-        gl.thread_barrier()                    # every thread's stores are done, and its reads of half B's staging
-        mbarrier.arrive(free.index(1))
-        mbarrier.arrive(full.index(b), count=1)
-
-
-@gluon.constexpr_function
-def _gather_layout(NW, ROW_GATHER):
-    """The producer's cp.async layout of the 512 latent bytes of its rows: 64 bytes of eight rows a warp
-    instruction, or (ROW_GATHER) 512 bytes of one row, as the gather-ceiling kernel reads them."""
-    if ROW_GATHER:
-        return gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])
-    return gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])
-
-
-@gluon.jit
-def _fp8_rows_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring, full, empty,
-                       t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr, ROW_GATHER: gl.constexpr):
-    """The producer warpgroup of _sparse_mla_rows_fp8_sm90_kernel: gathers a step's raw fp8_ds_mla rows into one
-    staging buffer (cp.async), converts the e4m3 bytes ONCE into the fp16 slot b of the ring (exact; the scales stay
-    separate), copies rope and scales beside it, and signals `full[b]`; then requests the next step's rows."""
-    NW: gl.constexpr = 4
-    LAT: gl.constexpr = _gather_layout(NW, ROW_GATHER)                              # [rows, 512] e4m3 copies
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
     SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
-    slot_row = SLOTS + t * stride_st
-    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    if DIAG != 2:                              # (ws_diag 2: no gathers and no conversion, the consumer timed alone)
-        _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
-                      LAT, ROPE_L, SCALE_L)
-    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
     for i in range(num_steps):
         b = i % STAGES
-        if DIAG != 2:
-            async_copy.wait_group(0)
-            gl.thread_barrier()                # step i's raw rows are in the staging buffer (every thread's copies)
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
-        if DIAG < 2:                           # (ws_diag 3: the gathers without the conversion)
-            _convert_rows(raw_lat, raw_rope, raw_scale_rows, 0, kv16, rope16, scale_ring, b, 0, BLOCK_N, DQ, ROPE_L,
-                          SV)
-        fence_async_shared()
-        gl.thread_barrier()                    # every thread's stores are done, and its reads of the staging buffer
+        for h in gl.static_range(2):
+            if DIAG != 2:
+                mbarrier.wait(staged.index(h), i & 1)                # half h of step i has landed
+            if DIAG < 2:                       # (ws_diag 3: the gathers without the conversion)
+                _convert_rows(raw_lat.index(h), raw_rope.index(h), raw_scale_rows, 4 * h, kv16, rope16, scale_ring,
+                              b, h * HALF, HALF, DQ, ROPE_L, SV)
+            if h == 1:
+                fence_async_shared()
+            gl.thread_barrier()                # every thread is done reading half h's staging (and storing slot b)
+            mbarrier.arrive(free.index(h))
         mbarrier.arrive(full.index(b), count=1)
-        if DIAG != 2:
-            _request_rows(KV, kv_row_stride, num_slots, sl_lat, sl_rope, sl_scale, raw_lat, raw_rope, raw_scale,
-                          LAT, ROPE_L, SCALE_L)
-        sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, LAT, ROPE_L,
-                                                SCALE_L, True)
-    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -863,71 +769,17 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
-def _handover_barriers(N: gl.constexpr):
-    """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b) and `empty` (the
-    consumer is done with it), one arrival each, initialised and made visible before the partitions start."""
+def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr):
+    """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b: FILLS arrivals)
+    and `empty` (the consumer is done with it: one), initialised and made visible before the partitions start."""
     full = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(N):
-        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(full.index(j), count=FILLS)
         mbarrier.init(empty.index(j), count=1)
     fence_async_shared()
     gl.thread_barrier()
     return full, empty
-
-
-@gluon.jit
-def _deep_gathers_producer(KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
-                           num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, DEPTH: gl.constexpr,
-                           ROW_GATHER: gl.constexpr):
-    """ws_diag 4: the producer's gathers alone, DEPTH steps of them in flight (DEPTH staging buffers), handed to a
-    consumer that computes nothing: how fast a SM's gathers go when more of them are in flight than the kernel's
-    one staging buffer allows."""
-    NW: gl.constexpr = 4
-    LAT: gl.constexpr = _gather_layout(NW, ROW_GATHER)
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
-    slot_row = SLOTS + t * stride_st
-    nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    for j in gl.static_range(DEPTH):
-        nx_lat, nx_rope, nx_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (j + 1) * BLOCK_N, n_end, raw_lat.index(j),
-            raw_rope.index(j), raw_scale.index(j), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    for i in range(num_steps):
-        async_copy.wait_group(DEPTH - 1)
-        gl.thread_barrier()                    # step i's rows are in staging buffer i % DEPTH
-        mbarrier.wait(empty.index(i % 2), ((i // 2) & 1) ^ 1)
-        mbarrier.arrive(full.index(i % 2), count=1)
-        st = i % DEPTH
-        nx_lat, nx_rope, nx_scale = _request_step(                     # step i + DEPTH
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + DEPTH + 1) * BLOCK_N, n_end, raw_lat.index(st),
-            raw_rope.index(st), raw_scale.index(st), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, True)
-    async_copy.wait_group(0)
-
-
-@gluon.jit
-def _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
-                       num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s, pid_h,
-                       n_start, n_end, num_steps, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, ROW_GATHER: gl.constexpr):
-    """The body of _sparse_mla_rows_fp8_sm90_kernel under ws_diag 4 (wrong results on purpose): 3 staging buffers
-    (123 KB) and the consumer without products."""
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [3, BLOCK_N, 512], SM8)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], SM)
-    raw_scale = gl.allocate_shared_memory(gl.float32, [3, 4, BLOCK_N], RAW)
-    full, empty = _handover_barriers(2)
-    slot_row = SLOTS + t * stride_st
-    gl.warp_specialize([
-        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_rope, raw_rope, raw_scale,
-                              raw_rope, full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t,
-                              s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, 2,
-                              SPLIT, ST_L, 4)),
-        (_deep_gathers_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, full, empty, t, n_start, n_end, num_steps,
-                                  num_slots, kv_row_stride, stride_st, BLOCK_N, 3, ROW_GATHER)),
-    ], [4], [168])
 
 
 @gluon.jit
@@ -936,19 +788,21 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, ROW_GATHER: gl.constexpr = False, HALF_STEPS: gl.constexpr = False,
-    LOADER: gl.constexpr = False, LOADER_REGS_CONV: gl.constexpr = 144, LOADER_REGS_LOAD: gl.constexpr = 104,
+    DIAG: gl.constexpr = 0,
 ):
-    """<= 16 heads of an fp8_ds_mla cache, warp-specialized (NOTES.md v9): a producer warpgroup converts each
-    step's e4m3 rows once into an fp16 tile, a consumer warpgroup runs the rows-as-M wgmma products on it (as the
-    bf16/fp16 rows kernel does), the two handing ring slots over through mbarriers. Same fp16-domain arithmetic as
-    the mma.sync fp8 kernel. 218 KB of shared memory: one CTA (8 warps) a SM."""
-    gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus one producer warpgroup)")
+    """<= 16 heads of an fp8_ds_mla cache, warp-specialized in three warpgroups (NOTES.md v9, v11): a loader issues
+    each step's gathers into a two-half staging buffer, a converter turns each staged half's e4m3 rows once into an
+    fp16 ring slot, a consumer runs the rows-as-M wgmma products on the slot (as the bf16/fp16 rows kernel does);
+    they hand halves and slots over through mbarriers. Same fp16-domain arithmetic as the mma.sync fp8 kernel.
+    218 KB of shared memory: one CTA (12 warps) a SM."""
+    gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a converter and a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     NW: gl.constexpr = 4
+    HALF: gl.constexpr = BLOCK_N // 2
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
@@ -964,69 +818,27 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
-    if DIAG == 4:
-        _gathers_only_deep(KV, SLOTS, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, qk_scale_log2, num_slots,
-                           num_heads, num_splits, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, t, s,
-                           pid_h, n_start, n_end, num_steps, BLOCK_H, BLOCK_N, SPLIT, ST_L, ROW_GATHER)
-        return
-
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-    if HALF_STEPS:
-        SM8H: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
-        RAWH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        raw_lat2 = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N // 2, 512], SM8H)     # staging, a half a buffer
-        raw_rope2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N // 2, 64], SM)
-        raw_scale_rows2 = gl.allocate_shared_memory(gl.float32, [8, BLOCK_N // 2], VEC)   # half h: rows 4h .. 4h + 3
-        raw_scale2 = raw_scale_rows2._reinterpret(gl.float32, [8, BLOCK_N // 2], RAWH)
-        full, empty = _handover_barriers(STAGES)
-        if LOADER:
-            staged = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for j in gl.static_range(2):
-                mbarrier.init(staged.index(j), count=4 * 32)     # every loader thread's copies
-                mbarrier.init(free.index(j), count=1)
-            fence_async_shared()
-            gl.thread_barrier()
-            gl.warp_specialize([
-                (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
-                                      p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                      qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                                      stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
-                (_fp8_rows_converter, (raw_lat2, raw_rope2, raw_scale_rows2, kv16, rope16, scale_ring, staged, free,
-                                       full, empty, num_steps, STAGES, BLOCK_N)),
-                (_fp8_rows_loader, (KV, SLOTS, raw_lat2, raw_rope2, raw_scale2, staged, free, t, n_start, n_end,
-                                    num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N)),
-            ], [4, 4], [LOADER_REGS_CONV, LOADER_REGS_LOAD])
-            return
-        gl.warp_specialize([
-            (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring,
-                                  p_t, full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
-            (_fp8_rows_producer_halves, (KV, SLOTS, raw_lat2, raw_rope2, raw_scale2, raw_scale_rows2, kv16, rope16, scale_ring, full,
-                                         empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
-                                         BLOCK_N, STAGES)),
-        ], [4], [168])
-        return
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [BLOCK_N, 512], SM8)         # the producer's staging buffer
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 64], SM)
-    raw_scale_rows = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], VEC)  # read a chunk's scales per row
-    raw_scale = raw_scale_rows._reinterpret(gl.float32, [4, BLOCK_N], RAW)     # the same bytes, for the copies
-    full, empty = _handover_barriers(STAGES)
-    slot_row = SLOTS + t * stride_st
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [2, HALF, 512], SM8)          # the staging buffer, in two halves
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, 64], SM)
+    raw_scale_rows = gl.allocate_shared_memory(gl.float32, [8, HALF], VEC)      # half h, chunk c: row 4h + c
+    raw_scale = raw_scale_rows._reinterpret(gl.float32, [8, HALF], RAW)        # the same bytes, for the copies
+    full, empty = _handover_barriers(STAGES, 1)
+    staged, free = _handover_barriers(2, 4 * 32)          # staged[h]: every loader thread's copies have landed
     gl.warp_specialize([
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
-                              full, empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
-                              num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT,
-                              ST_L, DIAG)),
-        (_fp8_rows_producer, (KV, SLOTS, raw_lat, raw_rope, raw_scale, raw_scale_rows, kv16, rope16, scale_ring,
-                              full, empty, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N,
-                              STAGES, DIAG, ROW_GATHER)),
-    ], [4], [168])            # the producer: one warpgroup, 168 registers (the consumer gets the rest, 256)
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, ST_L, DIAG)),
+        (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_ring, staged, free, full, empty,
+                               num_steps, STAGES, BLOCK_N, DIAG)),
+        (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, DIAG)),
+    ], [4, 4], [144, 104])    # registers a thread: converter 144, loader 104, consumer 256 (the 12 warps' 168 each)
+
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1095,11 +907,9 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
 
 
 # Timing diagnostics of the warp-specialized kernel (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
-# purpose; NOTES.md v10): 1 the producer alone (gathers and conversion, no products), 2 the consumer alone (products
-# on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products), 4 the gathers alone
-# with 3 steps of them in flight (3 staging buffers).
-WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
-                  4: "gathers only, 3 in flight"}
+# purpose; NOTES.md v10, v11): 1 loader and converter alone (gathers and conversion, no products), 2 the consumer
+# alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products).
+WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only"}
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
@@ -1111,12 +921,6 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
-    for opt in ("half_steps", "loader"):
-        if cfg.get(opt) and cfg.get("ws_diag", 0) not in (0, 1):
-            raise Glm5labError(f"{opt}: of the timing diagnostics only ws_diag 1 applies")
-    for opt in ("row_gather", "half_steps", "loader"):
-        if cfg.get(opt) and not (fp8 and cfg.get("rows")):
-            raise Glm5labError(f"{opt} is an option of the fp8_ds_mla rows-as-M kernel's producer only")
     diag = cfg.get("ws_diag", 0)
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not (fp8 and cfg.get("rows")))):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic of the fp8_ds_mla rows-as-M kernel "
@@ -1130,13 +934,5 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
-    if cfg.get("row_gather"):
-        extra["ROW_GATHER"] = True
-    if cfg.get("half_steps"):
-        extra["HALF_STEPS"] = True
-    if cfg.get("loader"):
-        extra["HALF_STEPS"] = True
-        extra["LOADER"] = True
-        extra["LOADER_REGS_CONV"], extra["LOADER_REGS_LOAD"] = cfg.get("loader_regs", (144, 104))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
