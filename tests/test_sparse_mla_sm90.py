@@ -500,10 +500,12 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
     """The warp-specialized kernel's timing diagnostics (ws_diag, NOTES.md v10-11) leave out what they say: loader
     and converter alone have the conversion and no wgmma, the consumer alone its 68 wgmma and no gather, the gathers
-    alone neither conversion nor wgmma nor the fp16 ring."""
+    alone neither conversion nor wgmma nor the fp16 ring, converter and consumer without gathers both but no copy."""
     producer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=1)
     consumer = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=2)
     gathers = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=3)
+    no_gathers = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, DIAG=4)
+    assert no_gathers["HGMMA"] == 68 and no_gathers["F2FP"] >= 128 and "LDGSTS" not in no_gathers
     assert "HGMMA" not in producer and producer["F2FP"] >= 128 and producer["LDGSTS"] > 0
     assert consumer["HGMMA"] == 68 and "LDGSTS" not in consumer
     assert "HGMMA" not in gathers and gathers.get("F2FP", 0) < 128 and gathers["LDGSTS"] > 0

@@ -46,9 +46,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages"
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
                   ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
-                  # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3)
+                  # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
+                  # consumer without gathers (d4)
                   *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
+                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

@@ -657,7 +657,7 @@ def _fp8_rows_loader(KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n
     slot_row = SLOTS + t * stride_st
     la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
     lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
-    if DIAG != 2:                              # (ws_diag 2: no gathers, the consumer timed alone)
+    if DIAG != 2 and DIAG != 4:                # (ws_diag 2 / 4: no gathers)
         for i in range(num_steps):
             ph = (i & 1) ^ 1
             mbarrier.wait(free.index(0), ph)   # the converter is done with half A of step i - 1
@@ -689,9 +689,9 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_r
         b = i % STAGES
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
         for h in gl.static_range(2):
-            if DIAG != 2:
+            if DIAG != 2 and DIAG != 4:
                 mbarrier.wait(staged.index(h), i & 1)                # half h of step i has landed
-            if DIAG < 2:                       # (ws_diag 3: the gathers without the conversion)
+            if DIAG < 2 or DIAG == 4:          # (ws_diag 3: the gathers without the conversion)
                 _convert_rows(raw_lat.index(h), raw_rope.index(h), raw_scale_rows, 4 * h, kv16, rope16, scale_ring,
                               b, h * HALF, HALF, DQ, ROPE_L, SV)
             if h == 1:
@@ -724,7 +724,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         cur_rows = sl_rows
         sl_rows = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, N_ROWS)      # (masks the next step)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)
-        if DIAG == 0 or DIAG == 2:            # (ws_diag 1 / 3 / 4: no products, the producer timed alone)
+        if DIAG % 2 == 0:                     # (ws_diag 1 / 3: no products, the producer timed alone)
             kv = kv16.index(b)
             s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
             s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
@@ -908,8 +908,10 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False):
 
 # Timing diagnostics of the warp-specialized kernel (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
 # purpose; NOTES.md v10, v11): 1 loader and converter alone (gathers and conversion, no products), 2 the consumer
-# alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products).
-WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only"}
+# alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products), 4
+# converter and consumer without gathers (whatever the staging buffer holds, converted and multiplied).
+WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
+                  4: "converter and consumer, no gathers"}
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
