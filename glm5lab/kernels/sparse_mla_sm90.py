@@ -23,9 +23,9 @@ kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows 
 v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
-same rows-as-M products on a warp-specialized pipeline: a producer warpgroup converts each step's e4m3 rows once into
-an fp16 tile while the consumer warpgroup computes on the previous one (H200, NOTES.md v9: 1.07-1.19x the mma.sync
-kernel at 32-512 tokens, 0.43-0.45 of the roofline, 1.2x FlashMLA's fp8 decode at 128-512 tokens).
+same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
+turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v11:
+0.50-0.53 of the roofline, 1.38-1.40x FlashMLA's fp8 decode at 128-512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -679,7 +679,7 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_r
                         num_steps, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):
     """The converter warpgroup, between loader and consumer: converts each staged half into the fp16 ring slot,
     frees the half for the loader, hands the slot to the consumer. It issues no gather, so a throttled copy queue
-    never holds a conversion up (NOTES.md v11: the one producer warpgroup that did both took 0.6 us a step longer)."""
+    never holds a conversion up (NOTES.md v11: the one producer warpgroup that did both took ~0.5 us a step longer)."""
     NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
@@ -707,7 +707,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the producer."""
+    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the converter."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -867,10 +867,11 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64,
                    "resident": 1}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
-# 8 warps a SM). H200, NOTES.md v9 runs 7-8, against the 32-row mma.sync tile: 8 heads 11.0 / 11.3 / 12.1 / 15.5 /
-# 35.3 / 97.5 / 367 us at 1 / 2 / 4 / 8 / 32 / 128 / 512 tokens (mma.sync 9.0 / 9.6 / 12.0 / 15.7 / 37.9 / 112.1 /
-# 392); 16 heads faster at every batch (12.4 ... 371 against 12.9 ... 398). So the default beyond 8 heads, and from
-# FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
+# 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
+# 11.3 / 12.1 / 15.5 / 35.3 / 97.5 / 367 us at 1 / 2 / 4 / 8 / 32 / 128 / 512 tokens (mma.sync 9.0 / 9.6 / 12.0 /
+# 15.7 / 37.9 / 112.1 / 392); 16 heads faster at every batch. The three-warpgroup form (v11 run 4): 11.0 / 14.8 /
+# 30.4 / 83.3 / 319.4 us at 1 / 8 / 32 / 128 / 512 tokens. So the default beyond 8 heads, and from
+# FP8_ROWS_MIN_TOKENS tokens at <= 8 heads (2-3 tokens not re-measured with the v11 form).
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                    "resident": 1}
 FP8_ROWS_MIN_TOKENS = 4
