@@ -870,8 +870,9 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64,
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
 # 11.3 / 12.1 / 15.5 / 35.3 / 97.5 / 367 us at 1 / 2 / 4 / 8 / 32 / 128 / 512 tokens (mma.sync 9.0 / 9.6 / 12.0 /
 # 15.7 / 37.9 / 112.1 / 392); 16 heads faster at every batch. The three-warpgroup form (v11 run 4): 11.0 / 14.8 /
-# 30.4 / 83.3 / 319.4 us at 1 / 8 / 32 / 128 / 512 tokens. So the default beyond 8 heads, and from
-# FP8_ROWS_MIN_TOKENS tokens at <= 8 heads (2-3 tokens not re-measured with the v11 form).
+# 30.4 / 83.3 / 319.4 us at 1 / 8 / 32 / 128 / 512 tokens; 8 heads x 1 / 2 / 3 / 4 / 6 / 8 tokens (v11 run 7) 11.0 /
+# 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
+# heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
                    "resident": 1}
 FP8_ROWS_MIN_TOKENS = 4
