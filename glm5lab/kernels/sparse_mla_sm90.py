@@ -840,7 +840,6 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     ], [4, 4], [144, 104])    # registers a thread: converter 144, loader 104, consumer 256 (the 12 warps' 168 each)
 
 
-
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
