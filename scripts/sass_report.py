@@ -10,7 +10,8 @@ the cubin. The main loop is the longest backward branch of the SASS.
     PYTHONPATH=. python scripts/sass_report.py --config '{"gluon": true, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2,
         "SPLIT": false}'            # a Gluon kernel of sparse_mla_sm90 (fp8; "FP8": false for bf16/fp16;
                                     # "BLOCK_H": 64 with "num_warps": 8: the wgmma kernel; "rows": true with
-                                    # "BLOCK_N": 64: the rows-as-M kernels)
+                                    # "BLOCK_N": 64: the rows-as-M kernels; "ws": true with "BLOCK_H": 64:
+                                    # the warp-specialized 64-head kernel)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -52,7 +53,8 @@ def build(config: dict, sm: int = 90):
 
         from glm5lab.kernels import sparse_mla_sm90
         cfg.setdefault("FP8", True)          # (not a parameter: it picks the kernel and the cache pointer below)
-        kern = sparse_mla_sm90.kernel_of(cfg.get("BLOCK_H", 16), cfg["FP8"], cfg.pop("rows", False))
+        kern = sparse_mla_sm90.kernel_of(cfg.get("BLOCK_H", 16), cfg["FP8"], cfg.pop("rows", False),
+                                         cfg.pop("ws", False))
     else:
         Source = ASTSource
         from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
@@ -102,9 +104,11 @@ def report(compiled) -> dict:
             return sum(v for o, v in ops.items() if o.startswith("LDS") and not o.startswith("LDSM"))
         return sum(v for o, v in ops.items() if o == key or o.startswith(key + "."))
 
+    regions = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                   compiled.asm["ptx"])})   # warp-specialized: registers a region
     return {"regs": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
             "smem": compiled.metadata.shared, "loop": len(body), **{k: count(k) for k in KEYS if count(k)},
-            "_sass": sass}
+            **({"setmaxnreg": regions} if regions else {}), "_sass": sass}
 
 
 def default_configs() -> list:

@@ -311,6 +311,8 @@ def test_kernel_bench_gluon_variants_by_name():
 # ------------------------------------------------------------- the 64-head wgmma kernel (NOTES.md v8), 17-128 heads
 
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the default tile beyond 16 heads, forced
+WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized (NOTES.md v12)
+BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -332,6 +334,19 @@ def test_gluon_wgmma_sm90_build_feeds_the_tensor_cores_from_shared_memory(fp8):
     assert rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024
     if fp8:
         assert rep["F2FP"] > 0      # e4m3 pairs dequantized in the loop
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+def test_gluon_wgmma_ws_sm90_build_is_warp_specialized(fp8):
+    """The warp-specialized 64-head kernel's sm90 build: the consumers' 40 wgmma a step and the loader's cp.async
+    in one CTA (<= 227 KB), the registers moved to the consumers (loader 56, consumers 224), no spill for bf16/fp16
+    and at most one 8-byte slot for fp8_ds_mla (the dequantization beside an O tile of 128 registers a thread)."""
+    rep = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8)
+    assert rep["HGMMA"] == 40 and rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024 and rep["regs"] <= 168
+    assert {56, 224} <= set(rep["setmaxnreg"])
+    assert rep["stack"] <= (8 if fp8 else 0)
+    if fp8:
+        assert rep["F2FP"] > 0
 
 
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
@@ -358,36 +373,39 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
                                           ("native", torch.float16)], ids=["fp8", "bf16", "fp16"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
-def test_gpu_gluon_wgmma_real_shapes(layout, dtype, H, T):
+@BOTH_WGMMA
+def test_gpu_gluon_wgmma_real_shapes(layout, dtype, H, T, wcfg):
     """Top-k 2048 over 65,536 slots, default splits; 17 heads fills a 64-head tile partly, 128 heads takes two."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)
-    out, lse = run_poisoned(q, cache, slots, _config=WGMMA)
+    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, ref, dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [64, 32])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
-def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(block_n, topk, splits):
-    """bf16 cache: odd top-k, forced splits, both step sizes; slot 0 (the fallback of -1 / out-of-range slots)
-    holds NaN, so a read of a skipped row would poison the output."""
+def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
+    """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
+    out-of-range slots) holds NaN, so a read of a skipped row would poison the output."""
     q, cache, slots, _ = make_case(6, 64, topk, 65536, torch.bfloat16, "native", "cuda", block_size=64)
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**WGMMA, "block_n": block_n})
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS}[tile]
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(1000, 3), (77, 5)])
-def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits):
+@BOTH_WGMMA
+def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
     """fp8_ds_mla: every e4m3 byte pattern, and NaN bytes and scales in slot 0 that no valid slot points at."""
     q, cache, slots, _ = _raw_fp8_case("cuda", T=5, H=64, topk=512, num_slots=4096)
     ref = _bf16_dequantized_ref(q, cache, slots)
-    out, lse = run_poisoned(q, cache, slots, _config=WGMMA)
+    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, ref, torch.bfloat16)
     q, cache, slots, _ = make_case(4, 64, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[slots == 0] = 1
@@ -395,15 +413,16 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits):
     flat = cache.view(-1, 656)
     flat[0, :512] = 0x7F
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=WGMMA)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=wcfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph():
+@BOTH_WGMMA
+def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
-    _check_cuda_graph_replay(q, cache, slots, _bf16_dequantized_ref(q, cache, slots), WGMMA)
+    _check_cuda_graph_replay(q, cache, slots, _bf16_dequantized_ref(q, cache, slots), wcfg)
 
 
 def test_gluon_tiles_by_head_count():
@@ -431,6 +450,9 @@ def test_gluon_tiles_by_head_count():
         cfg = sm90.default_config(H)
         assert (cfg["block_h"], cfg["num_warps"]) == (64, 8) and resident_ctas(cfg["block_h"]) == 1
     assert sm90.kernel_of(64, True) is sm90.kernel_of(64, False) is sm90._sparse_mla_wgmma_sm90_kernel
+    assert sm90.kernel_of(64, True, ws=True) is sm90.kernel_of(64, False, ws=True) is sm90._sparse_mla_wgmma_ws_sm90_kernel
+    assert gluon_variant_runs("ws64", 64, "fp8_ds_mla") and gluon_variant_runs("ws64", 128, "bf16")
+    assert not gluon_variant_runs("ws64", 16, "fp8_ds_mla")
     sm90.default_config(64)["block_n"] = 1                      # a copy: the module default is not changed
     assert sm90.WGMMA_CONFIG["block_n"] == 64
     assert gluon_variant_runs("s2", 8, "fp8_ds_mla") and not gluon_variant_runs("s2", 64, "bf16")
@@ -483,6 +505,9 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
     with pytest.raises(Glm5labError, match="ws_diag 1 is a private timing diagnostic of the fp8_ds_mla rows-as-M"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "ws_diag": 1, "_diagnostic": True}, False, False)
     assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
+    for key, value in (("block_h", 16), ("block_n", 32), ("num_warps", 4), ("stages", 3)):
+        with pytest.raises(Glm5labError, match=f"warp-specialized 64-head kernel takes .* got .*{key} {value}"):
+            sm90.launch((1, 1, 1), (), {**sm90.WGMMA_WS_CONFIG, key: value}, False, True)
 
 
 def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
@@ -518,7 +543,8 @@ def test_named_tiles_forced_over_any_default_are_complete():
     was laid over the rows-as-M default and refused)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "WGMMA_CONFIG"):
+    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "WGMMA_CONFIG",
+                 "WGMMA_WS_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
             if tile.get("rows") and fp8 != (name == "ROWS_FP8_CONFIG"):
@@ -528,6 +554,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     merged = {**sm90.default_config(H, fp8, T), **tile}
                     sm90.check_tile(merged, fp8)
                     assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)
+                    assert merged["ws"] == tile["ws"], (name, fp8, H, T)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():
@@ -536,4 +563,4 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS
 
     for name, cfg in GLUON_VARIANTS:
-        assert {"rows", "block_n", "num_warps", "stages", "resident"} <= set(cfg), name
+        assert {"rows", "ws", "block_n", "num_warps", "stages", "resident"} <= set(cfg), name

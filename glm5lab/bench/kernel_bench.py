@@ -31,25 +31,32 @@ FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
 # the Gluon kernels' tiles timed by --gluon (NOTES.md v7, v8): the mma.sync 16-head kernel with 32-row steps on 4 warps
 # and 2 ring stages (two CTAs a SM) or 3 (one), or 64-row steps on 8 warps (one CTA a SM)
 # (each tile names every key of the tile, so that it means the same laid over any default)
-GLUON_VARIANTS = [("s2", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
-                  ("s3", {"rows": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
-                  ("n64w8", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("n64w8s3", {"rows": False, "block_n": 64, "num_warps": 8, "stages": 3, "resident": 1}),
+GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps": 4, "stages": 2, "resident": 2}),
+                  ("s3", {"rows": False, "ws": False, "block_n": 32, "num_warps": 4, "stages": 3, "resident": 1}),
+                  ("n64w8", {"rows": False, "ws": False, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("n64w8s3", {"rows": False, "ws": False, "block_n": 64, "num_warps": 8, "stages": 3,
+                               "resident": 1}),
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
-                  ("wg64", {"rows": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("wg64n32", {"rows": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("wg64", {"rows": False, "ws": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
+                            "resident": 1}),
+                  ("wg64n32", {"rows": False, "ws": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2,
+                               "resident": 1}),
+                  # ... warp-specialized: a loader warpgroup beside the two consumer warpgroups (NOTES.md v12)
+                  ("ws64", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
+                            "resident": 1}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
-                  ("rows64", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
+                              "resident": 1}),
                   # <= 16 heads, bf16/fp16: the mma.sync kernel with 64-row steps on 4 warps, one CTA a SM, no split
                   # below one wave (NOTES.md v8 run 9: 0.92 of the roofline at 8 heads x 128 tokens)
-                  ("n64", {"rows": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  ("n64", {"rows": False, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
-                  ("ws8", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  ("ws8", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
                   # consumer without gathers (d4)
-                  *((f"ws8d{d}", {"rows": True, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                                  "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
+                  *((f"ws8d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
+                                  "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)

@@ -41,6 +41,9 @@ from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit hel
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
 SCALE_OFFSET = gl.constexpr(512)
+# registers a thread of the warp-specialized 64-head kernel's loader warpgroup (setmaxnreg; the two consumer
+# warpgroups get the rest of the 12 warps' 168 each)
+WS64_LOADER_REGS = gl.constexpr(56)
 
 
 @gluon.jit
@@ -527,6 +530,15 @@ def _sparse_mla_wgmma_sm90_kernel(
         acc = warpgroup_mma(p.to(DT), kv, acc * keep)
 
     async_copy.wait_group(0)
+    _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                 stride_lt, BLOCK_H, SPLIT, O_L, P_ROWS)
+
+
+@gluon.jit
+def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, O_L: gl.constexpr, P_ROWS: gl.constexpr):
+    """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512]."""
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
     inv_l = gl.convert_layout(inv_l, O_ROWS)[:, None]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
@@ -541,6 +553,142 @@ def _sparse_mla_wgmma_sm90_kernel(
         o = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
         gl.store(o, (acc * inv_l).to(OUT.dtype.element_ty), mask=hm)
         gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
+
+
+
+@gluon.jit
+def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
+                     num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     FP8: gl.constexpr):
+    """The warp-specialized 64-head kernel's loader warpgroup: requests step i's rows into ring slot i % STAGES as
+    soon as the consumers have freed it (`empty`); each thread's copies arrive on `full[b]` when they land, so the
+    loader never waits on memory and the consumers never issue a gather."""
+    NW: gl.constexpr = 4
+    LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
+    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [rows, 512] 16-bit
+    LAT: gl.constexpr = LAT8 if FP8 else LAT16
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    slot_row = SLOTS + t * stride_st
+    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumers are done with slot b
+        sl_lat, sl_rope, sl_scale = _request_step(
+            KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, lat_ring.index(b),
+            rope_ring.index(b), scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+        async_copy.mbarrier_arrive(full.index(b), increment_count=False)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
+                       slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
+    """The two consumer warpgroups: the 64-head kernel's step (S = q.K^T split by rows, P moved once into the
+    A-operand layout, P.V split by columns) on ring slot b, then `empty[b]` back to the loader. fp8_ds_mla: the
+    slot's e4m3 chunks dequantized with their scale into the bf16 tile first, as the one-CTA kernel does."""
+    NW: gl.constexpr = 8
+    DT: gl.constexpr = q_lat.dtype
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    P_ROWS: gl.constexpr = gl.SliceLayout(1, P_A)
+    P_COLS: gl.constexpr = gl.SliceLayout(0, P_A)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
+
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=P_ROWS)
+    acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=O_L)
+    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    for i in range(num_steps):
+        b = i % STAGES
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
+        mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
+        if FP8:
+            for c in gl.static_range(4):
+                raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
+                sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
+                val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+                kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
+            gl.thread_barrier()
+            kv = kv_deq
+        else:
+            kv = lat_ring.index(b)
+        fence_async_shared()              # cp.async / st.shared writes -> wgmma reads
+        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
+        qk = gl.convert_layout(qk, P_A)   # the one exchange a step: each warp now holds whole rows
+        ok = (cur_cols >= 0) & (cur_cols < num_slots)
+        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, O_ROWS)[:, None])
+        gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
+        mbarrier.arrive(empty.index(b), count=1)
+    _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                 stride_lt, BLOCK_H, SPLIT, O_L, P_ROWS)
+
+
+@gluon.jit
+def _sparse_mla_wgmma_ws_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+):
+    """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
+    ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
+    `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
+    at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
+    arithmetic and outputs."""
+    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
+    gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
+    gl.static_assert(BLOCK_N == 64, "64-row steps")
+    DT: gl.constexpr = Q.dtype.element_ty
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
+    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
+    if FP8:
+        lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
+        scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
+        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
+    else:
+        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+        scale_ring = rope_ring            # (no scales in a bf16/fp16 row, no bf16 tile: never touched)
+        scale_stages = rope_ring
+        kv_deq = rope_ring
+    full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, FP8)),
+        (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8)),
+    ], [4], [WS64_LOADER_REGS])
 
 
 @gluon.jit
@@ -844,10 +992,18 @@ def _sparse_mla_rows_fp8_sm90_kernel(
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
-DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 32, "num_warps": 4, "stages": 2}
+DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "block_n": 32, "num_warps": 4,
+                  "stages": 2}
 
 
-WGMMA_CONFIG = {"impl": "gluon", "rows": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2}
+WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 64, "block_n": 64, "num_warps": 8,
+                "stages": 2}
+
+# 17-128 heads, the same step warp-specialized: a loader warpgroup beside the two consumer warpgroups (12 warps,
+# one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill slot for
+# fp8_ds_mla). NOTES.md v12.
+WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8,
+                   "stages": 2}
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -855,14 +1011,16 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "block_h": 64, "block_n": 64, "n
 # to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower.
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
-ROWS_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
+               "stages": 2,
                "resident": 1}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
-ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
+                   "stages": 2,
                    "resident": 1}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
@@ -872,7 +1030,8 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "block_h": 16, "block_n": 64,
 # 30.4 / 83.3 / 319.4 us at 1 / 8 / 32 / 128 / 512 tokens; 8 heads x 1 / 2 / 3 / 4 / 6 / 8 tokens (v11 run 7) 11.0 /
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
-ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "block_h": 16, "block_n": 64, "num_warps": 4, "stages": 2,
+ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
+                   "stages": 2,
                    "resident": 1}
 FP8_ROWS_MIN_TOKENS = 4
 
@@ -897,9 +1056,11 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     return dict(DEFAULT_CONFIG)
 
 
-def kernel_of(block_h: int, fp8: bool, rows: bool = False):
+def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one)."""
+    warp-specialized one; ws: the warp-specialized 64-head kernel)."""
+    if ws:
+        return _sparse_mla_wgmma_ws_sm90_kernel
     if rows:
         return _sparse_mla_rows_fp8_sm90_kernel if fp8 else _sparse_mla_rows_sm90_kernel
     if block_h == 64:
@@ -921,6 +1082,10 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4):
         raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
                            f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+    if cfg.get("ws") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"], cfg["stages"]) != (64, 64, 8, 2):
+        raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
+                           f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
+                           f"{cfg['num_warps']}, stages {cfg['stages']}")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -933,7 +1098,7 @@ def check_tile(cfg: dict, fp8: bool) -> None:
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
     check_tile(cfg, fp8)
-    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False))
+    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
