@@ -310,8 +310,8 @@ def test_kernel_bench_gluon_variants_by_name():
 
 # ------------------------------------------------------------- the 64-head wgmma kernel (NOTES.md v8), 17-128 heads
 
-WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the default tile beyond 16 heads, forced
-WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized (NOTES.md v12)
+WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
+WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
 
 
@@ -426,8 +426,8 @@ def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
 
 
 def test_gluon_tiles_by_head_count():
-    """16-head mma.sync tiles up to 16 heads, the 64-head wgmma tile (8 warps, one CTA a SM) beyond; the benchmark's
-    variants follow the same split, and the wgmma kernel's fp8 form is timed with 64-row steps only."""
+    """16-head mma.sync tiles up to 16 heads, the warp-specialized 64-head wgmma tile (one CTA a SM) beyond; the
+    benchmark's variants follow the same split, and the wgmma kernels' fp8 form is timed with 64-row steps only."""
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS, gluon_variant_runs
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     from glm5lab.kernels.sparse_mla import resident_ctas
@@ -447,6 +447,8 @@ def test_gluon_tiles_by_head_count():
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
     for H in (17, 64, 128):
+        for T in (None, 1, 8, 512):
+            assert sm90.default_config(H, False, T) == sm90.default_config(H, True, T) == sm90.WGMMA_WS_CONFIG
         cfg = sm90.default_config(H)
         assert (cfg["block_h"], cfg["num_warps"]) == (64, 8) and resident_ctas(cfg["block_h"]) == 1
     assert sm90.kernel_of(64, True) is sm90.kernel_of(64, False) is sm90._sparse_mla_wgmma_sm90_kernel
@@ -454,7 +456,7 @@ def test_gluon_tiles_by_head_count():
     assert gluon_variant_runs("ws64", 64, "fp8_ds_mla") and gluon_variant_runs("ws64", 128, "bf16")
     assert not gluon_variant_runs("ws64", 16, "fp8_ds_mla")
     sm90.default_config(64)["block_n"] = 1                      # a copy: the module default is not changed
-    assert sm90.WGMMA_CONFIG["block_n"] == 64
+    assert sm90.WGMMA_WS_CONFIG["block_n"] == 64
     assert gluon_variant_runs("s2", 8, "fp8_ds_mla") and not gluon_variant_runs("s2", 64, "bf16")
     assert gluon_variant_runs("wg64", 64, "fp8_ds_mla") and not gluon_variant_runs("wg64", 16, "bf16")
     assert gluon_variant_runs("wg64n32", 128, "bf16")

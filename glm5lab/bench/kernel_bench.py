@@ -41,7 +41,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                             "resident": 1}),
                   ("wg64n32", {"rows": False, "ws": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2,
                                "resident": 1}),
-                  # ... warp-specialized: a loader warpgroup beside the two consumer warpgroups (NOTES.md v12)
+                  # ... warp-specialized, a loader warpgroup beside the two consumer warpgroups (the default since
+                  # NOTES.md v12)
                   ("ws64", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
                             "resident": 1}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)

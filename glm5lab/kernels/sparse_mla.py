@@ -635,7 +635,7 @@ def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capabilit
     fp8_ds_mla cache (bf16/fp16 caches: q of the cache's dtype, checked by sparse_mla_attention), a compiled launch
     on an NVIDIA sm_90 GPU -- the only one they were checked on -- and, when kv_cache is given, a cache whose rows
     start on 16-byte boundaries (their cp.async copies 16-byte pieces). capability: the GPU's (major, minor), None
-    for no compiled NVIDIA launch (CPU, the interpreter, ROCm). 17-128 heads run the 64-head wgmma kernel."""
+    for no compiled NVIDIA launch (CPU, the interpreter, ROCm). 17-128 heads run the 64-head wgmma kernels."""
     if kv_cache is not None:
         row_bytes = _kv_rows(kv_cache)[1] * kv_cache.element_size()
         if kv_cache.data_ptr() % 16 or row_bytes % 16:

@@ -20,7 +20,9 @@ products read the ring slot itself (H200: 0.91 of the roofline at 8-16 heads x 1
 CTA a SM, the Triton kernel 0.76).
 Beyond 16 heads the work is compute-heavy (64 heads: as many FLOPs as bytes on the H200): `_sparse_mla_wgmma_sm90_
 kernel` takes 64-head tiles on two warpgroups with wgmma reading q and the rows from shared memory (H200, NOTES.md
-v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there). At small batches of bf16/fp16
+v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels there); the default is its
+warp-specialized form `_sparse_mla_wgmma_ws_sm90_kernel` (a loader warpgroup issues the gathers; v12: 1.15-1.18x
+the one-CTA form at 64 heads x 128-512 tokens, 0.84-0.88x FlashMLA's kernels). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
@@ -999,9 +1001,11 @@ DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "b
 WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 64, "block_n": 64, "num_warps": 8,
                 "stages": 2}
 
-# 17-128 heads, the same step warp-specialized: a loader warpgroup beside the two consumer warpgroups (12 warps,
-# one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill slot for
-# fp8_ds_mla). NOTES.md v12.
+# 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
+# (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
+# slot for fp8_ds_mla). H200, NOTES.md v12 run 1, us at 8 / 128 / 512 tokens against WGMMA_CONFIG: 64 heads bf16
+# 27.5 / 103.3 / 406.2 (27.5 / 119.0 / 478.4), fp8_ds_mla 28.3 / 135.6 / 540.4 (29.1 / 161.8 / 622.5); 128 heads bf16
+# 35.5 / 193.6 / 837.0 (37.2 / 229.5 / 909.0), fp8_ds_mla 39.4 / 269.7 / 1023.0 (42.0 / 317.2 / 1232.1).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8,
                    "stages": 2}
 
@@ -1037,12 +1041,13 @@ FP8_ROWS_MIN_TOKENS = 4
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
-    """The Gluon tile of a call: 64-head wgmma tiles beyond 16 heads; up to 16 heads one head tile a token, and the
-    tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the 64-row mma.sync tile up
-    to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond; fp8_ds_mla: the warp-specialized
-    rows-as-M kernel, except at 1-3 tokens of <= 8 heads (the 32-row mma.sync tile: more, shorter splits)."""
+    """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
+    tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
+    64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, except at 1-3 tokens of <= 8 heads (the 32-row mma.sync
+    tile: more, shorter splits)."""
     if num_heads > 16:
-        return dict(WGMMA_CONFIG)
+        return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
