@@ -778,18 +778,17 @@ def _sparse_mla_rows_sm90_kernel(
 
 
 @gluon.jit
-def _convert_rows(raw_lat, raw_rope, raw_scale_rows, sc0: gl.constexpr, kv16, rope16, scale_ring, b, r0: gl.constexpr,
-                  ROWS: gl.constexpr, DQ: gl.constexpr, ROPE_L: gl.constexpr, SV: gl.constexpr):
+def _convert_rows(raw_lat, raw_rope, raw_scales, kv16, rope16, scale_stages, b, r0: gl.constexpr, ROWS: gl.constexpr,
+                  DQ: gl.constexpr, ROPE_L: gl.constexpr, SCL: gl.constexpr):
     """Staged raw rows into rows [r0, r0 + ROWS) of ring slot b: the e4m3 bytes converted ONCE to fp16 (exact; the
-    scales stay separate), chunk by chunk of 128 values, then rope and scales (rows sc0.. of raw_scale_rows) copied
-    beside them."""
+    scales stay separate), chunk by chunk of 128 values, then rope and the [4 chunks, rows] scales copied beside
+    them (a warp a chunk)."""
     dst = kv16.index(b).slice(r0, ROWS, dim=0)
     for c in gl.static_range(4):
         raw = raw_lat.slice(c * 128, 128, dim=1).load(DQ)
         dst.slice(c * 128, 128, dim=1).store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
     rope16.index(b).slice(r0, ROWS, dim=0).store(raw_rope.load(ROPE_L))
-    for c in gl.static_range(4):
-        scale_ring.index(4 * b + c).slice(r0, ROWS).store(raw_scale_rows.index(sc0 + c).load(SV))
+    scale_stages.index(b).slice(r0, ROWS, dim=1).store(raw_scales.load(SCL))
 
 
 @gluon.jit
@@ -810,22 +809,22 @@ def _fp8_rows_loader(KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n
     if DIAG != 2 and DIAG != 4:                # (ws_diag 2 / 4: no gathers)
         for i in range(num_steps):
             ph = (i & 1) ^ 1
+            n_next = n_start + (i + 1) * BLOCK_N
             mbarrier.wait(free.index(0), ph)   # the converter is done with half A of step i - 1
-            _request_rows(KV, kv_row_stride, num_slots, la, ra, sa, raw_lat.index(0), raw_rope.index(0),
-                          raw_scale.slice(0, 4, dim=0), LAT, ROPE_L, SCALE_L)
+            la, ra, sa = _request_step(KV, kv_row_stride, num_slots, slot_row, n_next, n_end, raw_lat.index(0),
+                                       raw_rope.index(0), raw_scale.slice(0, 4, dim=0), la, ra, sa, HALF, LAT,
+                                       ROPE_L, SCALE_L, True)
             async_copy.mbarrier_arrive(staged.index(0), increment_count=False)
-            la, ra, sa = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
             mbarrier.wait(free.index(1), ph)
-            _request_rows(KV, kv_row_stride, num_slots, lb, rb, sb, raw_lat.index(1), raw_rope.index(1),
-                          raw_scale.slice(4, 4, dim=0), LAT, ROPE_L, SCALE_L)
+            lb, rb, sb = _request_step(KV, kv_row_stride, num_slots, slot_row, n_next + HALF, n_end,
+                                       raw_lat.index(1), raw_rope.index(1), raw_scale.slice(4, 4, dim=0), lb, rb,
+                                       sb, HALF, LAT, ROPE_L, SCALE_L, True)
             async_copy.mbarrier_arrive(staged.index(1), increment_count=False)
-            lb, rb, sb = _ring_slots(slot_row, n_start + (i + 1) * BLOCK_N + HALF, n_end, HALF, LAT, ROPE_L,
-                                     SCALE_L, True)
         async_copy.wait_group(0)
 
 
 @gluon.jit
-def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_ring, staged, free, full, empty,
+def _fp8_rows_converter(raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                         num_steps, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):
     """The converter warpgroup, between loader and consumer: converts each staged half into the fp16 ring slot,
     frees the half for the loader, hands the slot to the consumer. It issues no gather, so a throttled copy queue
@@ -834,7 +833,7 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_r
     HALF: gl.constexpr = BLOCK_N // 2
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
-    SV: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                      # [rows] float32
+    SCL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])      # [4 chunks, rows] float32
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumer is done with slot b
@@ -842,8 +841,8 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_r
             if DIAG != 2 and DIAG != 4:
                 mbarrier.wait(staged.index(h), i & 1)                # half h of step i has landed
             if DIAG < 2 or DIAG == 4:          # (ws_diag 3: the gathers without the conversion)
-                _convert_rows(raw_lat.index(h), raw_rope.index(h), raw_scale_rows, 4 * h, kv16, rope16, scale_ring,
-                              b, h * HALF, HALF, DQ, ROPE_L, SV)
+                _convert_rows(raw_lat.index(h), raw_rope.index(h), raw_scale.slice(4 * h, 4, dim=0), kv16, rope16,
+                              scale_stages, b, h * HALF, HALF, DQ, ROPE_L, SCL)
             if h == 1:
                 fence_async_shared()
             gl.thread_barrier()                # every thread is done reading half h's staging (and storing slot b)
@@ -971,11 +970,11 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
+    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
     p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
     raw_lat = gl.allocate_shared_memory(gl.uint8, [2, HALF, 512], SM8)          # the staging buffer, in two halves
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, 64], SM)
-    raw_scale_rows = gl.allocate_shared_memory(gl.float32, [8, HALF], VEC)      # half h, chunk c: row 4h + c
-    raw_scale = raw_scale_rows._reinterpret(gl.float32, [8, HALF], RAW)        # the same bytes, for the copies
+    raw_scale = gl.allocate_shared_memory(gl.float32, [8, HALF], RAW)           # half h, chunk c: row 4h + c
     full, empty = _handover_barriers(STAGES, 1)
     staged, free = _handover_barriers(2, 4 * 32)          # staged[h]: every loader thread's copies have landed
     gl.warp_specialize([
@@ -983,7 +982,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
                               STAGES, SPLIT, ST_L, DIAG)),
-        (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale_rows, kv16, rope16, scale_ring, staged, free, full, empty,
+        (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                                num_steps, STAGES, BLOCK_N, DIAG)),
         (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, DIAG)),
