@@ -26,8 +26,8 @@ the one-CTA form at 64 heads x 128-512 tokens, 0.84-0.88x FlashMLA's kernels). A
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
-turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v11:
-0.50-0.53 of the roofline, 1.38-1.40x FlashMLA's fp8 decode at 128-512 tokens).
+turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v12:
+0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
