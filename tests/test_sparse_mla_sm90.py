@@ -452,7 +452,8 @@ def test_gluon_tiles_by_head_count():
         cfg = sm90.default_config(H)
         assert (cfg["block_h"], cfg["num_warps"]) == (64, 8) and resident_ctas(cfg["block_h"]) == 1
     assert sm90.kernel_of(64, True) is sm90.kernel_of(64, False) is sm90._sparse_mla_wgmma_sm90_kernel
-    assert sm90.kernel_of(64, True, ws=True) is sm90.kernel_of(64, False, ws=True) is sm90._sparse_mla_wgmma_ws_sm90_kernel
+    ws_kernel = sm90._sparse_mla_wgmma_ws_sm90_kernel
+    assert sm90.kernel_of(64, True, ws=True) is sm90.kernel_of(64, False, ws=True) is ws_kernel
     assert gluon_variant_runs("ws64", 64, "fp8_ds_mla") and gluon_variant_runs("ws64", 128, "bf16")
     assert not gluon_variant_runs("ws64", 16, "fp8_ds_mla")
     sm90.default_config(64)["block_n"] = 1                      # a copy: the module default is not changed

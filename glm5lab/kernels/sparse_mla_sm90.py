@@ -442,6 +442,59 @@ def _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.const
 
 
 @gluon.jit
+def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, FP8: gl.constexpr, SM: gl.constexpr, LAT16: gl.constexpr,
+                   ROPE_L: gl.constexpr):
+    """The 64-head kernels' shared memory: this tile's q, then a ring of STAGES slots of BLOCK_N gathered rows --
+    fp8_ds_mla: raw e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile
+    they are dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring,
+    never touched). Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
+    DT: gl.constexpr = Q.dtype.element_ty
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
+    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
+    if FP8:
+        lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
+        scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
+        scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
+        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
+    else:
+        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+        scale_ring = rope_ring
+        scale_stages = rope_ring
+        kv_deq = rope_ring
+    return q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq
+
+
+@gluon.jit
+def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
+                l_i, acc, zero_s, FP8: gl.constexpr, P_A: gl.constexpr, O_ROWS: gl.constexpr, DQ: gl.constexpr):
+    """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
+    between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
+    rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
+    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding). Returns (m, l, acc)."""
+    DT: gl.constexpr = q_lat.dtype
+    if FP8:
+        for c in gl.static_range(4):
+            raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
+            sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
+            val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+            kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
+        gl.thread_barrier()
+        kv = kv_deq
+    else:
+        kv = lat_ring.index(b)
+    fence_async_shared()              # shared-memory writes (cp.async / st.shared) -> wgmma reads
+    qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+    qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
+    p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, P_A)
+    l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
+    acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, O_ROWS)[:, None])
+    return m_new, l_i, acc
+
+
+@gluon.jit
 def _sparse_mla_wgmma_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -456,7 +509,6 @@ def _sparse_mla_wgmma_sm90_kernel(
     16-head kernel's fp16 domain), then the same bf16 products."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
-    DT: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -470,8 +522,6 @@ def _sparse_mla_wgmma_sm90_kernel(
     LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])     # [4, rows] float32 (chunk, row)
     DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if FP8:
         gl.static_assert(BLOCK_N == 8 * NW, "fp8_ds_mla wgmma steps are 64 rows (scale copies)")
     LAT: gl.constexpr = LAT8 if FP8 else LAT16
@@ -480,17 +530,9 @@ def _sparse_mla_wgmma_sm90_kernel(
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
 
-    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
+    q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
+        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, SM, LAT16, ROPE_L)
 
-    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
-    if FP8:
-        lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
-        scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
-        scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
-    else:
-        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
-        scale_stages = rope_ring          # (no scales in a bf16/fp16 row: never written)
 
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
@@ -505,31 +547,8 @@ def _sparse_mla_wgmma_sm90_kernel(
         nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
             i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
             nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, FP8)
-        if FP8:
-            for c in gl.static_range(4):
-                raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
-                sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
-                val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-                kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
-            gl.thread_barrier()
-            kv = kv_deq
-        else:
-            kv = lat_ring.index(b)
-        fence_async_shared()              # shared-memory writes (cp.async / st.shared) -> wgmma reads
-        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
-        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
-
-        qk = gl.convert_layout(qk, P_A)   # the one exchange a step: each warp now holds whole rows
-        ok = (cur_cols >= 0) & (cur_cols < num_slots)
-        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        keep = gl.convert_layout(alpha, O_ROWS)[:, None]
-        acc = warpgroup_mma(p.to(DT), kv, acc * keep)
+        m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ)
 
     async_copy.wait_group(0)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -588,11 +607,9 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
-    """The two consumer warpgroups: the 64-head kernel's step (S = q.K^T split by rows, P moved once into the
-    A-operand layout, P.V split by columns) on ring slot b, then `empty[b]` back to the loader. fp8_ds_mla: the
-    slot's e4m3 chunks dequantized with their scale into the bf16 tile first, as the one-CTA kernel does."""
+    """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
+    kernel runs it), then `empty[b]` back to the loader."""
     NW: gl.constexpr = 8
-    DT: gl.constexpr = q_lat.dtype
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
@@ -612,29 +629,8 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
-        if FP8:
-            for c in gl.static_range(4):
-                raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
-                sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
-                val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-                kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
-            gl.thread_barrier()
-            kv = kv_deq
-        else:
-            kv = lat_ring.index(b)
-        fence_async_shared()              # cp.async / st.shared writes -> wgmma reads
-        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
-        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
-        qk = gl.convert_layout(qk, P_A)   # the one exchange a step: each warp now holds whole rows
-        ok = (cur_cols >= 0) & (cur_cols < num_slots)
-        qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, O_ROWS)[:, None])
+        m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -656,12 +652,9 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
-    DT: gl.constexpr = Q.dtype.element_ty
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
@@ -670,18 +663,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     n_end = gl.minimum(n_start + rows_per_split, topk)
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
 
-    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
-    rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
-    if FP8:
-        lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
-        scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
-        scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
-    else:
-        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
-        scale_ring = rope_ring            # (no scales in a bf16/fp16 row, no bf16 tile: never touched)
-        scale_stages = rope_ring
-        kv_deq = rope_ring
+    q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
+        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, SM, LAT16, ROPE_L)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
