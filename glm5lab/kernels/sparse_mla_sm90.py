@@ -35,7 +35,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
@@ -468,26 +469,48 @@ def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.con
 
 
 @gluon.jit
+def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr, DQ: gl.constexpr):
+    """Chunk c (128 values a row) of ring slot b's e4m3 rows times their scale in float32, rounded once into the
+    bf16 (q's dtype) tile kv_deq -- as FlashMLA dequantizes."""
+    raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
+    sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
+    val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+    kv_deq.slice(c * 128, 128, dim=1).store(val.to(kv_deq.dtype))
+
+
+@gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
-                l_i, acc, zero_s, FP8: gl.constexpr, P_A: gl.constexpr, O_ROWS: gl.constexpr, DQ: gl.constexpr):
+                l_i, acc, zero_s, FP8: gl.constexpr, P_A: gl.constexpr, O_ROWS: gl.constexpr, DQ: gl.constexpr,
+                OVERLAP: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
-    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding). Returns (m, l, acc)."""
+    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding); OVERLAP: chunk by chunk,
+    each chunk's share of q.K^T issued asynchronously as soon as it is dequantized, so the tensor cores work on
+    chunk c while the warps dequantize chunk c + 1 (NOTES.md v12: built, not yet run). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
-    if FP8:
+    if FP8 and OVERLAP:
+        qk = zero_s
         for c in gl.static_range(4):
-            raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
-            sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
-            val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-            kv_deq.slice(c * 128, 128, dim=1).store(val.to(DT))
-        gl.thread_barrier()
+            _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, DQ)
+            gl.thread_barrier()           # (each warpgroup reads the rows its own warps wrote; one barrier for both)
+            fence_async_shared()
+            qk = warpgroup_mma(q_lat.slice(c * 128, 128, dim=1), kv_deq.slice(c * 128, 128, dim=1).permute((1, 0)),
+                               qk, use_acc=c > 0, is_async=True)
+        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=[qk])
         kv = kv_deq
     else:
-        kv = lat_ring.index(b)
-    fence_async_shared()              # shared-memory writes (cp.async / st.shared) -> wgmma reads
-    qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
-    qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
+        if FP8:
+            for c in gl.static_range(4):
+                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, DQ)
+            gl.thread_barrier()
+            kv = kv_deq
+        else:
+            kv = lat_ring.index(b)
+        fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
+        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
     p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, P_A)
     l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
     acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, O_ROWS)[:, None])
@@ -606,7 +629,7 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
 def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DEQ_OVERLAP: gl.constexpr):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
     kernel runs it), then `empty[b]` back to the loader."""
     NW: gl.constexpr = 8
@@ -630,7 +653,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
-                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ)
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ, DEQ_OVERLAP)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -643,6 +666,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+    DEQ_OVERLAP: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -670,7 +694,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8)),
+                              STAGES, SPLIT, FP8, DEQ_OVERLAP)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8)),
     ], [4], [WS64_LOADER_REGS])
@@ -1073,6 +1097,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
+    if cfg.get("deq_overlap") and not (cfg.get("ws") and fp8):
+        raise Glm5labError("deq_overlap is an option of the warp-specialized 64-head kernel's fp8_ds_mla form "
+                           "(\"ws\": True with an fp8_ds_mla cache)")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1089,5 +1116,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
+    if cfg.get("deq_overlap"):
+        extra["DEQ_OVERLAP"] = True
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
