@@ -461,7 +461,7 @@ def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
 def test_gluon_tiles_by_head_count():
     """16-head mma.sync tiles up to 16 heads, the warp-specialized 64-head wgmma tile (one CTA a SM) beyond; the
     benchmark's variants follow the same split, and the wgmma kernels' fp8 form is timed with 64-row steps only."""
-    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, gluon_variant_runs
+    from glm5lab.bench.kernel_bench import gluon_variant_runs
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     from glm5lab.kernels.sparse_mla import resident_ctas
 

@@ -599,7 +599,6 @@ def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_hea
         gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
 
 
-
 @gluon.jit
 def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                      num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -672,7 +671,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
-    arithmetic and outputs."""
+    arithmetic and outputs. DEQ_OVERLAP (fp8_ds_mla, `_config={"deq_overlap": True}`; built, not yet run): q.K^T
+    issued chunk by chunk as the consumers dequantize (`_heads_step`)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
