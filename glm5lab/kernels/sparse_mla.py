@@ -661,7 +661,7 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
     heads): fp8 1.15-1.23x the Triton kernel at 128-512 tokens, 1.03-1.1x at 1-32; bf16 1.04-1.18x at 8-512 tokens
     (v9, 64-row steps up to one wave: 0.91 of the roofline at 8-16 heads x 128 tokens), 0.85-1.06x at 1 token.
     NOTES.md v8 (17-128 heads, wgmma): bf16 1.43-1.51x at 128-512 tokens at 64/128 heads, fp8 1.83-1.86x;
-    1.05-1.4x at 1-32 tokens."""
+    1.05-1.4x at 1-32 tokens; v12: its warp-specialized form (the default) 1.15-1.19x more at 128-512 tokens."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
     if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability,
