@@ -168,31 +168,25 @@ def _softmax_totals(l_i, m_i, r_i):
 
 
 @gluon.jit
-def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP: gl.constexpr):
-    """One step of the online softmax, in the P operand's layout (the one exchange between warps a step: every
-    warp then holds the whole [heads, rows] tile). Returns (p, alpha, new max, l_acc), l kept per column and summed
-    once at the end; slots -1 / past the cache score -inf; exp2 stays finite while a head has seen no valid slot."""
-    qk = gl.convert_layout(qk, A_OP)
-    ok = (slot_cols >= 0) & (slot_cols < num_slots)
-    qk = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
+def _online_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_acc, AXIS: gl.constexpr):
+    """One step of the online softmax on a score tile whose gathered rows lie along AXIS (1: [heads, rows], 0: the
+    rows-as-M kernels' S^T [rows, heads]): reduced along the rows, once per head. Returns (p, alpha, new max, l_acc),
+    l kept per element and summed once at the end; slots -1 / past the cache score -inf; exp2 stays finite while a
+    head has seen no valid slot."""
+    ok = (slots >= 0) & (slots < num_slots)
+    s_tile = gl.where(gl.expand_dims(ok, 1 - AXIS), s_tile * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s_tile, AXIS))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(qk - m_safe[:, None])
-    return p, alpha, m_new, l_acc * alpha[:, None] + p
+    p = gl.exp2(s_tile - gl.expand_dims(m_safe, AXIS))
+    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, AXIS) + p
 
 
 @gluon.jit
-def _online_softmax_down_rows(st, rows, num_slots, qk_scale_log2, m_i, l_acc):
-    """The rows-as-M kernels' online-softmax step on S^T [rows, heads]: the same as _online_softmax_step, reduced
-    down the rows (across the warpgroup's warps) instead of along them. Returns (p, alpha, new max, l_acc)."""
-    ok = (rows >= 0) & (rows < num_slots)
-    st = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(st, 0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(st - m_safe[None, :])
-    return p, alpha, m_new, l_acc * alpha[None, :] + p
+def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP: gl.constexpr):
+    """The [heads, rows] kernels' step: the scores moved into the P operand's layout first (the one exchange between
+    warps a step: every warp then holds whole head rows, so the reductions stay in-warp), then _online_softmax."""
+    return _online_softmax(gl.convert_layout(qk, A_OP), slot_cols, num_slots, qk_scale_log2, m_i, l_acc, 1)
 
 
 @gluon.jit
@@ -771,7 +765,7 @@ def _sparse_mla_rows_sm90_kernel(
         kv = lat_ring.index(b)
         st = warpgroup_mma(kv, q_lat.permute((1, 0)), zero_s)
         st = warpgroup_mma(rope_ring.index(b), q_rope.permute((1, 0)), st)
-        p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
+        p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
         p_t.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
@@ -896,7 +890,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
                                 use_acc=False) * s3[:, None]
             st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-            p, alpha, m_i, l_acc = _online_softmax_down_rows(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc)
+            p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
             r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
