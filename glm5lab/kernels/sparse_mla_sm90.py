@@ -48,6 +48,20 @@ SCALE_OFFSET = gl.constexpr(512)
 # warpgroups get the rest of the 12 warps' 168 each)
 WS64_LOADER_REGS = gl.constexpr(56)
 
+# The 64-head kernels' tile (8 warps = two warpgroups), one geometry for the one-CTA and the warp-specialized form:
+# O [heads, 512] split by columns between the warpgroups; P in P.V's A-operand layout (a warp holds whole head rows:
+# the row reductions stay in-warp); q and the rows staged by the 8 warps; e4m3 chunks [rows, 128] dequantized by them.
+_HEADS_O = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+_HEADS_P = gl.DotOperandLayout(operand_index=0, parent=_HEADS_O, k_width=2)
+HEADS_O_L = gl.constexpr(_HEADS_O)
+HEADS_O_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_O))
+HEADS_P_A = gl.constexpr(_HEADS_P)
+HEADS_P_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_P))
+HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
+HEADS_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))     # [rows, 512] 16-bit, 16-byte pieces
+HEADS_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))       # [rows, 64] 16-bit
+HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))        # [rows, 128] e4m3 -> bf16
+
 
 @gluon.jit
 def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
@@ -438,16 +452,16 @@ def _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.const
 
 @gluon.jit
 def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, FP8: gl.constexpr, SM: gl.constexpr, LAT16: gl.constexpr,
-                   ROPE_L: gl.constexpr):
+                   STAGES: gl.constexpr, FP8: gl.constexpr):
     """The 64-head kernels' shared memory: this tile's q, then a ring of STAGES slots of BLOCK_N gathered rows --
     fp8_ds_mla: raw e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile
     they are dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring,
     never touched). Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
     DT: gl.constexpr = Q.dtype.element_ty
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, LAT16, ROPE_L)
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, HEADS_LAT16, HEADS_ROPE)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     if FP8:
         lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
@@ -463,19 +477,18 @@ def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.con
 
 
 @gluon.jit
-def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr, DQ: gl.constexpr):
+def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
     """Chunk c (128 values a row) of ring slot b's e4m3 rows times their scale in float32, rounded once into the
     bf16 (q's dtype) tile kv_deq -- as FlashMLA dequantizes."""
-    raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(DQ)
-    sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ))
+    raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(HEADS_DQ)
+    sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, HEADS_DQ))
     val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
     kv_deq.slice(c * 128, 128, dim=1).store(val.to(kv_deq.dtype))
 
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
-                l_i, acc, zero_s, FP8: gl.constexpr, P_A: gl.constexpr, O_ROWS: gl.constexpr, DQ: gl.constexpr,
-                OVERLAP: gl.constexpr = False):
+                l_i, acc, zero_s, FP8: gl.constexpr, OVERLAP: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -486,7 +499,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if FP8 and OVERLAP:
         qk = zero_s
         for c in gl.static_range(4):
-            _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, DQ)
+            _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
             gl.thread_barrier()           # (each warpgroup reads the rows its own warps wrote; one barrier for both)
             fence_async_shared()
             qk = warpgroup_mma(q_lat.slice(c * 128, 128, dim=1), kv_deq.slice(c * 128, 128, dim=1).permute((1, 0)),
@@ -497,7 +510,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     else:
         if FP8:
             for c in gl.static_range(4):
-                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, DQ)
+                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
             gl.thread_barrier()
             kv = kv_deq
         else:
@@ -505,10 +518,22 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
         qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
         qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
-    p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, P_A)
+    p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
     l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
-    acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, O_ROWS)[:, None])
+    acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
     return m_new, l_i, acc
+
+
+@gluon.jit
+def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The 64-head kernels' state before the first step: running max, sum, O and the zero S tile a step's q.K^T
+    starts from (S split by rows between the warpgroups: BLOCK_N / 2 rows each)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    return (gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HEADS_P_ROWS),
+            gl.zeros([BLOCK_H], gl.float32, layout=HEADS_P_ROWS),
+            gl.zeros([BLOCK_H, 512], gl.float32, layout=HEADS_O_L),
+            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L))
 
 
 @gluon.jit
@@ -527,62 +552,46 @@ def _sparse_mla_wgmma_sm90_kernel(
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     NW: gl.constexpr = gl.num_warps()
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    P_ROWS: gl.constexpr = gl.SliceLayout(1, P_A)          # a warp holds whole rows of P: row reductions in-warp
-    P_COLS: gl.constexpr = gl.SliceLayout(0, P_A)
-    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [rows, 512] 16-bit, 16-byte copies
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [rows, 64] 16-bit
     LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3
     SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])     # [4, rows] float32 (chunk, row)
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
     if FP8:
         gl.static_assert(BLOCK_N == 8 * NW, "fp8_ds_mla wgmma steps are 64 rows (scale copies)")
-    LAT: gl.constexpr = LAT8 if FP8 else LAT16
+    LAT: gl.constexpr = LAT8 if FP8 else HEADS_LAT16
 
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, SM, LAT16, ROPE_L)
-
-
+        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
-        BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, FP8)
-    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
+        BLOCK_N, STAGES, LAT, HEADS_ROPE, SCALE_L, FP8)
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=P_ROWS)
-    acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=O_L)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
     for i in range(num_steps):
         nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
             i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
-            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, FP8)
+            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, HEADS_ROPE, SCALE_L, HEADS_P_COLS, FP8)
         m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
-                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ)
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8)
 
     async_copy.wait_group(0)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT, O_L, P_ROWS)
+                 stride_lt, BLOCK_H, SPLIT)
 
 
 @gluon.jit
 def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, O_L: gl.constexpr, P_ROWS: gl.constexpr):
+                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
     """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512]."""
-    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
-    inv_l = gl.convert_layout(inv_l, O_ROWS)[:, None]
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
+    inv_l = gl.convert_layout(inv_l, HEADS_O_ROWS)[:, None]
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_O_ROWS)
     hm = (heads < num_heads)[:, None]
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, O_L))
-    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=P_ROWS)
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, HEADS_O_L))
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_P_ROWS)
     if SPLIT:
         part = t * num_splits + s
         gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], acc * inv_l, mask=hm)
@@ -625,32 +634,19 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DEQ_OVERLAP: gl.constexpr):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
     kernel runs it), then `empty[b]` back to the loader."""
-    NW: gl.constexpr = 8
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    P_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    P_ROWS: gl.constexpr = gl.SliceLayout(1, P_A)
-    P_COLS: gl.constexpr = gl.SliceLayout(0, P_A)
-    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_L)
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
-
-    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=P_ROWS)
-    acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=O_L)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
+    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
     for i in range(num_steps):
         b = i % STAGES
         cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, P_COLS)
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
-                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, P_A, O_ROWS, DQ, DEQ_OVERLAP)
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DEQ_OVERLAP)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT, O_L, P_ROWS)
+                 stride_lt, BLOCK_H, SPLIT)
 
 
 @gluon.jit
@@ -670,9 +666,6 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
 
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
@@ -682,7 +675,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, SM, LAT16, ROPE_L)
+        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
