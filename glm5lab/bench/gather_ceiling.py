@@ -16,6 +16,8 @@ import sys
 import triton
 import triton.language as tl
 
+from glm5lab.errors import one_line_errors
+
 ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}     # glm5lab.kernels.fp8_ds_mla's row; 576 bf16 values
 BLOCK_ROWS = 32
 
@@ -89,19 +91,14 @@ def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 5242
     return rows
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm5lab.bench.gather_ceiling", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--topk", type=int, default=2048)
     args = p.parse_args(argv)
-    from glm5lab.errors import Glm5labError
-
-    try:
-        run(args.out, args.tokens, args.topk, command=" ".join(sys.argv))
-    except Glm5labError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    run(args.out, args.tokens, args.topk, command=" ".join(sys.argv))
     return 0
 
 

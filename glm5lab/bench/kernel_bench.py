@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from glm5lab.errors import one_line_errors
+
 SUITE = "sparse_mla_kernel"
 FP8_V4_ENV = "GLM5LAB_BENCH_FP8_V4"
 FP8_V4_SHAPES = {(8, 128), (8, 512), (64, 512)}
@@ -493,6 +495,7 @@ def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flus
               f"{t.get(('torch-gather', 'bf16', H, T), nan):8.1f}")
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm5lab.bench.kernel_bench", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
@@ -511,17 +514,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from glm5lab.errors import Glm5labError
-
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
-    try:
-        df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
-                 fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
-                 fused_merge=args.fused_merge, gluon=args.gluon)
-    except Glm5labError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
+             fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
+             fused_merge=args.fused_merge, gluon=args.gluon)
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")

@@ -19,6 +19,8 @@ import sys
 import triton
 import triton.language as tl
 
+from glm5lab.errors import one_line_errors
+
 SUITE = "sparse_mla_latency"
 
 
@@ -135,6 +137,7 @@ def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
     return rows
 
 
+@one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm5lab.bench.latency_anatomy", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
@@ -144,17 +147,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8], help="with --sweep")
     p.add_argument("--sweep-heads", type=int, nargs="*", default=[8, 64], help="with --sweep")
     args = p.parse_args(argv)
-    from glm5lab.errors import Glm5labError
-
-    try:
-        if args.sweep:
-            sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
-                  policy=args.policy)
-        else:
-            run(args.out, args.heads, command=" ".join(sys.argv))
-    except Glm5labError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    if args.sweep:
+        sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+              policy=args.policy)
+    else:
+        run(args.out, args.heads, command=" ".join(sys.argv))
     return 0
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from glm5lab.bench.attention_stack import GLM5_LAYERS, PROFILES as STACK_PROFILES, AttentionLayer, StackShape
-from glm5lab.errors import Glm5labError
+from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "tp_attention_stack"
 # NVLink multicast stays off (device machine rule): set in every process this module starts.
@@ -434,6 +434,7 @@ def _ints(text: str) -> tuple:
     return tuple(int(x) for x in text.replace(",", " ").split())
 
 
+@one_line_errors
 def main(argv=None) -> int:
     import argparse
 
@@ -468,12 +469,8 @@ def main(argv=None) -> int:
                     batches=a.batches, contexts=a.contexts, warmup=a.warmup, reps=a.reps, budget_s=a.budget,
                     baseline=not a.no_baseline, check=not a.no_check, machine=a.machine, out=str(out),
                     command=" ".join(["tp_attention_stack.py", *(argv if argv is not None else sys.argv[1:])]))
-    try:
-        t0 = time.time()
-        rows = run(cfg)
-    except Glm5labError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    t0 = time.time()
+    rows = run(cfg)
     bad = [r for r in rows if r["metric"] == "failed"]
     print(f"[tp] {len(rows)} rows -> {out} in {time.time() - t0:.1f} s" + (f"; {len(bad)} shape(s) failed" if bad else ""))
     return 3 if bad or not rows else 0

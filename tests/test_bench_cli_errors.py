@@ -1,0 +1,37 @@
+"""The benchmark scripts (`python -m glm5lab.bench.*`) turn a problem the user can fix into ONE line on stderr and
+exit status 1 (glm5lab.errors.one_line_errors), never a traceback, and write no output file."""
+import pytest
+import torch
+
+from glm5lab.bench import gather_ceiling, kernel_bench, latency_anatomy, tensor_parallel
+from glm5lab.errors import Glm5labError, one_line_errors
+
+CASES = [
+    (kernel_bench.main, ["--profile", "nope"], "unknown benchmark profile 'nope'"),
+    (tensor_parallel.main, ["--world-size", "0"], "world size must be >= 1, got 0"),
+]
+if not torch.cuda.is_available():
+    CASES += [(latency_anatomy.main, [], "needs a GPU"), (gather_ceiling.main, [], "a GPU measurement")]
+
+
+@pytest.mark.parametrize("main,args,message", CASES, ids=lambda x: getattr(x, "__module__", None) or "")
+def test_bench_script_errors_are_one_line(main, args, message, tmp_path, capsys):
+    out = tmp_path / "rows.csv"
+    assert main(["--out", str(out), *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not out.exists()
+
+
+def test_one_line_errors_passes_other_exceptions_and_results_through():
+    @one_line_errors
+    def main(argv=None):
+        if argv == ["bug"]:
+            raise ValueError("a bug keeps its traceback")
+        if argv == ["bad"]:
+            raise Glm5labError("bad input")
+        return 3
+
+    assert main([]) == 3 and main(["bad"]) == 1
+    with pytest.raises(ValueError):
+        main(["bug"])
