@@ -75,13 +75,11 @@ def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 5242
         outs = [gather_sum(cache, s) for s in sets]
         us = graph_time_us([lambda s=s, o=o: gather_sum(cache, s, o) for s, o in zip(sets, outs)])
         read_gbps = tokens * topk * row_bytes / (us * 1e-6) / 1e9
-        shape = f"T{tokens}_K{topk}_S{num_slots}"
-        rows += [dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
-                      layout=layout, metric="time_graph", value=us, unit="us"),
-                 dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
-                      layout=layout, metric="read_bandwidth", value=read_gbps, unit="GB/s"),
-                 dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=shape, dtype="int32",
-                      layout=layout, metric="fraction_of_copy_bandwidth", value=read_gbps / copy, unit="1")]
+        row = dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=f"T{tokens}_K{topk}_S{num_slots}",
+                   dtype="int32", layout=layout)
+        rows += [{**row, "metric": metric, "value": value, "unit": unit}
+                 for metric, value, unit in (("time_graph", us, "us"), ("read_bandwidth", read_gbps, "GB/s"),
+                                             ("fraction_of_copy_bandwidth", read_gbps / copy, "1"))]
         print(f"{layout:11s} rows of {row_bytes:4d} B: {us:8.1f} us, {read_gbps:7.0f} GB/s read = "
               f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
         del cache, sets, outs

@@ -17,7 +17,6 @@ import argparse
 import sys
 
 import triton
-import triton.language as tl
 
 from glm5lab.errors import one_line_errors
 
