@@ -400,15 +400,16 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,dtype", [("fp8_ds_mla", torch.bfloat16), ("native", torch.bfloat16),
-                                          ("native", torch.float16)], ids=["fp8", "bf16", "fp16"])
+@pytest.mark.parametrize("layout,dtype,wcfg", [
+    *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
+      for wcfg in (WGMMA, WGMMA_WS)),
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WS_OVERLAP))],
+    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-ws64o"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
-@FP8_WGMMA
-def test_gpu_gluon_wgmma_real_shapes(layout, dtype, H, T, wcfg):
-    """Top-k 2048 over 65,536 slots, default splits; 17 heads fills a 64-head tile partly, 128 heads takes two."""
-    if wcfg.get("deq_overlap") and layout != "fp8_ds_mla":
-        pytest.skip("deq_overlap is an fp8_ds_mla option")
+def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
+    """Top-k 2048 over 65,536 slots, default splits; 17 heads fills a 64-head tile partly, 128 heads takes two;
+    both 64-head kernels, and for fp8_ds_mla the deq_overlap option too."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)
