@@ -411,6 +411,14 @@ def test_latency_anatomy_needs_a_gpu_and_says_so():
         latency_anatomy.run("unused.csv", verbose=False)
 
 
+def test_small_batch_sweep_times_only_the_split_counts_asked_for():
+    from glm5lab.bench import latency_anatomy
+
+    assert latency_anatomy.sweep_cases("bf16", splits=[0, 2, 4]) == [(None, "auto", None), (2, "auto", None),
+                                                                      (4, "auto", None)]
+    assert len(latency_anatomy.sweep_cases("fp8_ds_mla")) == 12    # without splits: the v6 sweep
+
+
 @pytest.mark.gpu
 def test_gpu_latency_anatomy_writes_every_case(tmp_path):
     from glm5lab.bench import latency_anatomy

@@ -33,10 +33,13 @@ def cases():
     return [(64, 1), (256, 1), (2048, 1), (2048, 8), (2048, 16), (2048, 32), (2048, None)]
 
 
-def sweep_cases(layout: str, policy: bool = False):
+def sweep_cases(layout: str, policy: bool = False, splits=None):
     """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout. The first sweep
     (v6, run 1) chose the split/merge policy; `policy=True` times the chosen default beside the same with the
-    early (PDL) merge launch and beside the fused merge at the same split count."""
+    early (PDL) merge launch and beside the fused merge at the same split count; `splits` (counts, 0 = the
+    default) times the default merge at each of those split counts only."""
+    if splits:
+        return [(s or None, "auto", None) for s in splits]
     if policy:
         return [(None, "auto", None), (None, "auto", {"pdl": True}), (None, "fused", None)]
     narrow = {"block_n": 16} if layout == "fp8_ds_mla" else {"block_n": 32}
@@ -83,7 +86,8 @@ def _need_gpu(what: str) -> None:
         raise Glm5labError(f"{what} times CUDA graphs: it needs a GPU")
 
 
-def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False):
+def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
+          splits=None):
     """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
     import torch
     from tqdm.auto import tqdm
@@ -94,7 +98,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     gen = torch.Generator(device="cuda").manual_seed(11)
     slots_n, topk = 524_288, 2048
     caches = _caches(slots_n, gen)
-    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy)]
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy, splits)]
     rows = []
     for lay, h, t, (splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
         us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=splits, merge=merge, _config=cfg)
@@ -145,10 +149,12 @@ def main(argv=None) -> int:
     p.add_argument("--policy", action="store_true", help="with --sweep: the default policy, without PDL, fused")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8], help="with --sweep")
     p.add_argument("--sweep-heads", type=int, nargs="*", default=[8, 64], help="with --sweep")
+    p.add_argument("--splits", type=int, nargs="*", default=None,
+                   help="with --sweep: these split counts only (0 = the default policy's), the default merge")
     args = p.parse_args(argv)
     if args.sweep:
         sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
-              policy=args.policy)
+              policy=args.policy, splits=args.splits)
     else:
         run(args.out, args.heads, command=" ".join(sys.argv))
     return 0
