@@ -83,7 +83,7 @@ def _need_gpu(what: str) -> None:
     from glm5lab.errors import Glm5labError
 
     if not torch.cuda.is_available():
-        raise Glm5labError(f"{what} times CUDA graphs: it needs a GPU")
+        raise Glm5labError(f"{what} times kernels on the GPU: it needs a GPU")
 
 
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
@@ -108,6 +108,51 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
         if verbose:
             tqdm.write(f"  {lay:10s} {shape:36s} {us:7.2f} us")
     append_rows(csv_path, rows, command=command or "latency_anatomy --sweep")
+    return rows
+
+
+def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 32), heads=(64,), splits=(0, 1, 4)):
+    """GPU time of each kernel of a split call (attention grid, merge), from the torch profiler over 32 rotating
+    input sets run eagerly (cold cache, top-k 2048): where a split's cost goes, which graph time cannot say."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.records import append_rows
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    _need_gpu("the per-kernel split anatomy")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    slots_n, topk, n_sets = 524_288, 2048, 32
+    caches = _caches(slots_n, gen)
+    jobs = [(lay, h, t, s) for lay in caches for h in heads for t in tokens for s in splits]
+    rows = []
+    for lay, h, t, s in tqdm(jobs, desc="kernel split anatomy", disable=not verbose):
+        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
+                for _ in range(n_sets)]
+        call = [lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(), num_splits=s or None)
+                for q, sl in sets]
+        for c in call:
+            c()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for c in call:
+                c()
+            torch.cuda.synchronize()
+        per_kernel = collections.defaultdict(float)
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[ev.name] += ev.time_range.elapsed_us() / n_sets
+        shape = f"T{t}_H{h}_K{topk}_S{s if s else 'auto'}"
+        for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+            rows.append({**_row(shape, lay, us, implementation=name[:60]), "metric": "kernel_time"})
+            if verbose:
+                tqdm.write(f"  {lay:10s} {shape:24s} {name[:50]:50s} {us:7.2f} us")
+    append_rows(csv_path, rows, command=command or "latency_anatomy --kernels")
     return rows
 
 
@@ -149,10 +194,15 @@ def main(argv=None) -> int:
     p.add_argument("--policy", action="store_true", help="with --sweep: the default policy, without PDL, fused")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8], help="with --sweep")
     p.add_argument("--sweep-heads", type=int, nargs="*", default=[8, 64], help="with --sweep")
+    p.add_argument("--kernels", action="store_true",
+                   help="per-kernel GPU time (attention grid, merge) of --sweep-heads x --tokens x --splits instead")
     p.add_argument("--splits", type=int, nargs="*", default=None,
                    help="with --sweep: these split counts only (0 = the default policy's), the default merge")
     args = p.parse_args(argv)
-    if args.sweep:
+    if args.kernels:
+        kernel_split(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+                     splits=tuple(args.splits or (0, 1, 4)))
+    elif args.sweep:
         sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
               policy=args.policy, splits=args.splits)
     else:
