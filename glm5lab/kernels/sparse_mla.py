@@ -495,6 +495,38 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
         tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
 
 
+@triton.jit
+def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
+                           MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """The column-parallel merge with the splits unrolled: each round issues SC [MH, DC] loads (all in flight at
+    once) and every thread sums its own elements over the splits -- no reduction across threads, so no shared
+    memory round trip (the [splits, MH, DC] form reduces over a dimension spread across threads)."""
+    if PDL:
+        gdc_wait()
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2)
+    heads = pid_h * MH + tl.arange(0, MH)
+    hmask = heads < num_heads
+    cols = pid_d * DC + tl.arange(0, DC)
+    part0 = t * num_splits
+    m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
+    acc = tl.zeros([MH, DC], tl.float32)
+    for s0 in range(0, num_splits, SC):
+        for i in tl.static_range(SC):
+            ok = hmask & (s0 + i < num_splits)
+            row = (part0 + s0 + i) * num_heads + heads
+            ls = tl.load(PART_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(PART_O + row[:, None] * 512 + cols[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            acc += tl.exp2(ls - m_safe)[:, None] * o
+    inv, lse = _merged_scale_and_lse(m_safe, wsum)
+    o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    if pid_d == 0:
+        tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+
+
 def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
     """(MH heads, DC columns, SC splits a round) of the column-parallel merge: at most 8192 fp32 values a
     round (64 registers a thread at 4 warps), the columns narrowed first so that many splits load at once."""
