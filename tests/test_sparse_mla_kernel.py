@@ -109,6 +109,61 @@ def test_column_merge_many_splits(device, H, splits):
     check(out, lse, ref, torch.bfloat16)
 
 
+def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():
+    """The separate merge's kernel follows the H200 probe (NOTES.md v13): unrolled up to 16 splits (8 at <= 16
+    heads), the column merge beyond; either tile holds <= 8192 fp32 values a round."""
+    from glm5lab.kernels import sparse_mla as sm
+
+    for heads in (1, 3, 8, 16, 17, 64, 128):
+        for splits in (2, 3, 4, 8, 9, 16, 17, 32, 64):
+            kernel, mh, dc, sc = sm.merge_plan(heads, splits)
+            columns = splits > 16 or (splits > 8 and heads <= 16)
+            assert kernel is (sm._merge_columns_kernel if columns else sm._merge_unrolled_kernel), (heads, splits)
+            assert mh * dc * sc <= 8192 and sc <= next_pow2(splits) and 512 % dc == 0 and mh <= max(next_pow2(heads), 8)
+
+
+@pytest.mark.parametrize("H,splits", [(3, 1), (20, 3), (8, 5), (64, 9), (12, 13)])
+def test_both_merges_match_a_float64_merge_of_random_partials(device, H, splits):
+    """Each separate merge kernel on the same random partials (some splits empty: lse -inf; one head empty in every
+    split) against the float64 merge; odd head and split counts leave part of a head tile and of a round masked."""
+    _check_both_merges(device, 2, H, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,splits", [(1, 8, 64), (8, 64, 16), (32, 64, 4), (16, 128, 4), (7, 33, 9)])
+def test_gpu_both_merges_at_real_split_counts(T, H, splits):
+    _check_both_merges("cuda", T, H, splits)
+
+
+def _check_both_merges(device, T, H, splits):
+    import triton
+
+    from glm5lab.kernels import sparse_mla as sm
+    from glm5lab.kernels.paged_mla_decode import merge_partials
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    part_o = torch.randn(T, splits, H, 512, generator=g)
+    part_lse = torch.randn(T, splits, H, generator=g) * 4
+    part_lse[0, splits // 2] = float("-inf")
+    part_lse[T - 1, :, H - 1] = float("-inf")
+    # the partials' lse is log2-sum-exp, the merged lse natural log
+    want_o, want_lse = merge_partials(part_o.double().transpose(1, 2), part_lse.double().transpose(1, 2) * math.log(2))
+    part_o, part_lse = part_o.to(device), part_lse.to(device)
+    for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
+                                 (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
+        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((T, H), float("nan"), device=device)
+        kernel[(triton.cdiv(H, mh), T, 512 // dc)](part_o, part_lse, out, lse, splits, H, out.stride(0),
+                                                  out.stride(1), lse.stride(0), MH=mh, DC=dc, SC=sc,
+                                                  S_PAD=next_pow2(splits), num_warps=4)
+        name = kernel.fn.__name__
+        torch.testing.assert_close(out.double().cpu(), want_o, atol=2e-2, rtol=1e-2, msg=name)
+        assert torch.equal(lse.cpu().isinf(), want_lse.isinf()), name
+        torch.testing.assert_close(lse.double().cpu()[~want_lse.isinf()], want_lse[~want_lse.isinf()],
+                                   atol=1e-5, rtol=1e-5)
+    assert (want_o[T - 1, H - 1] == 0).all()
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.integers(1, 3), H=st.sampled_from([1, 3, 8, 16, 17, 33]), topk=st.integers(1, 140),
        fp8=st.booleans(), bf16=st.booleans(), splits=st.sampled_from([None, 1, 2, 5]),

@@ -537,6 +537,22 @@ def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
     return mh, dc, sc
 
 
+# Which separate merge a call runs. H200, CUDA-graph time with the partials L2-warm (NOTES.md v13,
+# results/kernels/merge_probe_h200.csv): the unrolled merge at 8 x 64 tiles is 2-5x faster wherever there are
+# few splits (64 heads x 32 tokens x 4 splits 23.1 -> 4.3 us, 8 heads 4.5 -> 2.3), and at 16 splits of >= 32
+# heads (64 heads x 8 tokens 9.3 -> 4.9 us); with more splits, or 16 splits of <= 16 heads, the column merge,
+# which loads every split at once over narrow columns, is faster (1 token x 32 splits 3.8 against 7.2 us).
+UNROLLED_MERGE_MAX_SPLITS = 16
+
+
+def merge_plan(num_heads: int, num_splits: int):
+    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads."""
+    if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
+        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
+    s_pad = next_pow2(max(num_splits, 1))
+    return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), 64, min(s_pad, 4 if s_pad <= 4 else 8)
+
+
 # ----------------------------------------------------------------------------------------------------
 # host side
 
@@ -879,8 +895,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl)
     if split and merge == "separate":
-        mh, dc, sc = merge_tiles(H, num_splits)
-        _merge_columns_kernel[(cdiv(H, mh), T, LATENT // dc)](
+        merge_kernel, mh, dc, sc = merge_plan(H, num_splits)
+        merge_kernel[(cdiv(H, mh), T, LATENT // dc)](
             part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
             MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))

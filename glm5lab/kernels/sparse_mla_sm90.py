@@ -14,7 +14,7 @@ at 0.34 of the memory roofline. Gluon (Triton's explicit-layout dialect) lets us
   row max, the softmax and the per-chunk scaling of P need no further exchange between warps.
 Same arithmetic as the Triton kernel's "f16" path (q's latent part scaled per head by a power of two into fp16,
 chunk scales applied to the scores and to P, P.V in fp16 relative to the running largest scale), same outputs and
-partials, so the column merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
+partials, so the separate merge of `sparse_mla` serves both. NVIDIA sm_90 only (the one GPU it was tested on); bf16 q.
 The bf16/fp16-cache kernel (`_sparse_mla_16bit_sm90_kernel`) is the same pipeline without the dequantization: both
 products read the ring slot itself (H200: 0.91 of the roofline at 8-16 heads x 128 tokens with 64-row steps on one
 CTA a SM, the Triton kernel 0.76).
