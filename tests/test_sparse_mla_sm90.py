@@ -310,11 +310,9 @@ def test_kernel_bench_gluon_variants_by_name():
     from glm5lab.bench import kernel_bench
 
     everything = kernel_bench.gluon_variants("")
-    assert [n for n, _ in everything] == [n for n, c in kernel_bench.GLUON_VARIANTS
-                                          if not (c.get("_diagnostic") or c.get("_by_name"))]
+    assert [n for n, _ in everything] == [n for n, c in kernel_bench.GLUON_VARIANTS if not c.get("_diagnostic")]
     assert "ws8" in dict(everything) and not any(n.startswith("ws8d") for n, _ in everything)
     assert kernel_bench.gluon_variants("ws8d2")[0][1]["ws_diag"] == 2          # diagnostics only by name
-    assert "ws64o" not in dict(everything) and kernel_bench.gluon_variants("ws64o")[0][1]["deq_overlap"]
     assert [n for n, _ in kernel_bench.gluon_variants("n64w8, s3")] == ["n64w8", "s3"]
     with pytest.raises(Glm5labError, match=r"unknown Gluon variant\(s\) \['s9'\]"):
         kernel_bench.gluon_variants("s2,s9")
@@ -325,8 +323,6 @@ def test_kernel_bench_gluon_variants_by_name():
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-WGMMA_WS_OVERLAP = {**WGMMA_WS, "deq_overlap": True}  # fp8_ds_mla: q.K^T chunk by chunk (v12: built, not yet run)
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_WS_OVERLAP], ids=["wg64", "ws64", "ws64o"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -363,23 +359,6 @@ def test_gluon_wgmma_ws_sm90_build_is_warp_specialized(fp8):
         assert rep["F2FP"] > 0
 
 
-def test_gluon_wgmma_ws_fp8_overlap_build_interleaves_dequantization_and_wgmma():
-    """deq_overlap (NOTES.md v12; built, not yet run on a GPU): q.K^T issued chunk by chunk as each chunk is
-    dequantized -- the same 40 wgmma, one wait for the four chunks and rope instead of a wait after the whole tile,
-    and the next chunk's e4m3 conversions scheduled between the previous chunk's wgmma."""
-    rep = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8, DEQ_OVERLAP=True, _sass=True)
-    plain = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8)
-    assert rep["HGMMA"] == plain["HGMMA"] == 40 and rep["stack"] <= 8 and rep["smem"] == plain["smem"]
-    assert rep["WARPGROUP.DEPBAR"] < plain["WARPGROUP.DEPBAR"]
-    ops = [line.split()[0] for line in rep["_sass"] if line.split()]
-    first = ops.index("HGMMA.64x32x16.F32.BF16")
-    assert "F2FP.F16.E4M3.UNPACK_B" in ops[first:first + 40]      # conversions between the chunk wgmma
-    with pytest.raises(Glm5labError, match="deq_overlap is an option of the warp-specialized 64-head kernel"):
-        sparse_mla_sm90.launch((1, 1, 1), (), {**WGMMA_WS, "deq_overlap": True}, False, False)
-    with pytest.raises(Glm5labError, match="deq_overlap is an option"):
-        sparse_mla_sm90.launch((1, 1, 1), (), {**WGMMA, "deq_overlap": True}, False, True)
-
-
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
     """The rows-as-M kernel (<= 16 heads, bf16/fp16): 36 wgmma for S^T = K.q^T over 576 values and 32 for O^T =
     V^T.P^T (8 tiles of 64 latent dims x 4), no mma.sync or ldmatrix, cp.async in the loop, no spill, one CTA a SM."""
@@ -403,13 +382,13 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WS_OVERLAP))],
-    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-ws64o"])
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS))],
+    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
     """Top-k 2048 over 65,536 slots, default splits; 17 heads fills a 64-head tile partly, 128 heads takes two;
-    both 64-head kernels, and for fp8_ds_mla the deq_overlap option too."""
+    both 64-head kernels."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)
@@ -434,7 +413,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(1000, 3), (77, 5)])
-@FP8_WGMMA
+@BOTH_WGMMA
 def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
     """fp8_ds_mla: every e4m3 byte pattern, and NaN bytes and scales in slot 0 that no valid slot points at."""
     q, cache, slots, _ = _raw_fp8_case("cuda", T=5, H=64, topk=512, num_slots=4096)
@@ -452,7 +431,7 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
 
 
 @pytest.mark.gpu
-@FP8_WGMMA
+@BOTH_WGMMA
 def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1

@@ -47,10 +47,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # NOTES.md v12)
                   ("ws64", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
                             "resident": 1}),
-                  # ... fp8_ds_mla, q.K^T issued chunk by chunk as the chunks are dequantized (NOTES.md v12: built,
-                  # not yet run on a GPU -- timed only when named)
-                  ("ws64o", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
-                             "resident": 1, "deq_overlap": True, "_by_name": True}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),
@@ -65,15 +61,14 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                                   "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64o": True,
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
 def gluon_variants(names: str = "") -> list:
     """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON); when empty, all but the
-    timing diagnostics (wrong results on purpose) and the tiles not yet run on a GPU ("_by_name"), which run only
-    by name."""
+    timing diagnostics (wrong results on purpose), which run only by name."""
     from glm5lab.errors import Glm5labError
 
     known = dict(GLUON_VARIANTS)
@@ -83,7 +78,7 @@ def gluon_variants(names: str = "") -> list:
         raise Glm5labError(f"unknown Gluon variant(s) {unknown} in {GLUON_ENV}; expected names from {list(known)}")
     if pick:
         return [(n, known[n]) for n in pick]
-    return [(n, cfg) for n, cfg in GLUON_VARIANTS if not (cfg.get("_diagnostic") or cfg.get("_by_name"))]
+    return [(n, cfg) for n, cfg in GLUON_VARIANTS if not cfg.get("_diagnostic")]
 
 
 def fp8_v4_variants(H: int, T: int) -> list:

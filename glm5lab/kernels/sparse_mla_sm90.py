@@ -35,8 +35,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
@@ -488,36 +487,22 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
-                l_i, acc, zero_s, FP8: gl.constexpr, OVERLAP: gl.constexpr = False):
+                l_i, acc, zero_s, FP8: gl.constexpr):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
-    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding); OVERLAP: chunk by chunk,
-    each chunk's share of q.K^T issued asynchronously as soon as it is dequantized, so the tensor cores work on
-    chunk c while the warps dequantize chunk c + 1 (NOTES.md v12: built, not yet run). Returns (m, l, acc)."""
+    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
-    if FP8 and OVERLAP:
-        qk = zero_s
+    if FP8:
         for c in gl.static_range(4):
             _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
-            gl.thread_barrier()           # (each warpgroup reads the rows its own warps wrote; one barrier for both)
-            fence_async_shared()
-            qk = warpgroup_mma(q_lat.slice(c * 128, 128, dim=1), kv_deq.slice(c * 128, 128, dim=1).permute((1, 0)),
-                               qk, use_acc=c > 0, is_async=True)
-        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=[qk])
+        gl.thread_barrier()
         kv = kv_deq
     else:
-        if FP8:
-            for c in gl.static_range(4):
-                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
-            gl.thread_barrier()
-            kv = kv_deq
-        else:
-            kv = lat_ring.index(b)
-        fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
-        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
-        qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
+        kv = lat_ring.index(b)
+    fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
+    qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+    qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
     p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
     l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
     acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
@@ -631,7 +616,7 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
 def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DEQ_OVERLAP: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
     kernel runs it), then `empty[b]` back to the loader."""
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
@@ -642,7 +627,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
-                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DEQ_OVERLAP)
+                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -655,14 +640,12 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DEQ_OVERLAP: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
-    arithmetic and outputs. DEQ_OVERLAP (fp8_ds_mla, `_config={"deq_overlap": True}`; built, not yet run): q.K^T
-    issued chunk by chunk as the consumers dequantize (`_heads_step`)."""
+    arithmetic and outputs."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -681,7 +664,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DEQ_OVERLAP)),
+                              STAGES, SPLIT, FP8)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8)),
     ], [4], [WS64_LOADER_REGS])
@@ -1084,9 +1067,6 @@ def check_tile(cfg: dict, fp8: bool) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("deq_overlap") and not (cfg.get("ws") and fp8):
-        raise Glm5labError("deq_overlap is an option of the warp-specialized 64-head kernel's fp8_ds_mla form "
-                           "(\"ws\": True with an fp8_ds_mla cache)")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1103,7 +1083,5 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
-    if cfg.get("deq_overlap"):
-        extra["DEQ_OVERLAP"] = True
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
