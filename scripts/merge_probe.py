@@ -14,17 +14,21 @@ from triton.testing import do_bench_cudagraph
 from tqdm.auto import tqdm
 
 from glm5lab.bench.records import append_rows
+from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels import sparse_mla as sm
 
 CASES = {8: [(1, 64), (8, 16), (32, 4)], 16: [(1, 32), (32, 4)], 64: [(1, 32), (8, 16), (32, 4), (64, 2)],
          128: [(4, 16), (16, 4), (32, 2)]}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES))
-    args = p.parse_args()
+@one_line_errors
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="CSV to append long-format rows to")
+    p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES), choices=sorted(CASES))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise Glm5labError("the merge probe times kernels on the GPU: it needs a GPU")
     rows = []
     jobs = [(h, t, s) for h in args.heads for t, s in CASES[h]]
     for H, T, S in tqdm(jobs, desc="merge probe"):
@@ -66,7 +70,8 @@ def main():
                 best = (us, f"mh{MH} dc{DC} sc{SC} w{nw}", same)
         tqdm.write(f"{'':14s} unrolled best {best[1]}: {best[0]:7.2f} us, matches the column merge: {best[2]}")
     append_rows(args.out, rows, command=" ".join(sys.argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

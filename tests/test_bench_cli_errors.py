@@ -1,17 +1,23 @@
 """The benchmark scripts (`python -m glm5lab.bench.*`) turn a problem the user can fix into ONE line on stderr and
 exit status 1 (glm5lab.errors.one_line_errors), never a traceback, and write no output file."""
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 
 from glm5lab.bench import gather_ceiling, kernel_bench, latency_anatomy, tensor_parallel
 from glm5lab.errors import Glm5labError, one_line_errors
 
+merge_probe = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "merge_probe.py"))["main"]
+
 CASES = [
     (kernel_bench.main, ["--profile", "nope"], "unknown benchmark profile 'nope'"),
     (tensor_parallel.main, ["--world-size", "0"], "world size must be >= 1, got 0"),
 ]
 if not torch.cuda.is_available():
-    CASES += [(latency_anatomy.main, [], "needs a GPU"), (gather_ceiling.main, [], "a GPU measurement")]
+    CASES += [(latency_anatomy.main, [], "needs a GPU"), (latency_anatomy.main, ["--kernels"], "needs a GPU"),
+              (gather_ceiling.main, [], "a GPU measurement"), (merge_probe, [], "needs a GPU")]
 
 
 @pytest.mark.parametrize("main,args,message", CASES, ids=lambda x: getattr(x, "__module__", None) or "")
