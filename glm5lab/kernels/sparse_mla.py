@@ -447,6 +447,28 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 
 @triton.jit
+def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
+    """What a separate-merge program (head tile, token, column block) covers: (token, column block, its heads, their
+    mask, its columns, the token's first partial)."""
+    if PDL:
+        gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
+    t = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2)
+    heads = tl.program_id(0) * MH + tl.arange(0, MH)
+    return t, pid_d, heads, heads < num_heads, pid_d * DC + tl.arange(0, DC), t * num_splits
+
+
+@triton.jit
+def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt):
+    """A separate-merge program's output block (acc / total weight) and, from its first column block, the lse."""
+    inv, lse = _merged_scale_and_lse(m_safe, wsum)
+    o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    if pid_d == 0:
+        tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+
+
+@triton.jit
 def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                           MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
                           PDL: tl.constexpr = False):
@@ -455,15 +477,7 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
     once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
     at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v6). When one round
     holds every split, the partials and the lse are loaded together: a single memory round trip."""
-    if PDL:
-        gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
-    pid_h = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    pid_d = tl.program_id(2)
-    heads = pid_h * MH + tl.arange(0, MH)
-    hmask = heads < num_heads
-    cols = pid_d * DC + tl.arange(0, DC)
-    part0 = t * num_splits
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
     if SC >= S_PAD:
         sidx = tl.arange(0, S_PAD)
         smask = (sidx[:, None] < num_splits) & hmask[None, :]                             # [S_PAD, MH]
@@ -488,11 +502,7 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
             po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
             o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
             acc += tl.sum(w[:, :, None] * o, 0)
-    inv, lse = _merged_scale_and_lse(m_safe, wsum)
-    o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
-    if pid_d == 0:
-        tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
 
 
 @triton.jit
@@ -502,15 +512,7 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
     """The column-parallel merge with the splits unrolled: each round issues SC [MH, DC] loads (all in flight at
     once) and every thread sums its own elements over the splits -- no reduction across threads, so no shared
     memory round trip (the [splits, MH, DC] form reduces over a dimension spread across threads)."""
-    if PDL:
-        gdc_wait()
-    pid_h = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    pid_d = tl.program_id(2)
-    heads = pid_h * MH + tl.arange(0, MH)
-    hmask = heads < num_heads
-    cols = pid_d * DC + tl.arange(0, DC)
-    part0 = t * num_splits
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
     m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
     acc = tl.zeros([MH, DC], tl.float32)
     for s0 in range(0, num_splits, SC):
@@ -520,11 +522,7 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
             ls = tl.load(PART_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(PART_O + row[:, None] * 512 + cols[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
             acc += tl.exp2(ls - m_safe)[:, None] * o
-    inv, lse = _merged_scale_and_lse(m_safe, wsum)
-    o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
-    if pid_d == 0:
-        tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
 
 
 def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
