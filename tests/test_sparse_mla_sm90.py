@@ -518,8 +518,16 @@ def test_rows_kernels_refuse_other_tiles_before_launching():
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 2}, False, True)
     with pytest.raises(Glm5labError, match="ws_diag 5 is a private timing diagnostic"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "ws_diag": 5, "_diagnostic": True}, False, True)
-    with pytest.raises(Glm5labError, match="ws_diag 1 is a private timing diagnostic of the fp8_ds_mla rows-as-M"):
+    with pytest.raises(Glm5labError, match="ws_diag 1 is a private timing diagnostic .* 1-4 of the fp8_ds_mla rows"):
         sm90.launch((1, 1, 1), (), {**sm90.ROWS_CONFIG, "ws_diag": 1, "_diagnostic": True}, False, False)
+    ws = {**sm90.WGMMA_WS_CONFIG, "_diagnostic": True}
+    for diag, fp8 in ((1, True), (4, True), (5, False), (9, True)):     # the 64-head kernel: 2-3, and 5 for fp8
+        with pytest.raises(Glm5labError, match=f"ws_diag {diag} is a private timing diagnostic"):
+            sm90.launch((1, 1, 1), (), {**ws, "ws_diag": diag}, False, fp8)
+    with pytest.raises(Glm5labError, match="ws_diag 3 is a private timing diagnostic"):     # without _diagnostic
+        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_WS_CONFIG, "ws_diag": 3}, False, True)
+    for diag, fp8 in ((2, False), (3, True), (5, True)):
+        sm90.check_tile({**ws, "ws_diag": diag}, fp8)
     assert sm90.kernel_of(16, True, rows=True) is sm90._sparse_mla_rows_fp8_sm90_kernel
     for key, value in (("block_h", 16), ("block_n", 32), ("num_warps", 4), ("stages", 3)):
         with pytest.raises(Glm5labError, match=f"warp-specialized 64-head kernel takes .* got .*{key} {value}"):
@@ -551,6 +559,41 @@ def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
     assert consumer["HGMMA"] == 68 and "LDGSTS" not in consumer
     assert "HGMMA" not in gathers and gathers.get("F2FP", 0) < 128 and gathers["LDGSTS"] > 0
     assert gathers["stack"] == 0 and gathers["smem"] < 64 * 1024 < producer["smem"]
+
+
+def test_gluon_wgmma_ws_sm90_timing_diagnostics_build_what_they_name():
+    """The 64-head warp-specialized kernel's diagnostics (NOTES.md v13): the consumers alone keep their 40 wgmma and
+    issue no gather, the gathers alone keep the copies and no wgmma, fp8 without its dequantization keeps the 40 wgmma
+    and the copies but converts no e4m3 (no more F2FP than the bf16 form: P's packing); the plain build is unchanged
+    by the option's existence (its constexpr default is 0)."""
+    def build(fp8, diag):
+        return _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, DIAG=diag)
+
+    plain, bf16 = build(True, 0), build(False, 0)
+    consumer, gathers, no_deq = build(True, 2), build(True, 3), build(True, 5)
+    assert consumer["HGMMA"] == 40 and "LDGSTS" not in consumer and consumer["F2FP"] == plain["F2FP"]
+    assert "HGMMA" not in gathers and gathers["LDGSTS"] == plain["LDGSTS"]
+    assert no_deq["HGMMA"] == 40 and no_deq["LDGSTS"] == plain["LDGSTS"]
+    assert no_deq.get("F2FP", 0) <= bf16["F2FP"] < plain["F2FP"]
+    assert all(r["stack"] <= 8 for r in (consumer, gathers, no_deq))
+    assert consumer["smem"] == no_deq["smem"] == plain["smem"] and gathers["smem"] < 96 * 1024   # (q, bf16 tile unused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,diag", [("native", 2), ("native", 3), ("fp8_ds_mla", 2), ("fp8_ds_mla", 3),
+                                         ("fp8_ds_mla", 5)])
+def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag):
+    """Each diagnostic of the 64-head kernel finishes (its handovers still balance: no hang) at a real shape with
+    forced splits; its results are wrong on purpose, so only the full kernel's are checked beside it."""
+    q, cache, slots, ref = make_case(8, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
+    cfg = {**sparse_mla_sm90.WGMMA_WS_CONFIG, "_diagnostic": True}
+    for splits in (1, 4):
+        sparse_mla_attention(q, cache, slots, SCALE, num_splits=splits, _config={**cfg, "ws_diag": diag})
+        torch.cuda.synchronize()
+    if layout == "fp8_ds_mla":
+        ref = _bf16_dequantized_ref(q, cache, slots)
+    out, lse = run_poisoned(q, cache, slots, _config=cfg)
+    check(out, lse, ref, torch.bfloat16)
 
 
 def test_named_tiles_forced_over_any_default_are_complete():

@@ -59,9 +59,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
                   # consumer without gathers (d4)
                   *((f"ws8d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
-                                  "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
+                                  "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
+                  # ... and of the warp-specialized 64-head kernel (NOTES.md v13): the consumers alone (d2), the
+                  # gathers alone (d3), fp8_ds_mla without its dequantization (d5)
+                  *((f"ws64d{d}", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8,
+                                   "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (2, 3, 5))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False,
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 

@@ -487,16 +487,18 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
-                l_i, acc, zero_s, FP8: gl.constexpr):
+                l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
-    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding). Returns (m, l, acc)."""
+    dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding; DEQUANT=False, a timing
+    diagnostic: the products read kv_deq as it stands). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
-        for c in gl.static_range(4):
-            _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
-        gl.thread_barrier()
+        if DEQUANT:
+            for c in gl.static_range(4):
+                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
+            gl.thread_barrier()
         kv = kv_deq
     else:
         kv = lat_ring.index(b)
@@ -590,10 +592,11 @@ def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_hea
 @gluon.jit
 def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                      num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     FP8: gl.constexpr):
+                     FP8: gl.constexpr, DIAG: gl.constexpr = 0):
     """The warp-specialized 64-head kernel's loader warpgroup: requests step i's rows into ring slot i % STAGES as
     soon as the consumers have freed it (`empty`); each thread's copies arrive on `full[b]` when they land, so the
-    loader never waits on memory and the consumers never issue a gather."""
+    loader never waits on memory and the consumers never issue a gather. (ws_diag 2: no copies, each thread's
+    arrival immediate.)"""
     NW: gl.constexpr = 4
     LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
     LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [rows, 512] 16-bit
@@ -605,9 +608,11 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumers are done with slot b
-        sl_lat, sl_rope, sl_scale = _request_step(
-            KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, lat_ring.index(b),
-            rope_ring.index(b), scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
+        if DIAG != 2:
+            sl_lat, sl_rope, sl_scale = _request_step(
+                KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, lat_ring.index(b),
+                rope_ring.index(b), scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT, ROPE_L, SCALE_L,
+                FP8)
         async_copy.mbarrier_arrive(full.index(b), increment_count=False)
     async_copy.wait_group(0)
 
@@ -616,9 +621,9 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
 def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
-    kernel runs it), then `empty[b]` back to the loader."""
+    kernel runs it), then `empty[b]` back to the loader. (ws_diag 3: no step; 5: the step without dequantizing.)"""
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
     for i in range(num_steps):
@@ -626,8 +631,9 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
-        m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots,
-                                    qk_scale_log2, m_i, l_i, acc, zero_s, FP8)
+        if DIAG != 3:
+            m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
+                                        num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -640,12 +646,13 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+    DIAG: gl.constexpr = 0,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
-    arithmetic and outputs."""
+    arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -664,9 +671,9 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8)),
+                              STAGES, SPLIT, FP8, DIAG)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8)),
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
 
 
@@ -1049,12 +1056,16 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False):
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
-# Timing diagnostics of the warp-specialized kernel (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
-# purpose; NOTES.md v10, v11): 1 loader and converter alone (gathers and conversion, no products), 2 the consumer
-# alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products), 4
-# converter and consumer without gathers (whatever the staging buffer holds, converted and multiplied).
+# Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
+# purpose; NOTES.md v10, v11, v13): 1 loader and converter alone (gathers and conversion, no products), 2 the
+# consumer alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products),
+# 4 converter and consumer without gathers (whatever the staging buffer holds, converted and multiplied), 5 the
+# 64-head fp8_ds_mla kernel without its dequantization (the products read the bf16 tile as it stands). 1-4 apply to
+# the fp8_ds_mla rows-as-M kernel, 2-3 to the warp-specialized 64-head kernel (either layout), 5 to its fp8 form.
+# (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
+# program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
-                  4: "converter and consumer, no gathers"}
+                  4: "converter and consumer, no gathers", 5: "no dequantization"}
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
@@ -1071,9 +1082,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
     diag = cfg.get("ws_diag", 0)
-    if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not (fp8 and cfg.get("rows")))):
-        raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic of the fp8_ds_mla rows-as-M kernel "
-                           f"(wrong results): one of {sorted(WS_DIAGNOSTICS)} with _diagnostic=True")
+    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (cfg.get("ws") and diag in (2, 3))
+            or (cfg.get("ws") and fp8 and diag == 5))
+    if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
+        raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
+                           "1-4 of the fp8_ds_mla rows-as-M kernel, 2-3 of the warp-specialized 64-head kernel, 5 of "
+                           f"its fp8_ds_mla form ({WS_DIAGNOSTICS})")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
