@@ -329,6 +329,23 @@ def test_gpu_real_shapes(H, T, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "gluon"])
+@pytest.mark.parametrize("H,T,splits", [(8, 1, 64), (64, 8, 16), (64, 32, 4)])
+def test_gpu_early_launched_merge_matches_reference(impl, H, T, splits):
+    """_config={"pdl": True}: the separate merge launched early (programmatic dependent launch; it waits for the
+    attention grid in-kernel) gives the reference's result -- the column merge (64 splits) and the unrolled one
+    (16, 4 splits), after the Triton and the Gluon kernels. (Off by default: NOTES.md v6.)"""
+    layout = "fp8_ds_mla"
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
+    if impl == "gluon" and H > 16:
+        from tests.test_sparse_mla_sm90 import _bf16_dequantized_ref
+        ref = _bf16_dequantized_ref(q, cache, slots)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, merge="separate",
+                            _config={"impl": impl, "pdl": True, **({"block_n": 32} if splits == 64 else {})})
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_every_byte_pattern():
     """Every e4m3 byte pattern through the compiled fp8 -> bf16 path at a real top-k. (A PTX conversion
     tried in v3 failed exactly this test; NOTES.md.)"""
