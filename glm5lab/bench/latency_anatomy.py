@@ -6,10 +6,14 @@ with 8 / 16 / 32 splits and the default, in both layouts, with the cache cold (5
 input sets: rows and their TLB entries out of L2) and L2-resident (4,096 slots, one input set replayed).
 The differences place the time: launch floor, first gather chain, per-step cost, split and merge cost.
 --sweep instead times 1-8 tokens (8 and 64 heads, cold cache, top-k 2048) over split counts, both merges and
-a narrower step (v6: the split/merge policy for small batches comes from it).
+a narrower step (v6: the split/merge policy for small batches comes from it); --sweep --splits N ... only the
+default merge at those split counts. --kernels gives each kernel's own GPU time (attention grid, merge) from the
+torch profiler (v13: the merge, not the grid, was what four splits cost at 64 heads x 32 tokens).
 
     PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --out results/kernels/latency_anatomy_h200.csv
     PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --sweep --out results/kernels/small_batch_sweep_h200.csv
+    PYTHONPATH=. python -m glm5lab.bench.latency_anatomy --kernels --sweep-heads 64 --tokens 8 32 --splits 0 1 4 \
+        --out results/kernels/small_batch_sweep_h200.csv
 """
 from __future__ import annotations
 
@@ -100,10 +104,10 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     caches = _caches(slots_n, gen)
     jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy, splits)]
     rows = []
-    for lay, h, t, (splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
-        us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=splits, merge=merge, _config=cfg)
+    for lay, h, t, (n_splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
+        us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=n_splits, merge=merge, _config=cfg)
         narrow = "".join(f"_{k}{v}" for k, v in (cfg or {}).items()).replace("block_n", "N")
-        shape = f"T{t}_H{h}_K{topk}_S{splits if splits else 'auto'}_{merge}{narrow}"
+        shape = f"T{t}_H{h}_K{topk}_S{n_splits if n_splits else 'auto'}_{merge}{narrow}"
         rows.append(_row(shape, lay, us))
         if verbose:
             tqdm.write(f"  {lay:10s} {shape:36s} {us:7.2f} us")
