@@ -41,9 +41,7 @@ def main(argv=None) -> int:
         mh, dc, sc = sm.merge_tiles(H, S)
 
         def old():
-            sm._merge_columns_kernel[(triton.cdiv(H, mh), T, 512 // dc)](
-                po, pl, ref_o, ref_l, S, H, ref_o.stride(0), ref_o.stride(1), ref_l.stride(0), MH=mh, DC=dc, SC=sc,
-                S_PAD=sp, num_warps=4)
+            sm.launch_merge(sm._merge_columns_kernel, mh, dc, sc, po, pl, ref_o, ref_l)
         old()
         us = do_bench_cudagraph(old, rep=20) * 1e3
         rows.append({"suite": "merge_probe", "implementation": f"columns_mh{mh}_dc{dc}_sc{sc}_w4", "shape": shape,
@@ -57,9 +55,7 @@ def main(argv=None) -> int:
             out, lse = torch.empty_like(ref_o), torch.empty_like(ref_l)
 
             def new():
-                sm._merge_unrolled_kernel[(triton.cdiv(H, MH), T, 512 // DC)](
-                    po, pl, out, lse, S, H, out.stride(0), out.stride(1), lse.stride(0), MH=MH, DC=DC, SC=SC,
-                    S_PAD=sp, num_warps=nw)
+                sm.launch_merge(sm._merge_unrolled_kernel, MH, DC, SC, po, pl, out, lse, num_warps=nw)
             new()
             same = bool((out.float() - ref_o.float()).abs().max() < 1e-2)
             us = do_bench_cudagraph(new, rep=10) * 1e3

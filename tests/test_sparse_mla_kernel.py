@@ -136,8 +136,6 @@ def test_gpu_both_merges_at_real_split_counts(T, H, splits):
 
 
 def _check_both_merges(device, T, H, splits):
-    import triton
-
     from glm5lab.kernels import sparse_mla as sm
     from glm5lab.kernels.paged_mla_decode import merge_partials
 
@@ -153,9 +151,7 @@ def _check_both_merges(device, T, H, splits):
                                  (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
         lse = torch.full((T, H), float("nan"), device=device)
-        kernel[(triton.cdiv(H, mh), T, 512 // dc)](part_o, part_lse, out, lse, splits, H, out.stride(0),
-                                                  out.stride(1), lse.stride(0), MH=mh, DC=dc, SC=sc,
-                                                  S_PAD=next_pow2(splits), num_warps=4)
+        sm.launch_merge(kernel, mh, dc, sc, part_o, part_lse, out, lse)
         name = kernel.fn.__name__
         torch.testing.assert_close(out.double().cpu(), want_o, atol=2e-2, rtol=1e-2, msg=name)
         assert torch.equal(lse.cpu().isinf(), want_lse.isinf()), name

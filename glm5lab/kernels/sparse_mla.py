@@ -551,6 +551,17 @@ def merge_plan(num_heads: int, num_splits: int):
     return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), 64, min(s_pad, 4 if s_pad <= 4 else 8)
 
 
+def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
+                 num_warps: int = 4) -> None:
+    """One launch of a separate merge kernel (merge_plan's, or either by name) over partials [T, splits, H, 512] /
+    [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch)."""
+    T, num_splits, H = part_lse.shape
+    kernel[(cdiv(H, mh), T, LATENT // dc)](
+        part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
+        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}))
+
+
 # ----------------------------------------------------------------------------------------------------
 # host side
 
@@ -893,11 +904,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl)
     if split and merge == "separate":
-        merge_kernel, mh, dc, sc = merge_plan(H, num_splits)
-        merge_kernel[(cdiv(H, mh), T, LATENT // dc)](
-            part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-            MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=4,
-            **({"launch_pdl": True} if pdl else {}))
+        launch_merge(*merge_plan(H, num_splits), part_o, part_lse, out, lse, pdl=pdl)
     return out, lse
 
 

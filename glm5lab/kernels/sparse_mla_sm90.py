@@ -134,15 +134,21 @@ def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, r
 
 
 @gluon.jit
+def _split_rows(s, rows_per_split, topk, BLOCK_N: gl.constexpr):
+    """Split s's rows [n_start, n_end) of the token's top-k and how many BLOCK_N-row steps cover them."""
+    n_start = s * rows_per_split
+    n_end = gl.minimum(n_start + rows_per_split, topk)
+    return n_start, n_end, gl.cdiv(n_end - n_start, BLOCK_N)
+
+
+@gluon.jit
 def _ring_start(SLOTS, t, s, stride_st, rows_per_split, topk, KV, row_stride, num_slots, lat_ring, rope_ring,
                 scale_stages, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
                 SCALE_L: gl.constexpr, FP8: gl.constexpr):
     """This split's rows [n_start, n_end) of the token's top-k, with its first STAGES - 1 steps requested into the
     ring. Returns (n_start, n_end, slot_row, num_steps, and the slot indices of the next request)."""
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
     slot_row = SLOTS + t * stride_st
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
     nx_lat, nx_rope, nx_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
     for j in gl.static_range(STAGES - 1):
         nx_lat, nx_rope, nx_scale = _request_step(
@@ -660,9 +666,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
@@ -943,9 +947,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
-    n_start = s * rows_per_split
-    n_end = gl.minimum(n_start + rows_per_split, topk)
-    num_steps = gl.cdiv(n_end - n_start, BLOCK_N)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
