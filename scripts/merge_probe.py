@@ -1,8 +1,9 @@
 """Time the split merge kernels alone on the GPU (CUDA-graph replay, the partials L2-warm as after the attention
 grid that wrote them): the [splits, MH, DC] column merge against the unrolled one over its tiles, at the split
-counts the policy picks. Probe behind NOTES.md v13; long-format rows to --out.
+counts the policy picks. Probe behind NOTES.md v13; long-format rows to --out. --partials: instead, merge_plan's
+merge of fp32 partials against the same of fp16 partials with their scales (NOTES.md v14).
 
-    PYTHONPATH=. python scripts/merge_probe.py --out results/kernels/merge_probe_h200.csv
+    PYTHONPATH=. python scripts/merge_probe.py --out results/kernels/merge_probe_h200.csv [--partials]
 """
 import argparse
 import itertools
@@ -26,9 +27,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES), choices=sorted(CASES))
+    p.add_argument("--partials", action="store_true", help="time fp32 against fp16 partials (merge_plan's merge)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise Glm5labError("the merge probe times kernels on the GPU: it needs a GPU")
+    if args.partials:
+        append_rows(args.out, partials_rows(args.heads), command=" ".join(sys.argv))
+        return 0
     rows = []
     jobs = [(h, t, s) for h in args.heads for t, s in CASES[h]]
     for H, T, S in tqdm(jobs, desc="merge probe"):
@@ -67,6 +72,36 @@ def main(argv=None) -> int:
         tqdm.write(f"{'':14s} unrolled best {best[1]}: {best[0]:7.2f} us, matches the column merge: {best[2]}")
     append_rows(args.out, rows, command=" ".join(sys.argv))
     return 0
+
+
+def partials_rows(heads) -> list:
+    """merge_plan's merge over fp32 partials and over the same partials in fp16 with a scale a head (the format of
+    _config={"partials": "fp16"}), side by side in one process; their outputs compared."""
+    rows = []
+    for H, T, S in tqdm([(h, t, s) for h in heads for t, s in CASES[h]], desc="merge probe (partials)"):
+        po = torch.randn(T, S, H, 512, device="cuda")
+        pl = torch.randn(T, S, H, device="cuda") * 3
+        amax = po.abs().amax(-1)
+        mul = torch.exp2(14 - torch.floor(torch.log2(amax)))
+        po16, planes = (po * mul[..., None]).half(), torch.stack([pl, 1.0 / mul])
+        shape, plan = f"H{H}_T{T}_S{S}", sm.merge_plan(H, S)
+        outs = {}
+        for name, o, lse_in in (("plan_fp32", po, pl), ("plan_fp16", po16, planes)):
+            out, lse = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
+
+            def merge():
+                sm.launch_merge(*plan, o, lse_in, out, lse)
+            merge()
+            us = do_bench_cudagraph(merge, rep=20) * 1e3
+            outs[name] = out.float()
+            rows.append({"suite": "merge_probe", "implementation": f"{name}_{plan[0].fn.__name__.strip('_')}",
+                         "shape": shape, "layout": "-", "dtype": "bf16", "metric": "time_graph", "value": us,
+                         "unit": "us"})
+            tqdm.write(f"{shape:14s} {name}: {us:7.2f} us")
+        diff = float((outs["plan_fp16"] - outs["plan_fp32"]).abs().max())
+        rows.append({"suite": "merge_probe", "implementation": "plan_fp16_vs_fp32", "shape": shape, "layout": "-",
+                     "dtype": "bf16", "metric": "max_abs_diff", "value": diff, "unit": "-"})
+    return rows
 
 
 if __name__ == "__main__":

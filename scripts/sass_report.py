@@ -74,7 +74,8 @@ def build(config: dict, sm: int = 90):
     unknown = set(consts) - set(names)
     if unknown:
         raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
-    ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if cfg.get("FP8") else f"*{qdt}", **POINTERS}
+    ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if cfg.get("FP8") else f"*{qdt}", **POINTERS,
+           **({"PART_O": "*fp16"} if cfg.get("PART_F16") else {})}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ALIGNED}
     src = Source(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)

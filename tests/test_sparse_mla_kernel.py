@@ -160,6 +160,98 @@ def _check_both_merges(device, T, H, splits):
     assert (want_o[T - 1, H - 1] == 0).all()
 
 
+def fp16_partials(part_o):
+    """The fp16 partials format, written independently of the kernels: each head's 512 values times the power of
+    two that puts their largest magnitude into [2^14, 2^15), and that power's inverse (the scale)."""
+    amax = part_o.abs().amax(-1)
+    mul = torch.where(amax > 0, torch.exp2(14 - torch.floor(torch.log2(amax.clamp(min=1e-30)))), 1.0)
+    return (part_o * mul[..., None]).half(), 1.0 / mul
+
+
+@pytest.mark.parametrize("H,splits", [(3, 2), (20, 3), (64, 9), (12, 13), (5, 33)])
+def test_both_merges_read_fp16_partials_with_their_scales(device, H, splits):
+    """fp16 partials (_config={"partials": "fp16"}): each head's partial of a random magnitude 1e-4 .. 1e6 (beyond
+    fp16's range: a merge that drops the scale gives inf or garbage), stored in the fp16 format with its scale in
+    part_lse's second plane; both merges against the float64 merge of the fp32 partials. Bound: a stored value
+    is off by at most 2^-11 of its head's largest (half an fp16 ulp at [2^14, 2^15)), the bf16 output by one ulp of
+    itself (2^-7: the interpreter truncates, GPUs round to nearest) -- so |out - want| <= 2^-11 * (largest partial
+    value of the head) + 2^-7 * |want|. A zero partial (scale 1) and empty splits / heads are in it."""
+    from glm5lab.kernels import sparse_mla as sm
+    from glm5lab.kernels.paged_mla_decode import merge_partials
+
+    T = 2
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    part_o = torch.randn(T, splits, H, 512, generator=g, dtype=torch.float64)
+    part_o *= 10.0 ** (torch.rand(T, splits, H, 1, generator=g, dtype=torch.float64) * 10 - 4)
+    part_o[T - 1, -1, 0] *= 1e6 / part_o[T - 1, -1, 0].abs().max()     # beyond fp16, in a split that counts
+    part_o[T - 1, 0, 0] = 0.0
+    part_lse = torch.randn(T, splits, H, generator=g, dtype=torch.float64) * 4
+    part_lse[0, splits // 2] = float("-inf")
+    part_lse[T - 1, :, H - 1] = float("-inf")
+    want_o, want_lse = merge_partials(part_o.transpose(1, 2), part_lse.transpose(1, 2) * math.log(2))
+    bound = 2.0**-11 * part_o.abs().amax(dim=(1, 3))[..., None] + 2.0**-7 * want_o.abs()
+    stored, scale = fp16_partials(part_o)
+    assert torch.isinf(part_o.half()).any()           # the case needs the scale
+    planes = torch.stack([part_lse, scale]).float().to(device)
+    for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
+                                 (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
+        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((T, H), float("nan"), device=device)
+        sm.launch_merge(kernel, mh, dc, sc, stored.to(device), planes, out, lse)
+        name = kernel.fn.__name__
+        err = (out.double().cpu() - want_o).abs()
+        assert bool((err <= bound).all()), f"{name}: worst error / bound {float((err / bound).max()):.2f}"
+        assert torch.equal(lse.cpu().isinf(), want_lse.isinf()), name
+        torch.testing.assert_close(lse.double().cpu()[~want_lse.isinf()], want_lse[~want_lse.isinf()],
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(Glm5labError, match="need part_lse of shape"):
+        sm.launch_merge(sm._merge_unrolled_kernel, 8, 64, 4, stored.to(device), planes[0], out, lse)
+
+
+@pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "native"), (torch.float16, "native"),
+                                          (torch.bfloat16, "fp8_ds_mla")], ids=["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_fp16_partials_match_reference(device, dtype, layout, splits):
+    """The Triton kernel writing fp16 partials (each head scaled into [2^14, 2^15) with the scale beside its lse)
+    and the separate merge reading them: the usual tolerances hold (the fp16 partial adds at most 2^-12 of a
+    head's largest value, below the output's own rounding)."""
+    q, cache, slots, ref = make_case(3, 5, 150, 300, dtype, layout, device)
+    lay = "fp8_ds_mla" if layout == "fp8_ds_mla" else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    out, lse = run_poisoned(q, cache, slots, layout=lay, num_splits=splits,
+                            _config={"impl": "triton", "partials": "fp16"})
+    check(out, lse, ref, dtype)
+
+
+def test_fp16_partials_keep_values_beyond_fp16_range(device):
+    """A bf16 cache whose values reach 1e6 (fp16's largest is 65504; q scaled down as much, so the scores and lse
+    stay as in every other case): the scaled fp16 partials still give the reference's output; the fp32 partials, as
+    a control, too."""
+    q, cache, slots, _ = make_case(2, 3, 64, 128, torch.bfloat16, "native", device)
+    q, cache = q * 1e-6, cache * 1e6
+    ref = tuple(x.cpu() for x in sparse_mla_reference(q, cache, torch.where(slots >= 128, -1, slots), SCALE))
+    assert float(ref[0].abs().max()) > 65504
+    for partials in ("fp16", "fp32"):
+        out, lse = run_poisoned(q, cache, slots, num_splits=4, merge="separate",
+                                _config={"impl": "triton", "partials": partials, "block_n": 16})   # 4 splits
+        check(out, lse, ref, torch.bfloat16)
+
+
+def test_fp16_partials_refusals(device):
+    """fp16 partials with the fused merge, an unknown partials form, a Gluon kernel that does not write them:
+    each a clear error before any launch."""
+    from glm5lab.kernels import sparse_mla_sm90
+
+    q, cache, slots, _ = make_case(1, 4, 32, 64, torch.bfloat16, "native", device)
+    with pytest.raises(Glm5labError, match="fp16 partials need the separate merge"):
+        sparse_mla_attention(q, cache, slots, SCALE, num_splits=2, merge="fused",
+                             _config={"impl": "triton", "partials": "fp16"})
+    with pytest.raises(Glm5labError, match="partials must be 'fp32' or 'fp16', got 'bf16'"):
+        sparse_mla_attention(q, cache, slots, SCALE, num_splits=2, _config={"impl": "triton", "partials": "bf16"})
+    rows = sparse_mla_sm90.default_config(8, True, 64, 132)       # the fp8 rows-as-M kernel
+    with pytest.raises(Glm5labError, match="only the 64-head Gluon kernels write them"):
+        sparse_mla_sm90.launch((1, 1, 2), (), rows, True, True, part_f16=True)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.integers(1, 3), H=st.sampled_from([1, 3, 8, 16, 17, 33]), topk=st.integers(1, 140),
        fp8=st.booleans(), bf16=st.booleans(), splits=st.sampled_from([None, 1, 2, 5]),

@@ -359,6 +359,18 @@ def test_gluon_wgmma_ws_sm90_build_is_warp_specialized(fp8):
         assert rep["F2FP"] > 0
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
+    """PART_F16 (_config={"partials": "fp16"}): the warp-specialized 64-head build converts the O tile's 128 values a
+    consumer thread to 64 fp16 pairs at the store (64 F2FP more than the fp32-partial build), with the same wgmma,
+    shared memory and spill slots; the default build does not change (the constexpr defaults to False)."""
+    plain = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8)
+    half = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, PART_F16=True)
+    assert half["F2FP"] == plain["F2FP"] + 64
+    assert half["HGMMA"] == plain["HGMMA"] == 40 and half["smem"] == plain["smem"]
+    assert half["stack"] == plain["stack"] and half["regs"] <= 168
+
+
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
     """The rows-as-M kernel (<= 16 heads, bf16/fp16): 36 wgmma for S^T = K.q^T over 576 values and 32 for O^T =
     V^T.P^T (8 tiles of 64 latent dims x 4), no mma.sync or ldmatrix, cp.async in the loop, no spill, one CTA a SM."""
@@ -593,6 +605,32 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag):
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)
     out, lse = run_poisoned(q, cache, slots, _config=cfg)
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["native", "fp8_ds_mla"])
+@BOTH_WGMMA
+@pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
+def test_gpu_gluon_wgmma_fp16_partials_match_reference(layout, wcfg, H, T, splits):
+    """Both 64-head kernels writing fp16 partials (a scale a head, NOTES.md v14), the separate merge reading them:
+    the usual tolerances at real shapes, a full and a partly filled head tile, two 64-head tiles."""
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
+    if layout == "fp8_ds_mla":
+        ref = _bf16_dequantized_ref(q, cache, slots)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**wcfg, "partials": "fp16"})
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_fp16_partials_keep_values_beyond_fp16_range():
+    """A bf16 cache reaching 1e6 (q scaled down as much): the warp-specialized kernel's fp16 partials, scaled a head,
+    give the reference's output where unscaled fp16 would overflow."""
+    q, cache, slots, _ = make_case(8, 64, 2048, 65536, torch.bfloat16, "native", "cuda", block_size=64)
+    q, cache = q * 1e-6, cache * 1e6
+    ref = tuple(x.cpu() for x in sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE))
+    assert float(ref[0].abs().max()) > 65504
+    out, lse = run_poisoned(q, cache, slots, num_splits=16, _config={**WGMMA_WS, "partials": "fp16"})
     check(out, lse, ref, torch.bfloat16)
 
 

@@ -17,6 +17,9 @@ Why this shape of kernel (notebook 05 walks through it):
   usual log-sum-exp rule by a second kernel that is parallel over heads AND output columns (each program
   loads many splits' partials at once), or (merge="fused") by the last program of each token to finish,
   found with an atomic counter -- one launch instead of two, but one program reads every partial.
+  Partials are fp32 by default; _config={"partials": "fp16"} (separate merge only) writes them in fp16, each
+  head's 512 values scaled by a power of two into [2^14, 2^15) with the inverse kept beside its lse: half the
+  bytes written and read back, at most 2^-12 of the head's largest value lost (`partial_scale_plane`).
 - Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
   out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
 """
@@ -180,6 +183,14 @@ def _pow2_into_f16_range(amax):
 
 
 @triton.jit
+def partial_scale_plane(PART_LSE, num_splits, num_heads):
+    """fp16 partials: where each partial's scale lives -- the second plane of PART_LSE [2, T, S, H] (the first holds
+    the lse), so the default fp32 form keeps its arguments. T = the grid's second dimension in the attention
+    kernels and in both merges. A head's stored values are o * 2^k, its scale 2^-k (exact)."""
+    return PART_LSE + tl.num_programs(1).to(tl.int64) * num_splits * num_heads
+
+
+@triton.jit
 def _pv_f16(p, s, v, acc, alpha, r_old):
     """(acc * alpha + (p * s) @ v) / r_new for the "f16" fp8 paths, r_new = max(r_old, this step's largest
     scale): the accumulator is kept in units of the running largest scale (like the running max of the
@@ -207,7 +218,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
-    CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False,
+    CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False, PART_F16: tl.constexpr = False,
 ):
     if PDL:
         # programmatic dependent launch (sm90+): the merge kernel may start its launch now; it waits in
@@ -343,10 +354,17 @@ def _sparse_mla_fwd_kernel(
         # partial: PART_O [T, S, H, 512] fp32 (normalized), PART_LSE [T, S, H] (log2 domain)
         part = t * num_splits + s
         po = PART_O + (part * num_heads + heads[:, None]) * 512 + d128[None, :]
-        tl.store(po, acc0 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 128, acc1 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 256, acc2 * inv_l[:, None], mask=hmask[:, None])
-        tl.store(po + 384, acc3 * inv_l[:, None], mask=hmask[:, None])
+        if PART_F16:
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(acc0), 1), tl.max(tl.abs(acc1), 1)),
+                              tl.maximum(tl.max(tl.abs(acc2), 1), tl.max(tl.abs(acc3), 1))) * inv_l
+            mul = _pow2_into_f16_range(amax)
+            inv_l = inv_l * mul
+            tl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
+                     mask=hmask)
+        tl.store(po, (acc0 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
+        tl.store(po + 128, (acc1 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
+        tl.store(po + 256, (acc2 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
+        tl.store(po + 384, (acc3 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
         tl.store(PART_LSE + part * num_heads + heads, lse2, mask=hmask)
         if FUSED_MERGE:
             # The last program of this (token, head tile) to finish merges all partials: the barrier makes
@@ -469,9 +487,18 @@ def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, str
 
 
 @triton.jit
+def _times_partial_scale(w, PART_LSE, rows, mask, num_splits, num_heads, PART_F16: tl.constexpr):
+    """A split's merge weight times its partials' scale (fp16 partials; fp32 ones have none)."""
+    if PART_F16:
+        w = w * tl.load(partial_scale_plane(PART_LSE, num_splits, num_heads) + rows, mask=mask, other=0.0,
+                        cache_modifier=".cg")
+    return w
+
+
+@triton.jit
 def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                           MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
     """The separate merge, parallel over columns: program (head tile, token, column block) merges DC of the
     512 output columns of MH heads, reading SC splits' partials in ONE load each round (all in flight at
     once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
@@ -483,32 +510,34 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
         smask = (sidx[:, None] < num_splits) & hmask[None, :]                             # [S_PAD, MH]
         po = PART_O + ((part0 + sidx[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
         o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")         # [S_PAD, MH, DC]
-        ls = tl.load(PART_LSE + (part0 + sidx[:, None]) * num_heads + heads[None, :], mask=smask,
-                     other=float("-inf"), cache_modifier=".cg")
+        rows = (part0 + sidx[:, None]) * num_heads + heads[None, :]
+        ls = tl.load(PART_LSE + rows, mask=smask, other=float("-inf"), cache_modifier=".cg")
         m = tl.max(ls, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(ls - m_safe[None, :])
         wsum = tl.sum(w, 0)
-        acc = tl.sum(w[:, :, None] * o, 0)
+        w = _times_partial_scale(w, PART_LSE, rows, smask, num_splits, num_heads, PART_F16)
+        acc = tl.sum(w[:, :, None] * o.to(tl.float32), 0)
     else:
         m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
         acc = tl.zeros([MH, DC], tl.float32)
         for s0 in range(0, num_splits, SC):
             sc = s0 + tl.arange(0, SC)
             smask = (sc[:, None] < num_splits) & hmask[None, :]                           # [SC, MH]
-            ls = tl.load(PART_LSE + (part0 + sc[:, None]) * num_heads + heads[None, :], mask=smask,
-                         other=float("-inf"), cache_modifier=".cg")
+            rows = (part0 + sc[:, None]) * num_heads + heads[None, :]
+            ls = tl.load(PART_LSE + rows, mask=smask, other=float("-inf"), cache_modifier=".cg")
             w = tl.exp2(ls - m_safe[None, :])                                             # [SC, MH]
+            w = _times_partial_scale(w, PART_LSE, rows, smask, num_splits, num_heads, PART_F16)
             po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
             o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
-            acc += tl.sum(w[:, :, None] * o, 0)
+            acc += tl.sum(w[:, :, None] * o.to(tl.float32), 0)
     _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
 
 
 @triton.jit
 def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                            MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
     """The column-parallel merge with the splits unrolled: each round issues SC [MH, DC] loads (all in flight at
     once) and every thread sums its own elements over the splits -- no reduction across threads, so no shared
     memory round trip (the [splits, MH, DC] form reduces over a dimension spread across threads)."""
@@ -521,7 +550,8 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
             row = (part0 + s0 + i) * num_heads + heads
             ls = tl.load(PART_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(PART_O + row[:, None] * 512 + cols[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            acc += tl.exp2(ls - m_safe)[:, None] * o
+            w = _times_partial_scale(tl.exp2(ls - m_safe), PART_LSE, row, ok, num_splits, num_heads, PART_F16)
+            acc += w[:, None] * o.to(tl.float32)
     _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
 
 
@@ -554,12 +584,17 @@ def merge_plan(num_heads: int, num_splits: int):
 def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
                  num_warps: int = 4) -> None:
     """One launch of a separate merge kernel (merge_plan's, or either by name) over partials [T, splits, H, 512] /
-    [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch)."""
-    T, num_splits, H = part_lse.shape
+    [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch).
+    fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
+    T, num_splits, H, _ = part_o.shape
+    f16 = part_o.dtype == torch.float16
+    if tuple(part_lse.shape) != ((2,) if f16 else ()) + (T, num_splits, H):
+        raise Glm5labError(f"{part_o.dtype} partials {tuple(part_o.shape)} need part_lse of shape "
+                           f"{((2,) if f16 else ()) + (T, num_splits, H)}, got {tuple(part_lse.shape)}")
     kernel[(cdiv(H, mh), T, LATENT // dc)](
         part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
         MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}))
+        **({"PART_F16": True} if f16 else {}), **({"launch_pdl": True} if pdl else {}))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -880,15 +915,17 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
-    if merge == "auto" or gluon:   # the Gluon kernel has no fused merge
-        merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon) else "fused"
+    if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor fp16 partials)
+        merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or _partials_f16(cfg, "auto")) else "fused"
     # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
     # tokens in fp8 (NOTES.md v6, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
     pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
+    part_f16 = _partials_f16(cfg, merge) and split
 
     if split:
-        part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float16 if part_f16 else torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(*((2,) if part_f16 else ()), T, num_splits, H, dtype=torch.float32, device=q.device)
         counter = _counter(q.device, T * head_tiles) if merge == "fused" else part_lse
     else:
         part_o = part_lse = counter = lse   # unused placeholders
@@ -897,19 +934,30 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if gluon:
-        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8)
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
-               words, f16, cvt, cfg.get("maxnreg"), pdl)
+               words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16)
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
-                       f16, cvt, num_splits, pdl)
+                       f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
         launch_merge(*merge_plan(H, num_splits), part_o, part_lse, out, lse, pdl=pdl)
     return out, lse
 
 
+def _partials_f16(cfg: dict, merge: str) -> bool:
+    """Whether the config asks for fp16 partials (_config={"partials": "fp16"}); the fused merge reads fp32 only."""
+    partials = cfg.get("partials", "fp32")
+    if partials not in ("fp32", "fp16"):
+        raise Glm5labError(f"partials must be 'fp32' or 'fp16', got {partials!r}")
+    if partials == "fp16" and merge == "fused":
+        raise Glm5labError("fp16 partials need the separate merge (merge='separate' or 'auto'); the fused merge "
+                           "reads fp32 partials")
+    return partials == "fp16"
+
+
 def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_dtype, reload, fp8_diag, words, f16,
-                   cvt, num_splits, pdl) -> None:
+                   cvt, num_splits, pdl, part_f16=False) -> None:
     """Launch the Triton kernel at the deepest pipeline that fits this GPU's shared memory (remembered per key)."""
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
@@ -917,7 +965,8 @@ def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q_dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
                 WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
-                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
+                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg),
+                **({"PART_F16": True} if part_f16 else {}))
             _STAGES[key] = stages
             return
         except OutOfResources:

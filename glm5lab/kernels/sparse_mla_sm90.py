@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.sparse_mla import _pow2_into_f16_range   # a Triton jit helper; Gluon calls it as is
+# Triton jit helpers; Gluon calls them as they are
+from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, partial_scale_plane
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -535,6 +536,7 @@ def _sparse_mla_wgmma_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+    PART_F16: gl.constexpr = False,
 ):
     """64-head tiles (17-128 heads) on two warpgroups with wgmma: q and the step's rows in 128-byte-swizzled shared
     memory feed the tensor cores directly (no ldmatrix, no register copy of K/V); S = q.K^T is split by rows
@@ -572,22 +574,31 @@ def _sparse_mla_wgmma_sm90_kernel(
 
     async_copy.wait_group(0)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT)
+                 stride_lt, BLOCK_H, SPLIT, PART_F16)
 
 
 @gluon.jit
 def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr):
-    """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512]."""
+                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr = False):
+    """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512].
+    PART_F16: the partial in fp16, each head scaled by a power of two into [2^14, 2^15) (sparse_mla's
+    `partial_scale_plane`; the row max spans both warpgroups' columns)."""
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
-    inv_l = gl.convert_layout(inv_l, HEADS_O_ROWS)[:, None]
+    inv_r = gl.convert_layout(inv_l, HEADS_O_ROWS)
+    inv_l = inv_r[:, None]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_O_ROWS)
     hm = (heads < num_heads)[:, None]
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, HEADS_O_L))
     heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_P_ROWS)
     if SPLIT:
         part = t * num_splits + s
-        gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], acc * inv_l, mask=hm)
+        if PART_F16:
+            mul = _pow2_into_f16_range(gl.max(gl.abs(acc), 1) * inv_r)
+            inv_l = (inv_r * mul)[:, None]
+            gl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
+                     mask=heads < num_heads)
+        gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :],
+                 (acc * inv_l).to(PART_O.dtype.element_ty), mask=hm)
         gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
     else:
         o = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
@@ -627,7 +638,8 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
 def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
+                       PART_F16: gl.constexpr = False):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
     kernel runs it), then `empty[b]` back to the loader. (ws_diag 3: no step; 5: the step without dequantizing.)"""
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
@@ -643,7 +655,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT)
+                 stride_lt, BLOCK_H, SPLIT, PART_F16)
 
 
 @gluon.jit
@@ -652,7 +664,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -675,7 +687,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DIAG)),
+                              STAGES, SPLIT, FP8, DIAG, PART_F16)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -1092,12 +1104,18 @@ def check_tile(cfg: dict, fp8: bool) -> None:
                            f"its fp8_ds_mla form ({WS_DIAGNOSTICS})")
 
 
-def launch(grid, args, cfg: dict, split: bool, fp8: bool) -> None:
-    """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter."""
+def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False) -> None:
+    """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
+    split's partials in fp16 (the 64-head kernels only)."""
     check_tile(cfg, fp8)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
+    if part_f16:
+        if "PART_F16" not in kernel.arg_names:
+            raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
+                               "(or pass _config={'impl': 'triton'})")
+        extra["PART_F16"] = True
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
