@@ -19,7 +19,7 @@ Why this shape of kernel (notebook 05 walks through it):
   found with an atomic counter -- one launch instead of two, but one program reads every partial.
   Partials are fp32 by default; _config={"partials": "fp16"} (separate merge only) writes them in fp16, each
   head's 512 values scaled by a power of two into [2^14, 2^15) with the inverse kept beside its lse: half the
-  bytes written and read back, at most 2^-12 of the head's largest value lost (`partial_scale_plane`).
+  bytes written and read back, at most 2^-11 of the head's largest value lost (`partial_scale_plane`).
 - Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
   out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
 """
@@ -827,7 +827,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs a Gluon
     kernel of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; the kernel and tile by head count, layout and
     batch: sparse_mla_sm90.default_config; always the separate merge) unless merge="fused" or a private _config is
-    given; _config={"impl": "triton"} or {"impl": "gluon"} picks one.
+    given; _config={"impl": "triton"} or {"impl": "gluon"} picks one. _config={"partials": "fp16"}: split partials
+    in fp16 with a scale a head (the Triton kernel and the 64-head Gluon kernels; not timed yet, NOTES.md v14).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
