@@ -83,7 +83,8 @@ def partials_rows(heads) -> list:
         pl = torch.randn(T, S, H, device="cuda") * 3
         amax = po.abs().amax(-1)
         mul = torch.exp2(14 - torch.floor(torch.log2(amax)))
-        po16, planes = (po * mul[..., None]).half(), torch.stack([pl, 1.0 / mul])
+        order = torch.arange(512, device="cuda").view(32, 2, 4, 2).permute(0, 2, 1, 3).reshape(512)  # stored_column
+        po16, planes = (po * mul[..., None])[..., order].half(), torch.stack([pl, 1.0 / mul])
         shape, plan = f"H{H}_T{T}_S{S}", sm.merge_plan(H, S)
         outs = {}
         for name, o, lse_in in (("plan_fp32", po, pl), ("plan_fp16", po16, planes)):

@@ -15,12 +15,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from glm5lab.kernels.host import next_pow2
-from glm5lab.kernels.sparse_mla import sparse_mla_attention
+from glm5lab.kernels.sparse_mla import sparse_mla_attention, stored_column, true_column
 from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -160,12 +162,33 @@ def _check_both_merges(device, T, H, splits):
     assert (want_o[T - 1, H - 1] == 0).all()
 
 
+# fp16 partials store true column 16 b + 8 g + 2 q + e at 16 b + 4 q + 2 g + e: STORED_ORDER[c'] = the true column
+# stored at c' (the (g, q) axes of each 16-column block swapped)
+STORED_ORDER = torch.arange(512).view(32, 2, 4, 2).permute(0, 2, 1, 3).reshape(512)
+
+
 def fp16_partials(part_o):
     """The fp16 partials format, written independently of the kernels: each head's 512 values times the power of
-    two that puts their largest magnitude into [2^14, 2^15), and that power's inverse (the scale)."""
+    two that puts their largest magnitude into [2^14, 2^15), in stored-column order, and that power's inverse."""
     amax = part_o.abs().amax(-1)
     mul = torch.where(amax > 0, torch.exp2(14 - torch.floor(torch.log2(amax.clamp(min=1e-30)))), 1.0)
-    return (part_o * mul[..., None]).half(), 1.0 / mul
+    return (part_o * mul[..., None])[..., STORED_ORDER].half(), 1.0 / mul
+
+
+def test_stored_column_order_is_the_blocks_axes_swapped():
+    """sparse_mla.stored_column / true_column (the kernels' index maps) against the torch permutation above: each
+    the other's inverse, 16-column blocks kept, not the identity."""
+    @triton.jit
+    def maps(OUT):
+        c = tl.arange(0, 512)
+        tl.store(OUT + c, stored_column(c))
+        tl.store(OUT + 512 + c, true_column(c))
+
+    out = torch.empty(1024, dtype=torch.int32)
+    maps[(1,)](out)
+    stored, true = out[:512].long(), out[512:].long()
+    assert torch.equal(true, STORED_ORDER) and torch.equal(stored[STORED_ORDER], torch.arange(512))
+    assert torch.equal(stored // 16, torch.arange(512) // 16) and not torch.equal(stored, torch.arange(512))
 
 
 @pytest.mark.parametrize("H,splits", [(3, 2), (20, 3), (64, 9), (12, 13), (5, 33)])

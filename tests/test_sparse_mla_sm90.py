@@ -362,11 +362,15 @@ def test_gluon_wgmma_ws_sm90_build_is_warp_specialized(fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
 def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
     """PART_F16 (_config={"partials": "fp16"}): the warp-specialized 64-head build converts the O tile's 128 values a
-    consumer thread to 64 fp16 pairs at the store (64 F2FP more than the fp32-partial build), with the same wgmma,
-    shared memory and spill slots; the default build does not change (the constexpr defaults to False)."""
-    plain = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8)
-    half = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, PART_F16=True)
+    consumer thread to 64 fp16 pairs at the store (64 F2FP more than the fp32-partial build) and, in stored-column
+    order, writes them with 32 8-byte stores (the fp32 partial: 64; in true order fp16 would take 64 4-byte ones), with
+    the same wgmma, shared memory and spill slots; the default build does not change (the constexpr defaults to
+    False)."""
+    plain = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, _sass=True)
+    half = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, PART_F16=True, _sass=True)
     assert half["F2FP"] == plain["F2FP"] + 64
+    wide = {name: sum(i.startswith("STG.E.64 ") for i in rep["_sass"]) for name, rep in (("plain", plain), ("half", half))}
+    assert wide == {"plain": 64, "half": 32}
     assert half["HGMMA"] == plain["HGMMA"] == 40 and half["smem"] == plain["smem"]
     assert half["stack"] == plain["stack"] and half["regs"] <= 168
 

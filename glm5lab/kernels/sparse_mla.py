@@ -19,7 +19,8 @@ Why this shape of kernel (notebook 05 walks through it):
   found with an atomic counter -- one launch instead of two, but one program reads every partial.
   Partials are fp32 by default; _config={"partials": "fp16"} (separate merge only) writes them in fp16, each
   head's 512 values scaled by a power of two into [2^14, 2^15) with the inverse kept beside its lse: half the
-  bytes written and read back, at most 2^-11 of the head's largest value lost (`partial_scale_plane`).
+  bytes written and read back, at most 2^-11 of the head's largest value lost (`partial_scale_plane`), columns
+  stored in the wgmma accumulator's order within 16-column blocks (`stored_column`).
 - Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
   out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
 """
@@ -188,6 +189,21 @@ def partial_scale_plane(PART_LSE, num_splits, num_heads):
     the lse), so the default fp32 form keeps its arguments. T = the grid's second dimension in the attention
     kernels and in both merges. A head's stored values are o * 2^k, its scale 2^-k (exact)."""
     return PART_LSE + tl.num_programs(1).to(tl.int64) * num_splits * num_heads
+
+
+@triton.jit
+def stored_column(c):
+    """fp16 partials: where true column c = 16 b + 8 g + 2 q + e is stored: 16 b + 4 q + 2 g + e. In the 64-head
+    kernels' wgmma accumulator a thread holds columns 2q, 2q+1 of two 8-column groups g of a head row: stored so,
+    its four fp16 values are 8 contiguous bytes and a quad of threads writes a whole 32-byte sector (in true order,
+    4-byte stores: half a sector each; NOTES.md v14)."""
+    return (c // 16) * 16 + ((c % 8) // 2) * 4 + ((c // 8) % 2) * 2 + c % 2
+
+
+@triton.jit
+def true_column(c):
+    """The inverse of stored_column: the true column of stored column c."""
+    return (c // 16) * 16 + ((c // 2) % 2) * 8 + ((c % 16) // 4) * 2 + c % 2
 
 
 @triton.jit
@@ -361,6 +377,7 @@ def _sparse_mla_fwd_kernel(
             inv_l = inv_l * mul
             tl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
                      mask=hmask)
+            po = PART_O + (part * num_heads + heads[:, None]) * 512 + stored_column(d128)[None, :]
         tl.store(po, (acc0 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
         tl.store(po + 128, (acc1 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
         tl.store(po + 256, (acc2 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
@@ -477,9 +494,13 @@ def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PD
 
 
 @triton.jit
-def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt):
-    """A separate-merge program's output block (acc / total weight) and, from its first column block, the lse."""
+def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
+                  PART_F16: tl.constexpr):
+    """A separate-merge program's output block (acc / total weight) and, from its first column block, the lse.
+    fp16 partials: cols are stored columns (whole 16-column blocks), written back to their true columns."""
     inv, lse = _merged_scale_and_lse(m_safe, wsum)
+    if PART_F16:
+        cols = true_column(cols)
     o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
     tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
     if pid_d == 0:
@@ -531,7 +552,8 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
             po = PART_O + ((part0 + sc[:, None, None]) * num_heads + heads[None, :, None]) * 512 + cols[None, None, :]
             o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
             acc += tl.sum(w[:, :, None] * o.to(tl.float32), 0)
-    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
+    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
+                  PART_F16)
 
 
 @triton.jit
@@ -552,7 +574,8 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
             o = tl.load(PART_O + row[:, None] * 512 + cols[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
             w = _times_partial_scale(tl.exp2(ls - m_safe), PART_LSE, row, ok, num_splits, num_heads, PART_F16)
             acc += w[:, None] * o.to(tl.float32)
-    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt)
+    _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
+                  PART_F16)
 
 
 def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:

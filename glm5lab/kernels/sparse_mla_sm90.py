@@ -61,6 +61,12 @@ HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
 HEADS_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))     # [rows, 512] 16-bit, 16-byte pieces
 HEADS_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))       # [rows, 64] 16-bit
 HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))        # [rows, 128] e4m3 -> bf16
+# fp16 partials [heads, 512] in stored-column order (sparse_mla.stored_column): the O tile's own threads and
+# registers, renamed so that a thread's 4 values of a head row are adjacent (one 8-byte store; sm90 build: 32 STG.E.64)
+HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
+    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [0, 256]], block_bases=[],
+    shape=[64, 512]))
 
 
 @gluon.jit
@@ -582,7 +588,7 @@ def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_hea
                  stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr = False):
     """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512].
     PART_F16: the partial in fp16, each head scaled by a power of two into [2^14, 2^15) (sparse_mla's
-    `partial_scale_plane`; the row max spans both warpgroups' columns)."""
+    `partial_scale_plane`; the row max spans both warpgroups' columns), columns in `stored_column` order."""
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
     inv_r = gl.convert_layout(inv_l, HEADS_O_ROWS)
     inv_l = inv_r[:, None]
@@ -594,11 +600,18 @@ def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_hea
         part = t * num_splits + s
         if PART_F16:
             mul = _pow2_into_f16_range(gl.max(gl.abs(acc), 1) * inv_r)
-            inv_l = (inv_r * mul)[:, None]
             gl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
                      mask=heads < num_heads)
-        gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :],
-                 (acc * inv_l).to(PART_O.dtype.element_ty), mask=hm)
+            # columns into sparse_mla.stored_column's order: c = 16 b + 8 g + 2 q + e -> 16 b + 4 q + 2 g + e; the
+            # layout then only renames registers, so each thread's 4 values of a row are one 8-byte store
+            v = gl.reshape((acc * (inv_r * mul)[:, None]).to(gl.float16), [BLOCK_H, 32, 2, 4, 2])
+            v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 3, 2, 4]), [BLOCK_H, 512]), HEADS_F16_STORE)
+            rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, HEADS_F16_STORE))
+            stored = gl.arange(0, 512, layout=gl.SliceLayout(0, HEADS_F16_STORE))
+            gl.store(PART_O + (part * num_heads + rows[:, None]) * 512 + stored[None, :], v,
+                     mask=(rows < num_heads)[:, None])
+        else:
+            gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], acc * inv_l, mask=hm)
         gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
     else:
         o = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
