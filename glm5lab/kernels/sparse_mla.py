@@ -611,13 +611,14 @@ def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, 
     fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
     T, num_splits, H, _ = part_o.shape
     f16 = part_o.dtype == torch.float16
-    if tuple(part_lse.shape) != ((2,) if f16 else ()) + (T, num_splits, H):
-        raise Glm5labError(f"{part_o.dtype} partials {tuple(part_o.shape)} need part_lse of shape "
-                           f"{((2,) if f16 else ()) + (T, num_splits, H)}, got {tuple(part_lse.shape)}")
+    want = ((2,) if f16 else ()) + (T, num_splits, H)
+    if tuple(part_lse.shape) != want:
+        raise Glm5labError(f"{part_o.dtype} partials {tuple(part_o.shape)} need part_lse of shape {want}, "
+                           f"got {tuple(part_lse.shape)}")
     kernel[(cdiv(H, mh), T, LATENT // dc)](
         part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, num_warps=num_warps,
-        **({"PART_F16": True} if f16 else {}), **({"launch_pdl": True} if pdl else {}))
+        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -939,12 +940,16 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
-    if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor fp16 partials)
-        merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or _partials_f16(cfg, "auto")) else "fused"
+    wants_f16 = _partials_f16(cfg)
+    if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor does the fp16 partials' form)
+        merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or wants_f16) else "fused"
+    if wants_f16 and merge == "fused":
+        raise Glm5labError("fp16 partials need the separate merge (merge='separate' or 'auto'); the fused merge "
+                           "reads fp32 partials")
+    part_f16 = wants_f16 and split
     # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
     # tokens in fp8 (NOTES.md v6, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
     pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
-    part_f16 = _partials_f16(cfg, merge) and split
 
     if split:
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float16 if part_f16 else torch.float32,
@@ -969,19 +974,16 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     return out, lse
 
 
-def _partials_f16(cfg: dict, merge: str) -> bool:
-    """Whether the config asks for fp16 partials (_config={"partials": "fp16"}); the fused merge reads fp32 only."""
+def _partials_f16(cfg: dict) -> bool:
+    """Whether the config asks for fp16 partials (_config={"partials": "fp16"})."""
     partials = cfg.get("partials", "fp32")
     if partials not in ("fp32", "fp16"):
         raise Glm5labError(f"partials must be 'fp32' or 'fp16', got {partials!r}")
-    if partials == "fp16" and merge == "fused":
-        raise Glm5labError("fp16 partials need the separate merge (merge='separate' or 'auto'); the fused merge "
-                           "reads fp32 partials")
     return partials == "fp16"
 
 
 def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_dtype, reload, fp8_diag, words, f16,
-                   cvt, num_splits, pdl, part_f16=False) -> None:
+                   cvt, num_splits, pdl, part_f16) -> None:
     """Launch the Triton kernel at the deepest pipeline that fits this GPU's shared memory (remembered per key)."""
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
@@ -989,8 +991,7 @@ def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q_dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
                 WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
-                num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg),
-                **({"PART_F16": True} if part_f16 else {}))
+                PART_F16=part_f16, num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             return
         except OutOfResources:
