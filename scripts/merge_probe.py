@@ -15,7 +15,8 @@ from triton.testing import do_bench_cudagraph
 from tqdm.auto import tqdm
 
 from glm5lab.bench.records import append_rows
-from glm5lab.errors import Glm5labError, one_line_errors
+from glm5lab.bench.timing import need_gpu
+from glm5lab.errors import one_line_errors
 from glm5lab.kernels import sparse_mla as sm
 
 CASES = {8: [(1, 64), (8, 16), (32, 4)], 16: [(1, 32), (32, 4)], 64: [(1, 32), (8, 16), (32, 4), (64, 2)],
@@ -29,8 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES), choices=sorted(CASES))
     p.add_argument("--partials", action="store_true", help="time fp32 against fp16 partials (merge_plan's merge)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise Glm5labError("the merge probe times kernels on the GPU: it needs a GPU")
+    need_gpu("the merge probe")
     if args.partials:
         append_rows(args.out, partials_rows(args.heads), command=" ".join(sys.argv))
         return 0

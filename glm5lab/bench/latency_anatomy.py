@@ -22,6 +22,7 @@ import sys
 
 import triton
 
+from glm5lab.bench.timing import need_gpu
 from glm5lab.errors import one_line_errors
 
 SUITE = "sparse_mla_latency"
@@ -81,15 +82,6 @@ def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dt
             "metric": "time_graph", "value": us, "unit": "us"}
 
 
-def _need_gpu(what: str) -> None:
-    import torch
-
-    from glm5lab.errors import Glm5labError
-
-    if not torch.cuda.is_available():
-        raise Glm5labError(f"{what} times kernels on the GPU: it needs a GPU")
-
-
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
           splits=None):
     """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
@@ -98,7 +90,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
 
     from glm5lab.bench.records import append_rows
 
-    _need_gpu("the small-batch sweep")
+    need_gpu("the small-batch sweep")
     gen = torch.Generator(device="cuda").manual_seed(11)
     slots_n, topk = 524_288, 2048
     caches = _caches(slots_n, gen)
@@ -128,7 +120,7 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
     from glm5lab.kernels.sparse_mla import sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
-    _need_gpu("the per-kernel split anatomy")
+    need_gpu("the per-kernel split anatomy")
     gen = torch.Generator(device="cuda").manual_seed(13)
     slots_n, topk, n_sets = 524_288, 2048, 32
     caches = _caches(slots_n, gen)
@@ -166,7 +158,7 @@ def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
     from glm5lab.bench.kernel_bench import graph_time_us
     from glm5lab.bench.records import append_rows
 
-    _need_gpu("the latency anatomy")
+    need_gpu("the latency anatomy")
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
     gen = torch.Generator(device="cuda").manual_seed(7)
     rows = []

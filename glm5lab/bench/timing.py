@@ -11,6 +11,16 @@ import time
 from typing import Callable
 
 
+def need_gpu(what: str) -> None:
+    """A clear error, before any work, for a tool whose numbers only mean something on a GPU."""
+    import torch
+
+    from glm5lab.errors import Glm5labError
+
+    if not torch.cuda.is_available():
+        raise Glm5labError(f"{what} times kernels on the GPU: it needs a GPU")
+
+
 def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
           cpu_reps: int = 3) -> dict:
     """Return {'p20','p50','p80'} in microseconds."""
