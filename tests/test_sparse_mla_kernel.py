@@ -137,28 +137,49 @@ def test_gpu_both_merges_at_real_split_counts(T, H, splits):
     _check_both_merges("cuda", T, H, splits)
 
 
-def _check_both_merges(device, T, H, splits):
-    from glm5lab.kernels import sparse_mla as sm
-    from glm5lab.kernels.paged_mla_decode import merge_partials
-
+def _random_partials(T, H, splits, dtype=torch.float32):
+    """Random partials [T, splits, H, 512] and their log2-sum-exp [T, splits, H] (a whole split of the first token
+    and the last head of the last token empty: lse -inf), and the generator for anything else the case draws."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    part_o = torch.randn(T, splits, H, 512, generator=g)
-    part_lse = torch.randn(T, splits, H, generator=g) * 4
+    part_o = torch.randn(T, splits, H, 512, generator=g, dtype=dtype)
+    part_lse = torch.randn(T, splits, H, generator=g, dtype=dtype) * 4
     part_lse[0, splits // 2] = float("-inf")
     part_lse[T - 1, :, H - 1] = float("-inf")
-    # the partials' lse is log2-sum-exp, the merged lse natural log
-    want_o, want_lse = merge_partials(part_o.double().transpose(1, 2), part_lse.double().transpose(1, 2) * math.log(2))
-    part_o, part_lse = part_o.to(device), part_lse.to(device)
+    return part_o, part_lse, g
+
+
+def _float64_merge(part_o, part_lse):
+    """(out, lse) of the partials merged in float64 (their lse is log2-sum-exp, the merged lse natural log)."""
+    from glm5lab.kernels.paged_mla_decode import merge_partials
+
+    return merge_partials(part_o.double().transpose(1, 2), part_lse.double().transpose(1, 2) * math.log(2))
+
+
+def _each_merge(part_o, part_lse, device):
+    """Both separate merge kernels over the same partials (part_lse: [2, ...] planes for fp16 ones), each into a
+    NaN-poisoned out / lse: yields (kernel name, out, lse) as float64 on the CPU."""
+    from glm5lab.kernels import sparse_mla as sm
+
+    T, splits, H, _ = part_o.shape
     for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
                                  (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
         lse = torch.full((T, H), float("nan"), device=device)
-        sm.launch_merge(kernel, mh, dc, sc, part_o, part_lse, out, lse)
-        name = kernel.fn.__name__
-        torch.testing.assert_close(out.double().cpu(), want_o, atol=2e-2, rtol=1e-2, msg=name)
-        assert torch.equal(lse.cpu().isinf(), want_lse.isinf()), name
-        torch.testing.assert_close(lse.double().cpu()[~want_lse.isinf()], want_lse[~want_lse.isinf()],
-                                   atol=1e-5, rtol=1e-5)
+        sm.launch_merge(kernel, mh, dc, sc, part_o.to(device), part_lse.to(device), out, lse)
+        yield kernel.fn.__name__, out.double().cpu(), lse.double().cpu()
+
+
+def _check_merged_lse(lse, want_lse, name):
+    assert torch.equal(lse.isinf(), want_lse.isinf()), name
+    torch.testing.assert_close(lse[~want_lse.isinf()], want_lse[~want_lse.isinf()], atol=1e-5, rtol=1e-5)
+
+
+def _check_both_merges(device, T, H, splits):
+    part_o, part_lse, _ = _random_partials(T, H, splits)
+    want_o, want_lse = _float64_merge(part_o, part_lse)
+    for name, out, lse in _each_merge(part_o, part_lse, device):
+        torch.testing.assert_close(out, want_o, atol=2e-2, rtol=1e-2, msg=name)
+        _check_merged_lse(lse, want_lse, name)
     assert (want_o[T - 1, H - 1] == 0).all()
 
 
@@ -200,35 +221,24 @@ def test_both_merges_read_fp16_partials_with_their_scales(device, H, splits):
     itself (2^-7: the interpreter truncates, GPUs round to nearest) -- so |out - want| <= 2^-11 * (largest partial
     value of the head) + 2^-7 * |want|. A zero partial (scale 1) and empty splits / heads are in it."""
     from glm5lab.kernels import sparse_mla as sm
-    from glm5lab.kernels.paged_mla_decode import merge_partials
 
     T = 2
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    part_o = torch.randn(T, splits, H, 512, generator=g, dtype=torch.float64)
+    part_o, part_lse, g = _random_partials(T, H, splits, torch.float64)
     part_o *= 10.0 ** (torch.rand(T, splits, H, 1, generator=g, dtype=torch.float64) * 10 - 4)
     part_o[T - 1, -1, 0] *= 1e6 / part_o[T - 1, -1, 0].abs().max()     # beyond fp16, in a split that counts
     part_o[T - 1, 0, 0] = 0.0
-    part_lse = torch.randn(T, splits, H, generator=g, dtype=torch.float64) * 4
-    part_lse[0, splits // 2] = float("-inf")
-    part_lse[T - 1, :, H - 1] = float("-inf")
-    want_o, want_lse = merge_partials(part_o.transpose(1, 2), part_lse.transpose(1, 2) * math.log(2))
+    want_o, want_lse = _float64_merge(part_o, part_lse)
     bound = 2.0**-11 * part_o.abs().amax(dim=(1, 3))[..., None] + 2.0**-7 * want_o.abs()
     stored, scale = fp16_partials(part_o)
     assert torch.isinf(part_o.half()).any()           # the case needs the scale
-    planes = torch.stack([part_lse, scale]).float().to(device)
-    for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
-                                 (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
-        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
-        lse = torch.full((T, H), float("nan"), device=device)
-        sm.launch_merge(kernel, mh, dc, sc, stored.to(device), planes, out, lse)
-        name = kernel.fn.__name__
-        err = (out.double().cpu() - want_o).abs()
+    planes = torch.stack([part_lse, scale]).float()
+    for name, out, lse in _each_merge(stored, planes, device):
+        err = (out - want_o).abs()
         assert bool((err <= bound).all()), f"{name}: worst error / bound {float((err / bound).max()):.2f}"
-        assert torch.equal(lse.cpu().isinf(), want_lse.isinf()), name
-        torch.testing.assert_close(lse.double().cpu()[~want_lse.isinf()], want_lse[~want_lse.isinf()],
-                                   atol=1e-5, rtol=1e-5)
+        _check_merged_lse(lse, want_lse, name)
+    out, lse = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device), torch.empty(T, H, device=device)
     with pytest.raises(Glm5labError, match="need part_lse of shape"):
-        sm.launch_merge(sm._merge_unrolled_kernel, 8, 64, 4, stored.to(device), planes[0], out, lse)
+        sm.launch_merge(sm._merge_unrolled_kernel, 8, 64, 4, stored.to(device), planes[0].to(device), out, lse)
 
 
 @pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "native"), (torch.float16, "native"),
