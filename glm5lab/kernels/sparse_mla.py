@@ -497,12 +497,14 @@ def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PD
 def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
                   PART_F16: tl.constexpr):
     """A separate-merge program's output block (acc / total weight) and, from its first column block, the lse.
-    fp16 partials: cols are stored columns (whole 16-column blocks), written back to their true columns."""
+    fp16 partials: cols are stored columns (whole 16-column blocks); the values are put back in true column order
+    in registers (stored 16 b + 4 q + 2 g + e -> true 16 b + 8 g + 2 q + e), so the store stays contiguous."""
     inv, lse = _merged_scale_and_lse(m_safe, wsum)
+    o = (acc * inv[:, None]).to(OUT.dtype.element_ty)
     if PART_F16:
-        cols = true_column(cols)
+        o = tl.reshape(tl.permute(tl.reshape(o, [o.shape[0], o.shape[1] // 16, 4, 2, 2]), [0, 1, 3, 2, 4]), o.shape)
     o_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(o_ptr, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=hmask[:, None])
+    tl.store(o_ptr, o, mask=hmask[:, None])
     if pid_d == 0:
         tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
 
