@@ -223,6 +223,23 @@ def test_both_merges_read_fp16_partials_with_their_scales(device, H, splits):
     from glm5lab.kernels import sparse_mla as sm
 
     T = 2
+    stored, planes = _check_fp16_merges(device, T, H, splits)
+    out, lse = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device), torch.empty(T, H, device=device)
+    with pytest.raises(Glm5labError, match="need part_lse of shape"):
+        sm.launch_merge(sm._merge_unrolled_kernel, 8, 64, 4, stored.to(device), planes[0].to(device), out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,splits", [(1, 64, 32), (8, 64, 16), (32, 64, 4), (64, 128, 2), (7, 33, 9)])
+def test_gpu_both_merges_read_fp16_partials_at_real_split_counts(T, H, splits):
+    """The fp16-partials merge at the split counts the 64-head kernels use (tiles, rounds and the in-register column
+    reordering as compiled for the GPU, not the interpreter), same bound as the CPU test."""
+    _check_fp16_merges("cuda", T, H, splits)
+
+
+def _check_fp16_merges(device, T, H, splits):
+    """Both merges of random fp16 partials (magnitudes 1e-4 .. 1e6) against the float64 merge (bound: see
+    test_both_merges_read_fp16_partials_with_their_scales); returns the stored partials and their planes."""
     part_o, part_lse, g = _random_partials(T, H, splits, torch.float64)
     part_o *= 10.0 ** (torch.rand(T, splits, H, 1, generator=g, dtype=torch.float64) * 10 - 4)
     part_o[T - 1, -1, 0] *= 1e6 / part_o[T - 1, -1, 0].abs().max()     # beyond fp16, in a split that counts
@@ -236,9 +253,7 @@ def test_both_merges_read_fp16_partials_with_their_scales(device, H, splits):
         err = (out - want_o).abs()
         assert bool((err <= bound).all()), f"{name}: worst error / bound {float((err / bound).max()):.2f}"
         _check_merged_lse(lse, want_lse, name)
-    out, lse = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device), torch.empty(T, H, device=device)
-    with pytest.raises(Glm5labError, match="need part_lse of shape"):
-        sm.launch_merge(sm._merge_unrolled_kernel, 8, 64, 4, stored.to(device), planes[0].to(device), out, lse)
+    return stored, planes
 
 
 @pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "native"), (torch.float16, "native"),
