@@ -85,13 +85,14 @@ def partials_rows(heads) -> list:
         mul = torch.exp2(14 - torch.floor(torch.log2(amax)))
         order = torch.arange(512, device="cuda").view(32, 2, 4, 2).permute(0, 2, 1, 3).reshape(512)  # stored_column
         po16, planes = (po * mul[..., None])[..., order].half(), torch.stack([pl, 1.0 / mul])
-        shape, (kernel, mh, dc, sc) = f"H{H}_T{T}_S{S}", sm.merge_plan(H, S)
-        # fp16 also at twice the columns a program: the same 16 bytes a thread a load as fp32 at the plan's tile
-        wide = (kernel, mh, dc * 2, max(1, sc // 2) if kernel is sm._merge_columns_kernel else sc)
+        shape, plan32, plan16 = f"H{H}_T{T}_S{S}", sm.merge_plan(H, S), sm.merge_plan(H, S, fp16=True)
+        kernel, mh, dc, sc = plan16
+        # fp16 also at twice the plan's columns a program (the fp16 plan widens them only up to 4 splits)
+        wide = (kernel, mh, min(dc * 2, 512), max(1, sc // 2) if kernel is sm._merge_columns_kernel else sc)
         outs = {}
-        for name, o, lse_in, plan in (("plan_fp32", po, pl, (kernel, mh, dc, sc)),
-                                      ("plan_fp16", po16, planes, (kernel, mh, dc, sc)),
-                                      (f"plan_fp16_dc{dc * 2}", po16, planes, wide)):
+        for name, o, lse_in, plan in (("plan_fp32", po, pl, plan32),
+                                      ("plan_fp16", po16, planes, plan16),
+                                      (f"plan_fp16_dc{wide[2]}", po16, planes, wide)):
             out, lse = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
 
             def merge():
@@ -99,7 +100,7 @@ def partials_rows(heads) -> list:
             merge()
             us = do_bench_cudagraph(merge, rep=20) * 1e3
             outs[name] = out.float()
-            rows.append({"suite": "merge_probe", "implementation": f"{name}_{kernel.fn.__name__.strip('_')}",
+            rows.append({"suite": "merge_probe", "implementation": f"{name}_{plan[0].fn.__name__.strip('_')}",
                          "shape": shape, "layout": "-", "dtype": "bf16", "metric": "time_graph", "value": us,
                          "unit": "us"})
             tqdm.write(f"{shape:14s} {name}: {us:7.2f} us")

@@ -122,6 +122,25 @@ def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():
             columns = splits > 16 or (splits > 8 and heads <= 16)
             assert kernel is (sm._merge_columns_kernel if columns else sm._merge_unrolled_kernel), (heads, splits)
             assert mh * dc * sc <= 8192 and sc <= next_pow2(splits) and 512 % dc == 0 and mh <= max(next_pow2(heads), 8)
+            # fp16 partials: the same kernel, 128 columns a program up to 4 splits (NOTES.md v14 run 2)
+            k16, mh16, dc16, sc16 = sm.merge_plan(heads, splits, fp16=True)
+            assert (k16, mh16, sc16) == (kernel, mh, sc)
+            assert dc16 == (128 if splits <= 4 else dc), (heads, splits, dc16)
+
+
+def test_partials_are_fp16_by_default_only_in_the_64_head_gluon_kernels():
+    """Which split partials a call writes: fp16 in the 64-head Gluon kernels (both layouts), fp32 in the <= 16-head
+    Gluon kernels (they do not take fp16 ones) and in the Triton kernel; _config={"partials": ...} overrides."""
+    from glm5lab.kernels import sparse_mla as sm
+    from glm5lab.kernels import sparse_mla_sm90 as g
+
+    for heads, fp8 in ((17, True), (64, True), (128, False)):
+        assert sm._partials_f16(g.default_config(heads, fp8, 8, 132), gluon=True), (heads, fp8)
+        assert not sm._partials_f16({**g.default_config(heads, fp8, 8, 132), "partials": "fp32"}, gluon=True)
+        assert not sm._partials_f16(sm.default_config(heads, fp8, torch.device("cpu")), gluon=False)
+    for heads, fp8, tokens in ((8, True, 1), (8, True, 64), (16, False, 1), (16, False, 512)):
+        assert not sm._partials_f16(g.default_config(heads, fp8, tokens, 132), gluon=True), (heads, fp8, tokens)
+    assert sm._partials_f16({**sm.default_config(8, False, torch.device("cpu")), "partials": "fp16"}, gluon=False)
 
 
 @pytest.mark.parametrize("H,splits", [(3, 1), (20, 3), (8, 5), (64, 9), (12, 13)])
@@ -161,8 +180,9 @@ def _each_merge(part_o, part_lse, device):
     from glm5lab.kernels import sparse_mla as sm
 
     T, splits, H, _ = part_o.shape
+    fp16 = part_o.dtype == torch.float16        # (the unrolled merge's fp16 tile: 128 columns at <= 4 splits)
     for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
-                                 (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16))[1:])):
+                                 (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16), fp16)[1:])):
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
         lse = torch.full((T, H), float("nan"), device=device)
         sm.launch_merge(kernel, mh, dc, sc, part_o.to(device), part_lse.to(device), out, lse)

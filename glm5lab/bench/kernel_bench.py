@@ -44,11 +44,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("wg64n32", {"rows": False, "ws": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2,
                                "resident": 1}),
                   # ... warp-specialized, a loader warpgroup beside the two consumer warpgroups (the default since
-                  # NOTES.md v12)
+                  # NOTES.md v12), its split partials in fp32 (as before v14)
                   ("ws64", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
-                            "resident": 1}),
+                            "resident": 1, "partials": "fp32"}),
                   # ... writing its split partials in fp16 with a scale a head (half the bytes to write and merge;
-                  # NOTES.md v14)
+                  # the default since NOTES.md v14)
                   ("ws64p16", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
                                "resident": 1, "partials": "fp16"}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)

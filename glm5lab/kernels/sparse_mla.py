@@ -17,10 +17,11 @@ Why this shape of kernel (notebook 05 walks through it):
   usual log-sum-exp rule by a second kernel that is parallel over heads AND output columns (each program
   loads many splits' partials at once), or (merge="fused") by the last program of each token to finish,
   found with an atomic counter -- one launch instead of two, but one program reads every partial.
-  Partials are fp32 by default; _config={"partials": "fp16"} (separate merge only) writes them in fp16, each
-  head's 512 values scaled by a power of two into [2^14, 2^15) with the inverse kept beside its lse: half the
-  bytes written and read back, at most 2^-11 of the head's largest value lost (`partial_scale_plane`), columns
-  stored in the wgmma accumulator's order within 16-column blocks (`stored_column`).
+  The 64-head Gluon kernels write their partials in fp16 (elsewhere fp32 unless _config={"partials": "fp16"};
+  separate merge only), each head's 512 values scaled by a power of two into [2^14, 2^15) with the inverse kept
+  beside its lse: half the bytes written and read back, at most 2^-11 of the head's largest value lost
+  (`partial_scale_plane`), columns stored in the wgmma accumulator's order within 16-column blocks
+  (`stored_column`).
 - Slot -1 (anywhere in the row) and slots beyond the cache are skipped; a row with no valid slot gives
   out = 0 and lse = -inf, the convention of `glm5lab.sparse.reference.sparse_mla_reference`.
 """
@@ -598,12 +599,20 @@ def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
 UNROLLED_MERGE_MAX_SPLITS = 16
 
 
-def merge_plan(num_heads: int, num_splits: int):
-    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads."""
+# fp16 partials at <= 4 splits: the unrolled merge with 128 columns a program (the same 16 bytes a thread a load as
+# the fp32 tile). H200 (NOTES.md v14 run 2, merge_probe_h200.csv): 64 heads x 64 tokens x 2 splits 4.3 us against 5.9
+# at 64 columns (fp32 partials 5.1), 32 tokens x 4 splits 3.8 against 4.7 (fp32 4.3); at 16 splits 128 columns is
+# slower (7.5 against 5.4).
+F16_WIDE_MERGE_MAX_SPLITS = 4
+
+
+def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
+    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials)."""
     if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
         return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
     s_pad = next_pow2(max(num_splits, 1))
-    return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), 64, min(s_pad, 4 if s_pad <= 4 else 8)
+    dc = 128 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
+    return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), dc, min(s_pad, 4 if s_pad <= 4 else 8)
 
 
 def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
@@ -853,8 +862,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     separate beyond). On an sm_90 GPU every call (fp8_ds_mla with bf16 q, or bf16/fp16 caches) runs a Gluon
     kernel of glm5lab.kernels.sparse_mla_sm90 (pipelined gathers; the kernel and tile by head count, layout and
     batch: sparse_mla_sm90.default_config; always the separate merge) unless merge="fused" or a private _config is
-    given; _config={"impl": "triton"} or {"impl": "gluon"} picks one. _config={"partials": "fp16"}: split partials
-    in fp16 with a scale a head (the Triton kernel and the 64-head Gluon kernels; not timed yet, NOTES.md v14).
+    given; _config={"impl": "triton"} or {"impl": "gluon"} picks one. Split partials are fp16 with a scale a head
+    in the 64-head Gluon kernels (NOTES.md v14), fp32 elsewhere; _config={"partials": "fp32" | "fp16"} overrides
+    (fp16: the Triton kernel and the 64-head Gluon kernels).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
@@ -942,7 +952,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
-    wants_f16 = _partials_f16(cfg)
+    wants_f16 = _partials_f16(cfg, gluon)
     if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor does the fp16 partials' form)
         merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or wants_f16) else "fused"
     if wants_f16 and merge == "fused":
@@ -972,13 +982,16 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
-        launch_merge(*merge_plan(H, num_splits), part_o, part_lse, out, lse, pdl=pdl)
+        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl)
     return out, lse
 
 
-def _partials_f16(cfg: dict) -> bool:
-    """Whether the config asks for fp16 partials (_config={"partials": "fp16"})."""
-    partials = cfg.get("partials", "fp32")
+def _partials_f16(cfg: dict, gluon: bool) -> bool:
+    """Whether split partials are fp16: as _config={"partials": ...} says, else fp16 for the 64-head Gluon kernels
+    (H200, NOTES.md v14 run 2: 64 heads fp8_ds_mla 8 / 32 tokens 24.1 -> 22.3 / 45.3 -> 43.3 us) and fp32 for the
+    others (the <= 16-head Gluon kernels write 4-16x fewer partials and do not take fp16 ones; the Triton kernel's
+    fp16 partials are not timed)."""
+    partials = cfg.get("partials", "fp16" if gluon and cfg["block_h"] == 64 else "fp32")
     if partials not in ("fp32", "fp16"):
         raise Glm5labError(f"partials must be 'fp32' or 'fp16', got {partials!r}")
     return partials == "fp16"
