@@ -122,10 +122,10 @@ def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():
             columns = splits > 16 or (splits > 8 and heads <= 16)
             assert kernel is (sm._merge_columns_kernel if columns else sm._merge_unrolled_kernel), (heads, splits)
             assert mh * dc * sc <= 8192 and sc <= next_pow2(splits) and 512 % dc == 0 and mh <= max(next_pow2(heads), 8)
-            # fp16 partials: the same kernel, 128 columns a program up to 4 splits (NOTES.md v14 run 2)
+            # fp16 partials: the same kernel, 256 columns a program up to 4 splits (NOTES.md v14 runs 2-3)
             k16, mh16, dc16, sc16 = sm.merge_plan(heads, splits, fp16=True)
-            assert (k16, mh16, sc16) == (kernel, mh, sc)
-            assert dc16 == (128 if splits <= 4 else dc), (heads, splits, dc16)
+            assert (k16, mh16, sc16) == (kernel, mh, sc) and mh16 * dc16 * sc16 <= 8192
+            assert dc16 == (256 if splits <= 4 else dc), (heads, splits, dc16)
 
 
 def test_partials_are_fp16_by_default_only_in_the_64_head_gluon_kernels():
@@ -180,7 +180,7 @@ def _each_merge(part_o, part_lse, device):
     from glm5lab.kernels import sparse_mla as sm
 
     T, splits, H, _ = part_o.shape
-    fp16 = part_o.dtype == torch.float16        # (the unrolled merge's fp16 tile: 128 columns at <= 4 splits)
+    fp16 = part_o.dtype == torch.float16        # (the unrolled merge's fp16 tile: 256 columns at <= 4 splits)
     for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
                                  (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16), fp16)[1:])):
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)

@@ -599,10 +599,10 @@ def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
 UNROLLED_MERGE_MAX_SPLITS = 16
 
 
-# fp16 partials at <= 4 splits: the unrolled merge with 128 columns a program (the same 16 bytes a thread a load as
-# the fp32 tile). H200 (NOTES.md v14 run 2, merge_probe_h200.csv): 64 heads x 64 tokens x 2 splits 4.3 us against 5.9
-# at 64 columns (fp32 partials 5.1), 32 tokens x 4 splits 3.8 against 4.7 (fp32 4.3); at 16 splits 128 columns is
-# slower (7.5 against 5.4).
+# fp16 partials at <= 4 splits: the unrolled merge with 256 columns a program. H200, partials L2-warm (NOTES.md v14
+# runs 2-3, merge_probe_h200.csv), 64 heads x 64 tokens x 2 splits: 64 columns 5.9 us, 128 4.3, 256 3.8 (fp32
+# partials at 64: 5.1-5.2); 32 tokens x 4 splits: 4.7, 3.8, 3.4 (fp32 4.3). At 16 splits wider is slower (128
+# columns 7.5 against 5.4 us).
 F16_WIDE_MERGE_MAX_SPLITS = 4
 
 
@@ -611,7 +611,7 @@ def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
     if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
         return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
     s_pad = next_pow2(max(num_splits, 1))
-    dc = 128 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
+    dc = 256 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
     return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), dc, min(s_pad, 4 if s_pad <= 4 else 8)
 
 
