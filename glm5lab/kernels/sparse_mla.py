@@ -716,7 +716,7 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM)."""
     if num_heads <= 16:
         if fp8:
-            # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv): "f16" on 16x32
+            # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv.gz): "f16" on 16x32
             # tiles 1.27-1.30x the v4 default ("reload", 16x64) at 128-512 tokens, 1.08-1.14x at 1-8 tokens;
             # the 16x64 f16 tile needs 129 KB of shared memory (one CTA a SM) and was slower than "reload".
             return {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "fp8_path": "f16"}
