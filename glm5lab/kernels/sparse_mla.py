@@ -202,12 +202,6 @@ def stored_column(c):
 
 
 @triton.jit
-def true_column(c):
-    """The inverse of stored_column: the true column of stored column c."""
-    return (c // 16) * 16 + ((c // 2) % 2) * 8 + ((c % 16) // 4) * 2 + c % 2
-
-
-@triton.jit
 def _pv_f16(p, s, v, acc, alpha, r_old):
     """(acc * alpha + (p * s) @ v) / r_new for the "f16" fp8 paths, r_new = max(r_old, this step's largest
     scale): the accumulator is kept in units of the running largest scale (like the running max of the
