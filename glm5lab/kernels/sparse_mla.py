@@ -954,7 +954,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                            "reads fp32 partials")
     part_f16 = wants_f16 and split
     # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
-    # tokens in fp8 (NOTES.md v6, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
+    # tokens in fp8 (NOTES.md v6); with the Gluon kernels it saves 0.2 us once (fp8 8 heads x 1 token) and costs up
+    # to 2.4x (64 heads x 32 tokens; v14 run 8, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
     pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
 
     if split:
