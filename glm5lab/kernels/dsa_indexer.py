@@ -250,7 +250,6 @@ def _prefill_logits_kernel(Q, W, K, KS, KE, OUT, T,
     hi = tl.max(tl.where(row_ok & (ke > ks), ke, 0), axis=0)
     if (n0 < hi) & (n0 + BLOCK_N > lo):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_h = tl.arange(0, HP)
         offs_d = tl.arange(0, DP)
         # q tile flattened to [BLOCK_M * HP, DP]: row r = (token r // HP, head r % HP)
         r = tl.arange(0, BLOCK_M * HP)

@@ -593,7 +593,7 @@ def _diagnose_one(name: str, target: Target, hf_config, priority, considered: bo
     member = AttentionBackendEnum[name]
     try:
         path = member.get_path()
-    except Exception as exc:
+    except Exception:  # noqa: BLE001  (a backend vLLM lists but cannot name a class for: reported as source "?")
         path = None
     row = {"backend": name, "priority": priority, "considered": considered,
            "platform": _platform_of(name, path), "class_path": path,
