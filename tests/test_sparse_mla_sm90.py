@@ -322,7 +322,9 @@ def test_kernel_bench_gluon_variants_by_name():
 
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
+WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV], ids=["wg64", "ws64", "cv64"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -398,8 +400,8 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS))],
-    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64"])
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV))],
+    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -429,7 +431,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,splits", [(1000, 3), (77, 5)])
-@BOTH_WGMMA
+@FP8_WGMMA
 def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
     """fp8_ds_mla: every e4m3 byte pattern, and NaN bytes and scales in slot 0 that no valid slot points at."""
     q, cache, slots, _ = _raw_fp8_case("cuda", T=5, H=64, topk=512, num_slots=4096)
@@ -447,7 +449,7 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
 
 
 @pytest.mark.gpu
-@BOTH_WGMMA
+@FP8_WGMMA
 def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
@@ -595,14 +597,54 @@ def test_gluon_wgmma_ws_sm90_timing_diagnostics_build_what_they_name():
     assert consumer["smem"] == no_deq["smem"] == plain["smem"] and gathers["smem"] < 96 * 1024   # (q, bf16 tile unused)
 
 
+def test_gluon_wgmma_cv_sm90_build_dequantizes_in_the_producer():
+    """The fp8_ds_mla 64-head kernel with a producer warpgroup (NOTES.md v15): the consumers' build is the bf16
+    kernel's (40 wgmma a step, its conversions only), the producer issues the cp.async gathers and converts a
+    64-row step's 32,768 e4m3 values (256 F2FP more a thread: e4m3 pairs to f16, f32 pairs to bf16); registers
+    moved to the consumers (producer 104, consumers 200), at most two 8-byte spill slots with split partials (one
+    without; ptxas keeps them out of the steps' loop), one CTA a SM (<= 227 KB).
+    Its timing diagnostics drop what they skip: d1 no wgmma, d2 no gathers nor conversion, d3 no conversion."""
+    cv = _sm90_build(ws=True, converter=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8)
+    bf16 = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=False, num_warps=8)
+    assert cv["HGMMA"] == 40 and cv["LDGSTS"] > 0 and cv["smem"] <= 227 * 1024 and cv["regs"] <= 168
+    assert {104, 200} <= set(cv["setmaxnreg"]) and cv["stack"] <= 16
+    assert cv["F2FP"] == bf16["F2FP"] + 256
+    d1, d2, d3 = (_sm90_build(ws=True, converter=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8, DIAG=d)
+                  for d in (1, 2, 3))
+    assert "HGMMA" not in d1 and d1["LDGSTS"] == cv["LDGSTS"] and d1["F2FP"] == 256
+    assert d2["HGMMA"] == 40 and "LDGSTS" not in d2 and d2["F2FP"] == bf16["F2FP"]
+    assert "HGMMA" not in d3 and d3["LDGSTS"] == cv["LDGSTS"] and d3.get("F2FP", 0) == 0
+
+
+def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    assert sm90.kernel_of(64, True, ws=True, converter=True) is sm90._sparse_mla_wgmma_cv_sm90_kernel
+    assert sm90.kernel_of(64, False, ws=True, converter=True) is sm90._sparse_mla_wgmma_ws_sm90_kernel
+    with pytest.raises(Glm5labError, match="converter=True is the warp-specialized 64-head kernel's fp8_ds_mla form.*"
+                                           "a bf16/fp16 cache"):
+        sm90.launch((1, 1, 1), (), dict(sm90.WGMMA_CV_CONFIG), False, False)
+    with pytest.raises(Glm5labError, match="ws=False"):
+        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "converter": True}, False, True)
+    cv = {**sm90.WGMMA_CV_CONFIG, "_diagnostic": True}
+    for diag in (1, 2, 3):
+        sm90.check_tile({**cv, "ws_diag": diag}, True)
+    for diag in (4, 5):
+        with pytest.raises(Glm5labError, match=f"ws_diag {diag} is a private timing diagnostic.*1-3 of its converter"):
+            sm90.launch((1, 1, 1), (), {**cv, "ws_diag": diag}, False, True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,diag", [("native", 2), ("native", 3), ("fp8_ds_mla", 2), ("fp8_ds_mla", 3),
-                                         ("fp8_ds_mla", 5)])
-def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag):
-    """Each diagnostic of the 64-head kernel finishes (its handovers still balance: no hang) at a real shape with
-    forced splits; its results are wrong on purpose, so only the full kernel's are checked beside it."""
+@pytest.mark.parametrize("layout,diag,tile", [("native", 2, "ws64"), ("native", 3, "ws64"), ("fp8_ds_mla", 2, "ws64"),
+                                              ("fp8_ds_mla", 3, "ws64"), ("fp8_ds_mla", 5, "ws64"),
+                                              ("fp8_ds_mla", 1, "cv64"), ("fp8_ds_mla", 2, "cv64"),
+                                              ("fp8_ds_mla", 3, "cv64")])
+def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, tile):
+    """Each diagnostic of the warp-specialized 64-head kernels finishes (their handovers still balance: no hang) at a
+    real shape with forced splits; its results are wrong on purpose, so only the full kernel's are checked beside
+    it."""
     q, cache, slots, ref = make_case(8, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    cfg = {**sparse_mla_sm90.WGMMA_WS_CONFIG, "_diagnostic": True}
+    cfg = {**{"ws64": WGMMA_WS, "cv64": WGMMA_CV}[tile], "_diagnostic": True}
     for splits in (1, 4):
         sparse_mla_attention(q, cache, slots, SCALE, num_splits=splits, _config={**cfg, "ws_diag": diag})
         torch.cuda.synchronize()
@@ -613,16 +655,20 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["native", "fp8_ds_mla"])
-@BOTH_WGMMA
+@pytest.mark.parametrize("layout,wcfg", [(layout, wcfg) for layout in ("native", "fp8_ds_mla")
+                                         for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV)
+                                         if layout == "fp8_ds_mla" or wcfg is not WGMMA_CV],
+                         ids=["bf16-wg64", "bf16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64"])
+@pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
-def test_gpu_gluon_wgmma_fp16_partials_match_reference(layout, wcfg, H, T, splits):
-    """Both 64-head kernels writing fp16 partials (a scale a head, NOTES.md v14), the separate merge reading them:
-    the usual tolerances at real shapes, a full and a partly filled head tile, two 64-head tiles."""
+def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
+    """The 64-head kernels writing split partials in fp16 (a scale a head, NOTES.md v14; their default) or fp32, the
+    separate merge reading them: the usual tolerances at real shapes, a full and a partly filled head tile, two
+    64-head tiles."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**wcfg, "partials": "fp16"})
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**wcfg, "partials": partials})
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -645,10 +691,10 @@ def test_named_tiles_forced_over_any_default_are_complete():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "WGMMA_CONFIG",
-                 "WGMMA_WS_CONFIG"):
+                 "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
-            if tile.get("rows") and fp8 != (name == "ROWS_FP8_CONFIG"):
+            if (tile.get("rows") and fp8 != (name == "ROWS_FP8_CONFIG")) or (tile.get("converter") and not fp8):
                 continue
             for H in (8, 16, 64):
                 for T in (1, 8, 17, 132, 133, 512):

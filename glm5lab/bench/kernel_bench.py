@@ -39,18 +39,22 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("n64w8s3", {"rows": False, "ws": False, "block_n": 64, "num_warps": 8, "stages": 3,
                                "resident": 1}),
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
-                  ("wg64", {"rows": False, "ws": False, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
-                            "resident": 1}),
-                  ("wg64n32", {"rows": False, "ws": False, "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2,
-                               "resident": 1}),
+                  ("wg64", {"rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 64,
+                            "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("wg64n32", {"rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 32,
+                               "num_warps": 8, "stages": 2, "resident": 1}),
                   # ... warp-specialized, a loader warpgroup beside the two consumer warpgroups (the default since
                   # NOTES.md v12), its split partials in fp32 (as before v14)
-                  ("ws64", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
-                            "resident": 1, "partials": "fp32"}),
+                  ("ws64", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64, "num_warps": 8,
+                            "stages": 2, "resident": 1, "partials": "fp32"}),
                   # ... writing its split partials in fp16 with a scale a head (half the bytes to write and merge;
                   # the default since NOTES.md v14)
-                  ("ws64p16", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2,
-                               "resident": 1, "partials": "fp16"}),
+                  ("ws64p16", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
+                               "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  # ... fp8_ds_mla with the dequantization in a producer warpgroup, in place in a 2-slot ring of
+                  # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
+                  ("ws64c", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                             "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),
@@ -66,11 +70,17 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
                   # ... and of the warp-specialized 64-head kernel (NOTES.md v13): the consumers alone (d2), the
                   # gathers alone (d3), fp8_ds_mla without its dequantization (d5)
-                  *((f"ws64d{d}", {"rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8,
-                                   "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (2, 3, 5))]
+                  *((f"ws64d{d}", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
+                                   "num_warps": 8, "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d})
+                    for d in (2, 3, 5)),
+                  # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
+                  # gathers alone (d3)
+                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                                    "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
+                                    "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True,
-                    **{n: True for n, _ in GLUON_VARIANTS if n.startswith("ws8")}}
+                    **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 

@@ -47,6 +47,9 @@ SCALE_OFFSET = gl.constexpr(512)
 # registers a thread of the warp-specialized 64-head kernel's loader warpgroup (setmaxnreg; the two consumer
 # warpgroups get the rest of the 12 warps' 168 each)
 WS64_LOADER_REGS = gl.constexpr(56)
+# ... and of the fp8_ds_mla 64-head kernel's producer warpgroup (gathers and dequantization; the consumers get 200,
+# the most that leaves them at most one 8-byte spill slot, as in the loader form)
+WS64_CONVERTER_REGS = gl.constexpr(104)
 
 # The 64-head kernels' tile (8 warps = two warpgroups), one geometry for the one-CTA and the warp-specialized form:
 # O [heads, 512] split by columns between the warpgroups; P in P.V's A-operand layout (a warp holds whole head rows:
@@ -489,13 +492,19 @@ def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.con
 
 
 @gluon.jit
+def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr):
+    """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] times their scales [rows] in float32, rounded
+    once to DT (q's dtype) -- as FlashMLA dequantizes."""
+    raw = raw_rows.slice(c * 128, 128, dim=1).load(DQ)
+    sc = scales.load(gl.SliceLayout(1, DQ))
+    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(DT)
+
+
+@gluon.jit
 def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
-    """Chunk c (128 values a row) of ring slot b's e4m3 rows times their scale in float32, rounded once into the
-    bf16 (q's dtype) tile kv_deq -- as FlashMLA dequantizes."""
-    raw = lat_ring.index(b).slice(c * 128, 128, dim=1).load(HEADS_DQ)
-    sc = scale_ring.index(4 * b + c).load(gl.SliceLayout(1, HEADS_DQ))
-    val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-    kv_deq.slice(c * 128, 128, dim=1).store(val.to(kv_deq.dtype))
+    """Chunk c of ring slot b's e4m3 rows dequantized into the bf16 tile kv_deq (`_dequantized`)."""
+    kv_deq.slice(c * 128, 128, dim=1).store(
+        _dequantized(lat_ring.index(b), scale_ring.index(4 * b + c), c, kv_deq.dtype, HEADS_DQ))
 
 
 @gluon.jit
@@ -654,7 +663,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
                        PART_F16: gl.constexpr = False):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
-    kernel runs it), then `empty[b]` back to the loader. (ws_diag 3: no step; 5: the step without dequantizing.)"""
+    kernel runs it), then `empty[b]` back to the loader. (ws_diag 1 / 3: no step; 5: the step without dequantizing.)"""
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
     for i in range(num_steps):
@@ -662,7 +671,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
-        if DIAG != 3:
+        if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
@@ -704,6 +713,90 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
+
+
+@gluon.jit
+def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
+                       n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
+    """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring
+    slot b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's bf16 tile, the rope and the
+    scales into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB
+    (128-byte swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3
+    overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
+    (ws_diag 2: no gathers; 3: no conversion; 1: both, the consumers skip their step.)"""
+    NW: gl.constexpr = 4
+    LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
+    DT: gl.constexpr = kv_ring.dtype
+    slot_row = SLOTS + t * stride_st
+    sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumers are done with slot b
+        if DIAG != 2:
+            raw = raw_halves.index(2 * b + 1)
+            sl_lat, sl_rope, sl_scale = _request_step(
+                KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, raw, rope_ring.index(b),
+                scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
+            async_copy.wait_group(0)
+            gl.thread_barrier()                # every producer thread's copies have landed
+            if DIAG != 3:
+                tile = kv_ring.index(b)
+                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
+                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
+                v2 = _dequantized(raw, scale_ring.index(4 * b + 2), 2, DT, DQ)
+                v3 = _dequantized(raw, scale_ring.index(4 * b + 3), 3, DT, DQ)
+                gl.thread_barrier()            # every thread has read the raw rows that chunks 2-3 overwrite
+                tile.slice(256, 128, dim=1).store(v2)
+                tile.slice(384, 128, dim=1).store(v3)
+        fence_async_shared()                   # st.shared -> the consumers' wgmma reads
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(b), count=1)
+
+
+@gluon.jit
+def _sparse_mla_wgmma_cv_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False,
+):
+    """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
+    consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
+    producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in place
+    (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB), same
+    arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
+    producer alone, 2 the consumers alone, 3 the gathers alone), wrong results on purpose."""
+    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
+    gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
+    gl.static_assert(BLOCK_N == 64, "64-row steps")
+    gl.static_assert(STAGES == 2, "two bf16 tiles (q and two tiles fill the shared memory)")
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
+
+    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H,
+                                                                BLOCK_N, STAGES, False)
+    raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW)   # slot b's upper half: 2b + 1
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
+    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
+    full, empty = _handover_barriers(STAGES, 1)
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, False, DIAG, PART_F16)),
+        (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
+                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4], [WS64_CONVERTER_REGS])
 
 
 @gluon.jit
@@ -1008,16 +1101,20 @@ DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "b
                   "stages": 2}
 
 
-WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 64, "block_n": 64, "num_warps": 8,
-                "stages": 2}
+WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 64,
+                "num_warps": 8, "stages": 2}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
 # slot for fp8_ds_mla). H200, NOTES.md v12 run 1, us at 8 / 128 / 512 tokens against WGMMA_CONFIG: 64 heads bf16
 # 27.5 / 103.3 / 406.2 (27.5 / 119.0 / 478.4), fp8_ds_mla 28.3 / 135.6 / 540.4 (29.1 / 161.8 / 622.5); 128 heads bf16
 # 35.5 / 193.6 / 837.0 (37.2 / 229.5 / 909.0), fp8_ds_mla 39.4 / 269.7 / 1023.0 (42.0 / 317.2 / 1232.1).
-WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "block_h": 64, "block_n": 64, "num_warps": 8,
-                   "stages": 2}
+WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
+                   "num_warps": 8, "stages": 2}
+# ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
+# dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 104 registers, consumers
+# 200, one 8-byte spill slot, 222 KB of shared memory)
+WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -1071,9 +1168,12 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     return dict(DEFAULT_CONFIG)
 
 
-def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False):
+def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one; ws: the warp-specialized 64-head kernel)."""
+    warp-specialized one; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
+    dequantizes in a producer warpgroup)."""
+    if ws and converter and fp8:
+        return _sparse_mla_wgmma_cv_sm90_kernel
     if ws:
         return _sparse_mla_wgmma_ws_sm90_kernel
     if rows:
@@ -1108,20 +1208,25 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
+    converter = cfg.get("converter", False)
+    if converter and not (fp8 and cfg.get("ws")):
+        raise Glm5labError("converter=True is the warp-specialized 64-head kernel's fp8_ds_mla form (a producer "
+                           f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
+                           f"ws={cfg.get('ws', False)}")
     diag = cfg.get("ws_diag", 0)
-    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (cfg.get("ws") and diag in (2, 3))
-            or (cfg.get("ws") and fp8 and diag == 5))
+    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3))
+            or (cfg.get("ws") and not converter and (diag in (2, 3) or (fp8 and diag == 5))))
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
                            "1-4 of the fp8_ds_mla rows-as-M kernel, 2-3 of the warp-specialized 64-head kernel, 5 of "
-                           f"its fp8_ds_mla form ({WS_DIAGNOSTICS})")
+                           f"its fp8_ds_mla form, 1-3 of its converter form ({WS_DIAGNOSTICS})")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
     split's partials in fp16 (the 64-head kernels only)."""
     check_tile(cfg, fp8)
-    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False))
+    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
