@@ -627,10 +627,10 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
     with pytest.raises(Glm5labError, match="ws=False"):
         sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "converter": True}, False, True)
     cv = {**sm90.WGMMA_CV_CONFIG, "_diagnostic": True}
-    for diag in (1, 2, 3):
+    for diag in (1, 2, 3, 4):
         sm90.check_tile({**cv, "ws_diag": diag}, True)
-    for diag in (4, 5):
-        with pytest.raises(Glm5labError, match=f"ws_diag {diag} is a private timing diagnostic.*1-3 of its converter"):
+    for diag in (5, 6):
+        with pytest.raises(Glm5labError, match=f"ws_diag {diag} is a private timing diagnostic.*1-4 of its converter"):
             sm90.launch((1, 1, 1), (), {**cv, "ws_diag": diag}, False, True)
 
 
@@ -638,7 +638,7 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
 @pytest.mark.parametrize("layout,diag,tile", [("native", 2, "ws64"), ("native", 3, "ws64"), ("fp8_ds_mla", 2, "ws64"),
                                               ("fp8_ds_mla", 3, "ws64"), ("fp8_ds_mla", 5, "ws64"),
                                               ("fp8_ds_mla", 1, "cv64"), ("fp8_ds_mla", 2, "cv64"),
-                                              ("fp8_ds_mla", 3, "cv64")])
+                                              ("fp8_ds_mla", 3, "cv64"), ("fp8_ds_mla", 4, "cv64")])
 def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, tile):
     """Each diagnostic of the warp-specialized 64-head kernels finishes (their handovers still balance: no hang) at a
     real shape with forced splits; its results are wrong on purpose, so only the full kernel's are checked beside

@@ -74,10 +74,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                    "num_warps": 8, "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d})
                     for d in (2, 3, 5)),
                   # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
-                  # gathers alone (d3)
+                  # gathers alone (d3), producer and consumers without gathers (d4)
                   *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
                                     "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                    "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3))]
+                                    "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

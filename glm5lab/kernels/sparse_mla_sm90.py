@@ -724,7 +724,8 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     scales into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB
     (128-byte swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3
     overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
-    (ws_diag 2: no gathers; 3: no conversion; 1: both, the consumers skip their step.)"""
+    (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
+    step.)"""
     NW: gl.constexpr = 4
     LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
@@ -738,11 +739,13 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumers are done with slot b
         if DIAG != 2:
             raw = raw_halves.index(2 * b + 1)
-            sl_lat, sl_rope, sl_scale = _request_step(
-                KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, raw, rope_ring.index(b),
-                scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
-            async_copy.wait_group(0)
-            gl.thread_barrier()                # every producer thread's copies have landed
+            if DIAG != 4:
+                sl_lat, sl_rope, sl_scale = _request_step(
+                    KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, raw,
+                    rope_ring.index(b), scale_stages.index(b), sl_lat, sl_rope, sl_scale, BLOCK_N, LAT8, ROPE_L,
+                    SCALE_L, True)
+                async_copy.wait_group(0)
+                gl.thread_barrier()            # every producer thread's copies have landed
             if DIAG != 3:
                 tile = kv_ring.index(b)
                 tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
@@ -770,7 +773,8 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in place
     (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB), same
     arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
-    producer alone, 2 the consumers alone, 3 the gathers alone), wrong results on purpose."""
+    producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
+    results on purpose."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1188,7 +1192,8 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # consumer alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products),
 # 4 converter and consumer without gathers (whatever the staging buffer holds, converted and multiplied), 5 the
 # 64-head fp8_ds_mla kernel without its dequantization (the products read the bf16 tile as it stands). 1-4 apply to
-# the fp8_ds_mla rows-as-M kernel, 2-3 to the warp-specialized 64-head kernel (either layout), 5 to its fp8 form.
+# the fp8_ds_mla rows-as-M kernel, 2-3 to the warp-specialized 64-head kernel (either layout), 5 to its fp8 form,
+# 1-4 to its converter form (v15; the converter's in-place conversion of the raw rows the gathers left).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
@@ -1214,12 +1219,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
                            f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
                            f"ws={cfg.get('ws', False)}")
     diag = cfg.get("ws_diag", 0)
-    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3))
+    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3, 4))
             or (cfg.get("ws") and not converter and (diag in (2, 3) or (fp8 and diag == 5))))
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
                            "1-4 of the fp8_ds_mla rows-as-M kernel, 2-3 of the warp-specialized 64-head kernel, 5 of "
-                           f"its fp8_ds_mla form, 1-3 of its converter form ({WS_DIAGNOSTICS})")
+                           f"its fp8_ds_mla form, 1-4 of its converter form ({WS_DIAGNOSTICS})")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False) -> None:
