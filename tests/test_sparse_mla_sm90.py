@@ -616,6 +616,34 @@ def test_gluon_wgmma_cv_sm90_build_dequantizes_in_the_producer():
     assert "HGMMA" not in d3 and d3["LDGSTS"] == cv["LDGSTS"] and d3.get("F2FP", 0) == 0
 
 
+def test_converter_form_runs_by_default_for_long_fp8_splits_only():
+    """fp8_ds_mla, 17-128 heads: the converter form where a split covers >= CONVERTER_MIN_ROWS rows (NOTES.md v15:
+    faster from 16 steps a split, slower at 4-8), the loader form below, never for bf16/fp16 or other tiles."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    ws = sm90.WGMMA_WS_CONFIG
+    assert sm90.converter_pays(True, ws, 2048) and sm90.converter_pays(True, ws, sm90.CONVERTER_MIN_ROWS)
+    assert not sm90.converter_pays(True, ws, sm90.CONVERTER_MIN_ROWS - 64)
+    assert not sm90.converter_pays(False, ws, 2048)
+    assert not sm90.converter_pays(True, sm90.WGMMA_CONFIG, 2048)
+    assert not sm90.converter_pays(True, sm90.ROWS_FP8_CONFIG, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T,converter", [(64, 130, True), (128, 40, True), (64, 8, False)])
+def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypatch):
+    """The default 64-head fp8_ds_mla call (converter form at long splits -- 64 x 130 and 128 x 40 run unsplit or in
+    2 splits --, the loader form at 64 x 8's 16 splits) against the bf16-dequantized reference."""
+    seen = []
+    launch = sparse_mla_sm90.launch
+    monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a: (seen.append(cfg["converter"]),
+                                                                                launch(grid, args, cfg, *a)))
+    q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots)
+    check(out, lse, _bf16_dequantized_ref(q, cache, slots), torch.bfloat16)
+    assert seen == [converter]
+
+
 def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 

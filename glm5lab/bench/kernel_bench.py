@@ -55,6 +55,9 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
                   ("ws64c", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  # ... its raw rows unswizzled (the first build, v15 runs 1-2)
+                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "_raw_swizzle": False}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),

@@ -946,6 +946,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
     split = num_splits > 1
+    if gluon and "converter" not in (_config or {}):
+        cfg["converter"] = sparse_mla_sm90.converter_pays(fp8, cfg, rows_per_split)
     wants_f16 = _partials_f16(cfg, gluon)
     if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor does the fp16 partials' form)
         merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or wants_f16) else "fused"

@@ -766,7 +766,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -774,12 +774,14 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB), same
     arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
     producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
-    results on purpose."""
+    results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
+    in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
     gl.static_assert(STAGES == 2, "two bf16 tiles (q and two tiles fill the shared memory)")
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    RAW8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0]) if RAW_SWIZZLE else RAW
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     pid_h = gl.program_id(0)
@@ -789,7 +791,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
 
     q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H,
                                                                 BLOCK_N, STAGES, False)
-    raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW)   # slot b's upper half: 2b + 1
+    raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     full, empty = _handover_barriers(STAGES, 1)
@@ -1119,6 +1121,18 @@ WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": Fals
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 104 registers, consumers
 # 200, one 8-byte spill slot, 222 KB of shared memory)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
+# ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
+# producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
+# (loader form -> converter form): 64 heads x 64 / 128 / 512 tokens (16-32 steps a split) 71.7 -> 71.5, 134.7 ->
+# 128.4, 520.5 -> 501.5; 128 heads x 32 / 512 tokens 72.9 -> 69.8, 1032.9 -> 925.6; at 4-8 steps a split (64 heads x
+# 2-32 tokens) 0.6-1.2 us slower.
+CONVERTER_MIN_ROWS = 1024
+
+
+def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
+    """Whether a call of the warp-specialized 64-head tile on an fp8_ds_mla cache takes the converter form:
+    splits of >= CONVERTER_MIN_ROWS rows."""
+    return fp8 and bool(cfg.get("ws")) and rows_per_split >= CONVERTER_MIN_ROWS
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -1235,6 +1249,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
+    if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
+        extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
