@@ -38,7 +38,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
@@ -50,9 +51,9 @@ SCALE_OFFSET = gl.constexpr(512)
 # registers a thread of the warp-specialized 64-head kernel's loader warpgroup (setmaxnreg; the two consumer
 # warpgroups get the rest of the 12 warps' 168 each)
 WS64_LOADER_REGS = gl.constexpr(56)
-# ... and of the fp8_ds_mla 64-head kernel's producer warpgroup (gathers and dequantization; the consumers get 200,
-# the most that leaves them at most one 8-byte spill slot, as in the loader form)
-WS64_CONVERTER_REGS = gl.constexpr(104)
+# ... and of the fp8_ds_mla 64-head kernel's producer warpgroup (gathers and dequantization; the consumers get 208:
+# no spill in either partition of the sm90 build -- 104 / 200 left the consumers one 8-byte slot)
+WS64_CONVERTER_REGS = gl.constexpr(88)
 
 # The 64-head kernels' tile (8 warps = two warpgroups), one geometry for the one-CTA and the warp-specialized form:
 # O [heads, 512] split by columns between the warpgroups; P in P.V's A-operand layout (a warp holds whole head rows:
@@ -495,12 +496,16 @@ def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.con
 
 
 @gluon.jit
-def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr):
-    """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] times their scales [rows] in float32, rounded
-    once to DT (q's dtype) -- as FlashMLA dequantizes."""
-    raw = raw_rows.slice(c * 128, 128, dim=1).load(DQ)
-    sc = scales.load(gl.SliceLayout(1, DQ))
+def _scaled(raw, sc, DT: gl.constexpr):
+    """e4m3 bytes raw [rows, cols] times their scales sc [rows] in float32, rounded once to DT (q's dtype) -- as
+    FlashMLA dequantizes."""
     return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(DT)
+
+
+@gluon.jit
+def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr):
+    """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] with their scales [rows], `_scaled`."""
+    return _scaled(raw_rows.slice(c * 128, 128, dim=1).load(DQ), scales.load(gl.SliceLayout(1, DQ)), DT)
 
 
 @gluon.jit
@@ -684,12 +689,53 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
 
 
 @gluon.jit
+def _wgmma_ws_consumer_overlapped(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full, empty, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
+                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                                  PART_F16: gl.constexpr = False):
+    """The consumers with step i + 1's q.K^T issued right behind step i's P.V (both asynchronous, one wait), so the
+    tensor cores get the next product without the wait / barrier / hand-over gap between steps (`_config={"overlap":
+    True}`, NOTES.md v15). 16-bit tiles only (bf16/fp16 caches, the converter form's bf16 ring); same arithmetic as
+    `_heads_step`. Slot i goes back once that wait is over, the one for i + 1 must be full before its q.K^T."""
+    DT: gl.constexpr = q_lat.dtype
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
+    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
+    mbarrier.wait(full.index(0), 0)
+    fence_async_shared()
+    qk = warpgroup_mma(q_lat, kv_ring.index(0).permute((1, 0)), zero_s, is_async=True)
+    qk = warpgroup_mma(q_rope, rope_ring.index(0).permute((1, 0)), qk, is_async=True)
+    qk = warpgroup_mma_wait(0, deps=[qk])
+    for i in range(num_steps):
+        b = i % STAGES
+        cur_cols = sl_cols
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
+        p, alpha, m_i, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        pv = warpgroup_mma(p.to(DT), kv_ring.index(b), acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None],
+                           is_async=True)
+        if i + 1 < num_steps:
+            nb = (i + 1) % STAGES
+            mbarrier.wait(full.index(nb), ((i + 1) // STAGES) & 1)
+            fence_async_shared()
+            nx = warpgroup_mma(q_lat, kv_ring.index(nb).permute((1, 0)), zero_s, is_async=True)
+            nx = warpgroup_mma(q_rope, rope_ring.index(nb).permute((1, 0)), nx, is_async=True)
+            acc, qk = warpgroup_mma_wait(0, deps=[pv, nx])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()               # both warpgroups are done with slot b
+        mbarrier.arrive(empty.index(b), count=1)
+    _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                 stride_lt, BLOCK_H, SPLIT, PART_F16)
+
+
+@gluon.jit
 def _sparse_mla_wgmma_ws_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, OVERLAP: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -708,14 +754,25 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
-    gl.warp_specialize([
-        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
-                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DIAG, PART_F16)),
-        (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
-    ], [4], [WS64_LOADER_REGS])
+    if OVERLAP:
+        gl.static_assert(not FP8 and DIAG == 0, "overlap: 16-bit caches, no timing diagnostic")
+        gl.warp_specialize([
+            (_wgmma_ws_consumer_overlapped, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, full,
+                                             empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                             qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                                             stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, PART_F16)),
+            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
+                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
+        ], [4], [WS64_LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
+                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16)),
+            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
+                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
+        ], [4], [WS64_LOADER_REGS])
 
 
 @gluon.jit
@@ -753,11 +810,13 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 tile = kv_ring.index(b)
                 tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
                 tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
-                v2 = _dequantized(raw, scale_ring.index(4 * b + 2), 2, DT, DQ)
-                v3 = _dequantized(raw, scale_ring.index(4 * b + 3), 3, DT, DQ)
+                r2 = raw.slice(256, 128, dim=1).load(DQ)      # (bytes, not values: half the registers)
+                r3 = raw.slice(384, 128, dim=1).load(DQ)
+                s2 = scale_ring.index(4 * b + 2).load(gl.SliceLayout(1, DQ))
+                s3 = scale_ring.index(4 * b + 3).load(gl.SliceLayout(1, DQ))
                 gl.thread_barrier()            # every thread has read the raw rows that chunks 2-3 overwrite
-                tile.slice(256, 128, dim=1).store(v2)
-                tile.slice(384, 128, dim=1).store(v3)
+                tile.slice(256, 128, dim=1).store(_scaled(r2, s2, DT))
+                tile.slice(384, 128, dim=1).store(_scaled(r3, s3, DT))
         fence_async_shared()                   # st.shared -> the consumers' wgmma reads
         gl.thread_barrier()
         mbarrier.arrive(full.index(b), count=1)
@@ -770,6 +829,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
+    OVERLAP: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -798,14 +858,27 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     full, empty = _handover_barriers(STAGES, 1)
-    gl.warp_specialize([
-        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
-                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, False, DIAG, PART_F16)),
-        (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4], [WS64_CONVERTER_REGS])
+    if OVERLAP:
+        gl.static_assert(DIAG == 0, "overlap: no timing diagnostic")
+        gl.warp_specialize([
+            (_wgmma_ws_consumer_overlapped, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full,
+                                             empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                             qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                                             stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, PART_F16)),
+            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
+                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
+                                  DIAG)),
+        ], [4], [WS64_CONVERTER_REGS])
+    else:
+        gl.warp_specialize([
+            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
+                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16)),
+            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
+                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
+                                  DIAG)),
+        ], [4], [WS64_CONVERTER_REGS])
 
 
 @gluon.jit
@@ -1121,8 +1194,8 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
                    "num_warps": 8, "stages": 2}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
-# dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 104 registers, consumers
-# 200, one 8-byte spill slot, 222 KB of shared memory)
+# dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
+# 208, no spill, 222 KB of shared memory)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
@@ -1254,6 +1327,11 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
+    if cfg.get("overlap"):
+        if "OVERLAP" not in kernel.arg_names or (fp8 and not cfg.get("converter")):
+            raise Glm5labError("overlap=True is an option of the warp-specialized 64-head kernel on 16-bit tiles "
+                               "(bf16/fp16 caches, or fp8_ds_mla in the converter form)")
+        extra["OVERLAP"] = True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
