@@ -323,11 +323,8 @@ def test_kernel_bench_gluon_variants_by_name():
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
-WS_OVERLAP = {**WGMMA_WS, "overlap": True}          # step i + 1's q.K^T right behind step i's P.V (v15)
-CV_OVERLAP = {**WGMMA_CV, "overlap": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, CV_OVERLAP], ids=["wg64", "ws64", "cv64",
-                                                                                        "cv64o"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV], ids=["wg64", "ws64", "cv64"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -403,11 +400,8 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV)),
-    ("native", torch.bfloat16, WS_OVERLAP), ("native", torch.float16, WS_OVERLAP), ("fp8_ds_mla", torch.bfloat16,
-                                                                                   CV_OVERLAP)],
-    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64", "bf16-ws64o",
-         "fp16-ws64o", "fp8-cv64o"])
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV))],
+    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -421,7 +415,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64o"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -430,7 +424,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64o": WS_OVERLAP}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -649,16 +643,6 @@ def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypa
     assert seen == [converter]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8-converter"])
-def test_gluon_overlap_sm90_build_issues_the_next_product_behind_p_v(fp8):
-    """overlap=True (NOTES.md v15): the consumers' loop issues the same 40 wgmma a step as the synchronous build (plus
-    the first step's 36 q.K^T before it), waits once a step (no ptxas serialization: as many WARPGROUP.DEPBAR)."""
-    kw = dict(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, **({"converter": True} if fp8 else {}))
-    plain, over = _sm90_build(**kw), _sm90_build(OVERLAP=True, **kw)
-    assert plain["HGMMA"] == 40 and over["HGMMA"] == 76
-    assert over["WARPGROUP.DEPBAR"] == plain["WARPGROUP.DEPBAR"] and over["smem"] == plain["smem"]
-
-
 def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
@@ -669,9 +653,6 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
         sm90.launch((1, 1, 1), (), dict(sm90.WGMMA_CV_CONFIG), False, False)
     with pytest.raises(Glm5labError, match="ws=False"):
         sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "converter": True}, False, True)
-    for cfg, fp8 in ((sm90.WGMMA_WS_CONFIG, True), (sm90.WGMMA_CONFIG, False)):
-        with pytest.raises(Glm5labError, match="overlap=True is an option of the warp-specialized 64-head kernel"):
-            sm90.launch((1, 1, 1), (), {**cfg, "overlap": True}, False, fp8)
     cv = {**sm90.WGMMA_CV_CONFIG, "_diagnostic": True}
     for diag in (1, 2, 3, 4):
         sm90.check_tile({**cv, "ws_diag": diag}, True)

@@ -55,12 +55,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
                   ("ws64c", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
-                  # ... with step i + 1's q.K^T issued right behind step i's P.V (NOTES.md v15): the loader form
-                  # (bf16/fp16 caches) and the converter form (fp8_ds_mla)
-                  ("ws64o", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
-                             "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "overlap": True}),
-                  ("ws64co", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
-                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "overlap": True}),
                   # ... its raw rows unswizzled (the first build, v15 runs 1-2)
                   ("ws64cu", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
                               "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "_raw_swizzle": False}),
@@ -88,7 +82,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                     "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                     "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64o": False,
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 

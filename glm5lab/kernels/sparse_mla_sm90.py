@@ -38,8 +38,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
@@ -689,53 +688,12 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
 
 
 @gluon.jit
-def _wgmma_ws_consumer_overlapped(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full, empty, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
-                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                                  PART_F16: gl.constexpr = False):
-    """The consumers with step i + 1's q.K^T issued right behind step i's P.V (both asynchronous, one wait), so the
-    tensor cores get the next product without the wait / barrier / hand-over gap between steps (`_config={"overlap":
-    True}`, NOTES.md v15). 16-bit tiles only (bf16/fp16 caches, the converter form's bf16 ring); same arithmetic as
-    `_heads_step`. Slot i goes back once that wait is over, the one for i + 1 must be full before its q.K^T."""
-    DT: gl.constexpr = q_lat.dtype
-    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
-    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
-    mbarrier.wait(full.index(0), 0)
-    fence_async_shared()
-    qk = warpgroup_mma(q_lat, kv_ring.index(0).permute((1, 0)), zero_s, is_async=True)
-    qk = warpgroup_mma(q_rope, rope_ring.index(0).permute((1, 0)), qk, is_async=True)
-    qk = warpgroup_mma_wait(0, deps=[qk])
-    for i in range(num_steps):
-        b = i % STAGES
-        cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
-        p, alpha, m_i, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        pv = warpgroup_mma(p.to(DT), kv_ring.index(b), acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None],
-                           is_async=True)
-        if i + 1 < num_steps:
-            nb = (i + 1) % STAGES
-            mbarrier.wait(full.index(nb), ((i + 1) // STAGES) & 1)
-            fence_async_shared()
-            nx = warpgroup_mma(q_lat, kv_ring.index(nb).permute((1, 0)), zero_s, is_async=True)
-            nx = warpgroup_mma(q_rope, rope_ring.index(nb).permute((1, 0)), nx, is_async=True)
-            acc, qk = warpgroup_mma_wait(0, deps=[pv, nx])
-        else:
-            acc = warpgroup_mma_wait(0, deps=[pv])
-        gl.thread_barrier()               # both warpgroups are done with slot b
-        mbarrier.arrive(empty.index(b), count=1)
-    _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT, PART_F16)
-
-
-@gluon.jit
 def _sparse_mla_wgmma_ws_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -754,25 +712,14 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
-    if OVERLAP:
-        gl.static_assert(not FP8 and DIAG == 0, "overlap: 16-bit caches, no timing diagnostic")
-        gl.warp_specialize([
-            (_wgmma_ws_consumer_overlapped, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, full,
-                                             empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                             qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                                             stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, PART_F16)),
-            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
-        ], [4], [WS64_LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
-                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16)),
-            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
-        ], [4], [WS64_LOADER_REGS])
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, FP8, DIAG, PART_F16)),
+        (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
+    ], [4], [WS64_LOADER_REGS])
 
 
 @gluon.jit
@@ -829,7 +776,6 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    OVERLAP: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -858,27 +804,14 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     full, empty = _handover_barriers(STAGES, 1)
-    if OVERLAP:
-        gl.static_assert(DIAG == 0, "overlap: no timing diagnostic")
-        gl.warp_specialize([
-            (_wgmma_ws_consumer_overlapped, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full,
-                                             empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                             qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                                             stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, PART_F16)),
-            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
-                                  DIAG)),
-        ], [4], [WS64_CONVERTER_REGS])
-    else:
-        gl.warp_specialize([
-            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
-                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16)),
-            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
-                                  DIAG)),
-        ], [4], [WS64_CONVERTER_REGS])
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, False, DIAG, PART_F16)),
+        (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
+                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4], [WS64_CONVERTER_REGS])
 
 
 @gluon.jit
@@ -1327,11 +1260,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if cfg.get("overlap"):
-        if "OVERLAP" not in kernel.arg_names or (fp8 and not cfg.get("converter")):
-            raise Glm5labError("overlap=True is an option of the warp-specialized 64-head kernel on 16-bit tiles "
-                               "(bf16/fp16 caches, or fp8_ds_mla in the converter form)")
-        extra["OVERLAP"] = True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
