@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from glm5lab.errors import Glm5labError
-from glm5lab.notebooks import run_all, run_notebook
+from glm5lab.notebooks import run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 

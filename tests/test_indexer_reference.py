@@ -43,7 +43,6 @@ def test_reference_topk_equals_transformers_indexer(tiny_indexer_calls):
     k = config.index_topk
     T = calls[0]["hidden"].shape[0]
     assert T > k, "the prompt must be longer than index_topk so the top-k is a strict subset"
-    lengths = torch.arange(T) + 1
     for layer, call in enumerate(calls):
         w = IndexerWeights.from_hf(call["module"], config)
         out = indexer_reference(w, call["hidden"], call["q_resid"])

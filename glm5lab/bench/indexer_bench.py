@@ -45,7 +45,7 @@ def torch_indexer_step(q, weights, key_flat, block_table, lengths, page, topk):
     """The straightforward torch step on a dequantized key cache [slots, D]."""
     import torch
 
-    B, L = q.shape[0], int(lengths.max())
+    L = int(lengths.max())
     pos = torch.arange(L, device=q.device)
     slots = block_table[:, pos // page].long() * page + pos % page                # [B, L]
     keys = key_flat[slots]                                                        # [B, L, D]
