@@ -67,6 +67,13 @@ HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
 HEADS_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))     # [rows, 512] 16-bit, 16-byte pieces
 HEADS_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))       # [rows, 64] 16-bit
 HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))        # [rows, 128] e4m3 -> bf16
+# The copy layouts of a 4-warp loader / producer warpgroup (one for each warp-specialized kernel): a warp's cp.async
+# covers 512 bytes of ONE row (NOTES.md v11: 64 bytes of eight rows was 8% slower), rope [rows, 64] 16-bit, the
+# scales [4 chunks, rows] float32
+WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))        # [rows, 512] e4m3
+WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
+WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # fp16 partials [heads, 512] in stored-column order (sparse_mla.stored_column): the O tile's own threads and
 # registers, renamed so that a thread's 4 values of a head row are adjacent (one 8-byte store; sm90 build: 32 STG.E.64)
 HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
@@ -643,12 +650,9 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
     soon as the consumers have freed it (`empty`); each thread's copies arrive on `full[b]` when they land, so the
     loader never waits on memory and the consumers never issue a gather. (ws_diag 2: no copies, each thread's
     arrival immediate.)"""
-    NW: gl.constexpr = 4
-    LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
-    LAT16: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])      # [rows, 512] 16-bit
-    LAT: gl.constexpr = LAT8 if FP8 else LAT16
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
+    LAT: gl.constexpr = WG_LAT8 if FP8 else WG_LAT16
+    ROPE_L: gl.constexpr = WG_ROPE
+    SCALE_L: gl.constexpr = WG_SCALE
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
     for i in range(num_steps):
@@ -733,11 +737,10 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
     (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
     step.)"""
-    NW: gl.constexpr = 4
-    LAT8: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])         # [rows, 128] e4m3 -> bf16
+    LAT8: gl.constexpr = WG_LAT8
+    ROPE_L: gl.constexpr = WG_ROPE
+    SCALE_L: gl.constexpr = WG_SCALE
+    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])          # [rows, 128] e4m3 -> bf16
     DT: gl.constexpr = kv_ring.dtype
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
@@ -919,11 +922,10 @@ def _fp8_rows_loader(KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n
     staging buffer, as soon as the converter has freed a half; each thread's copies arrive on `staged[h]` when they
     land (cp.async.mbarrier.arrive), so the loader waits on the converter only, never on memory. A warp's copy is 512
     bytes of ONE row (NOTES.md v11: 64 bytes of eight rows was 8% slower)."""
-    NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])      # [rows, 512] e4m3: a row a warp
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
-    SCALE_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, NW], [0, 1])    # [4, rows] float32
+    LAT: gl.constexpr = WG_LAT8
+    ROPE_L: gl.constexpr = WG_ROPE
+    SCALE_L: gl.constexpr = WG_SCALE
     slot_row = SLOTS + t * stride_st
     la, ra, sa = _ring_slots(slot_row, n_start, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
     lb, rb, sb = _ring_slots(slot_row, n_start + HALF, n_end, HALF, LAT, ROPE_L, SCALE_L, True)
