@@ -860,7 +860,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     in the 64-head Gluon kernels (NOTES.md v14), fp32 elsewhere; _config={"partials": "fp32" | "fp16"} overrides
     (fp16: the Triton kernel and the 64-head Gluon kernels). Beyond 16 heads an fp8_ds_mla call whose splits cover
     >= 1024 rows runs the converter form (a producer warpgroup dequantizes; sparse_mla_sm90.converter_pays, NOTES.md
-    v15); _config={"converter": True | False} overrides.
+    v15); _config={"impl": "gluon", "converter": True | False} overrides (a _config without "impl" picks Triton).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
