@@ -24,7 +24,7 @@ v8: 1.4-1.9x the Triton kernel at 128-512 tokens, 0.64-0.76x FlashMLA's kernels 
 warp-specialized form `_sparse_mla_wgmma_ws_sm90_kernel` (a loader warpgroup issues the gathers; v12: 1.15-1.18x
 the one-CTA form at 64 heads x 128-512 tokens, 0.84-0.88x FlashMLA's kernels); for fp8_ds_mla splits of >= 1024
 rows its converter form `_sparse_mla_wgmma_cv_sm90_kernel` takes the dequantization off the consumers (a producer
-warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.88-0.91x
+warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.89-0.92x
 FlashMLA's fp8 decode at 64 heads). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
