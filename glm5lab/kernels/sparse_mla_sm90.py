@@ -74,6 +74,8 @@ WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))      
 WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
 WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
+# ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
+WG_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
 # fp16 partials [heads, 512] in stored-column order (sparse_mla.stored_column): the O tile's own threads and
 # registers, renamed so that a thread's 4 values of a head row are adjacent (one 8-byte store; sm90 build: 32 STG.E.64)
 HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
@@ -740,7 +742,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     LAT8: gl.constexpr = WG_LAT8
     ROPE_L: gl.constexpr = WG_ROPE
     SCALE_L: gl.constexpr = WG_SCALE
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])          # [rows, 128] e4m3 -> bf16
+    DQ: gl.constexpr = WG_DQ
     DT: gl.constexpr = kv_ring.dtype
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
@@ -954,8 +956,8 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages
     never holds a conversion up (NOTES.md v11: the one producer warpgroup that did both took ~0.5 us a step longer)."""
     NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
-    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])     # [rows, 64] bf16
-    DQ: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [1, 0])        # [rows, 128] chunk conversion
+    ROPE_L: gl.constexpr = WG_ROPE
+    DQ: gl.constexpr = WG_DQ
     SCL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])      # [4 chunks, rows] float32
     for i in range(num_steps):
         b = i % STAGES
