@@ -323,8 +323,11 @@ def test_kernel_bench_gluon_variants_by_name():
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
+WGMMA_WSH = dict(sparse_mla_sm90.WGMMA_WS_HALVES_CONFIG)  # ... with the halves form's consumers (v16), 16-bit
+WGMMA_CVH = dict(sparse_mla_sm90.WGMMA_CV_HALVES_CONFIG)  # ... and fp8_ds_mla
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV], ids=["wg64", "ws64", "cv64"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVH],
+                                    ids=["wg64", "ws64", "cv64", "cv64h"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -377,6 +380,26 @@ def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
     assert half["stack"] == plain["stack"] and half["regs"] <= 168
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-fp16"])
+def test_gluon_wgmma_halves_sm90_build_has_two_consumers_without_spilling(fp8, split):
+    """The halves form (NOTES.md v16; fp8_ds_mla: the converter form's): two consumer partitions of 40 wgmma a step
+    each (80 in all: both compute the whole S, HGMMA 64x64 instead of 64x32), P.V with P in registers (no shared-
+    memory exchange in the loop), registers 224 / 200 each beside a loader of 56 / a producer of 104, no spill in
+    any partition (ptxas spilled q's loop-invariant wgmma descriptors and the slot pointers until both were made
+    per-step), one CTA a SM (<= 227 KB); fp16 split partials add the one exchange of the heads' largest values."""
+    rep = _sm90_build(ws=True, converter=fp8, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=4, HALVES=True,
+                      SPLIT=split, PART_F16=split, _sass=True)
+    assert rep["HGMMA"] == 80 and rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024 and rep["regs"] <= 168
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert {56, 224} <= set(rep["setmaxnreg"]) if not fp8 else {104, 200} <= set(rep["setmaxnreg"])
+    sass = rep["_sass"]
+    assert sum(i.startswith("HGMMA.64x64x16") for i in sass) == 72 and sum(i.startswith("HGMMA.64x256x16")
+                                                                          for i in sass) == 8
+    pv = [i for i in sass if i.startswith("HGMMA.64x256x16")]     # P.V: A (P) a register, B (V) a descriptor
+    assert all(re.match(r"HGMMA\S+ R\d+, R\d+, gdesc", i) for i in pv)
+
+
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
     """The rows-as-M kernel (<= 16 heads, bf16/fp16): 36 wgmma for S^T = K.q^T over 576 values and 32 for O^T =
     V^T.P^T (8 tiles of 64 latent dims x 4), no mma.sync or ldmatrix, cp.async in the loop, no spill, one CTA a SM."""
@@ -399,9 +422,10 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
-      for wcfg in (WGMMA, WGMMA_WS)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV))],
-    ids=["bf16-wg64", "bf16-ws64", "fp16-wg64", "fp16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64"])
+      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSH)),
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVH))],
+    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64h", "fp16-wg64", "fp16-ws64", "fp16-ws64h", "fp8-wg64", "fp8-ws64",
+         "fp8-cv64", "fp8-cv64h"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -415,7 +439,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64h"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -424,7 +448,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64h": WGMMA_WSH}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -661,17 +685,35 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
             sm90.launch((1, 1, 1), (), {**cv, "ws_diag": diag}, False, True)
 
 
+def test_gluon_halves_form_refuses_what_it_does_not_build():
+    """halves=True: 4 warps of its own (the loader or producer), the warp-specialized tile, and 16-bit tiles to read
+    (a bf16/fp16 cache, or fp8_ds_mla through the converter form) -- each refused with the reason."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    sm90.check_tile(dict(sm90.WGMMA_WS_HALVES_CONFIG), False)
+    sm90.check_tile(dict(sm90.WGMMA_CV_HALVES_CONFIG), True)
+    with pytest.raises(Glm5labError, match="halves=True .* a bf16/fp16 cache, or fp8_ds_mla with converter=True; got "
+                                           "an fp8_ds_mla cache, ws=True, converter=False"):
+        sm90.launch((1, 1, 1), (), dict(sm90.WGMMA_WS_HALVES_CONFIG), False, True)
+    with pytest.raises(Glm5labError, match=r"64-row steps, 4 warps \(halves\) and 2 stages, got .* num_warps 8"):
+        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_WS_CONFIG, "halves": True}, False, False)
+    with pytest.raises(Glm5labError, match="halves=True"):
+        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "halves": True, "num_warps": 4}, False, False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,diag,tile", [("native", 2, "ws64"), ("native", 3, "ws64"), ("fp8_ds_mla", 2, "ws64"),
                                               ("fp8_ds_mla", 3, "ws64"), ("fp8_ds_mla", 5, "ws64"),
                                               ("fp8_ds_mla", 1, "cv64"), ("fp8_ds_mla", 2, "cv64"),
-                                              ("fp8_ds_mla", 3, "cv64"), ("fp8_ds_mla", 4, "cv64")])
+                                              ("fp8_ds_mla", 3, "cv64"), ("fp8_ds_mla", 4, "cv64"),
+                                              ("native", 2, "ws64h"), ("native", 3, "ws64h"),
+                                              *(("fp8_ds_mla", d, "cv64h") for d in (1, 2, 3, 4))])
 def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, tile):
     """Each diagnostic of the warp-specialized 64-head kernels finishes (their handovers still balance: no hang) at a
     real shape with forced splits; its results are wrong on purpose, so only the full kernel's are checked beside
     it."""
     q, cache, slots, ref = make_case(8, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    cfg = {**{"ws64": WGMMA_WS, "cv64": WGMMA_CV}[tile], "_diagnostic": True}
+    cfg = {**{"ws64": WGMMA_WS, "cv64": WGMMA_CV, "ws64h": WGMMA_WSH, "cv64h": WGMMA_CVH}[tile], "_diagnostic": True}
     for splits in (1, 4):
         sparse_mla_attention(q, cache, slots, SCALE, num_splits=splits, _config={**cfg, "ws_diag": diag})
         torch.cuda.synchronize()
@@ -682,10 +724,10 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,wcfg", [(layout, wcfg) for layout in ("native", "fp8_ds_mla")
-                                         for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV)
-                                         if layout == "fp8_ds_mla" or wcfg is not WGMMA_CV],
-                         ids=["bf16-wg64", "bf16-ws64", "fp8-wg64", "fp8-ws64", "fp8-cv64"])
+@pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSH),
+                                         ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
+                                         ("fp8_ds_mla", WGMMA_CVH)],
+                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64h", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64h"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
@@ -700,14 +742,16 @@ def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, 
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_fp16_partials_keep_values_beyond_fp16_range():
+@pytest.mark.parametrize("wcfg", [WGMMA_WS, WGMMA_WSH], ids=["ws64", "ws64h"])
+def test_gpu_gluon_fp16_partials_keep_values_beyond_fp16_range(wcfg):
     """A bf16 cache reaching 1e6 (q scaled down as much): the warp-specialized kernel's fp16 partials, scaled a head,
-    give the reference's output where unscaled fp16 would overflow."""
+    give the reference's output where unscaled fp16 would overflow (the halves form: each head's scale from its
+    largest value over both halves)."""
     q, cache, slots, _ = make_case(8, 64, 2048, 65536, torch.bfloat16, "native", "cuda", block_size=64)
     q, cache = q * 1e-6, cache * 1e6
     ref = tuple(x.cpu() for x in sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE))
     assert float(ref[0].abs().max()) > 65504
-    out, lse = run_poisoned(q, cache, slots, num_splits=16, _config={**WGMMA_WS, "partials": "fp16"})
+    out, lse = run_poisoned(q, cache, slots, num_splits=16, _config={**wcfg, "partials": "fp16"})
     check(out, lse, ref, torch.bfloat16)
 
 
