@@ -678,9 +678,9 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
     with pytest.raises(Glm5labError, match="ws=False"):
         sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "converter": True}, False, True)
     cv = {**sm90.WGMMA_CV_CONFIG, "_diagnostic": True}
-    for diag in (1, 2, 3, 4):
+    for diag in (1, 2, 3, 4, 6):
         sm90.check_tile({**cv, "ws_diag": diag}, True)
-    for diag in (5, 6):
+    for diag in (5, 7):
         with pytest.raises(Glm5labError, match=f"ws_diag {diag} is a private timing diagnostic.*1-4 of its converter"):
             sm90.launch((1, 1, 1), (), {**cv, "ws_diag": diag}, False, True)
 
@@ -706,6 +706,7 @@ def test_gluon_halves_form_refuses_what_it_does_not_build():
                                               ("fp8_ds_mla", 3, "ws64"), ("fp8_ds_mla", 5, "ws64"),
                                               ("fp8_ds_mla", 1, "cv64"), ("fp8_ds_mla", 2, "cv64"),
                                               ("fp8_ds_mla", 3, "cv64"), ("fp8_ds_mla", 4, "cv64"),
+                                              ("fp8_ds_mla", 6, "cv64"),
                                               ("native", 2, "ws64h"), ("native", 3, "ws64h"),
                                               *(("fp8_ds_mla", d, "cv64h") for d in (1, 2, 3, 4))])
 def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, tile):

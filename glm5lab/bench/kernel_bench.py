@@ -88,10 +88,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                    "_diagnostic": True, "ws_diag": d})
                     for d in (2, 3, 5)),
                   # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
-                  # gathers alone (d3), producer and consumers without gathers (d4)
+                  # gathers alone (d3), producer and consumers without gathers (d4), and d4 converting bytes held in
+                  # registers instead of reading the raw rows from shared memory (d6, v16)
                   *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "halves": False,
                                     "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                                    "partials": "fp16", "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
+                                    "partials": "fp16", "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
                   # ... and of the halves form (v16): the consumers alone (d2; 16-bit ws64hd2, fp8 ws64chd2), the
                   # converter form's producer and consumers without gathers (ws64chd4)
                   ("ws64hd2", {"rows": False, "ws": True, "converter": False, "halves": True, "block_h": 64,

@@ -891,7 +891,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     (128-byte swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3
     overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
     (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
-    step.)"""
+    step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.)"""
     LAT8: gl.constexpr = WG_LAT8
     ROPE_L: gl.constexpr = WG_ROPE
     SCALE_L: gl.constexpr = WG_SCALE
@@ -899,10 +899,23 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     DT: gl.constexpr = kv_ring.dtype
     slot_row = SLOTS + t * stride_st
     sl_lat, sl_rope, sl_scale = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT8, ROPE_L, SCALE_L, True)
+    if DIAG == 6:
+        held = raw_halves.index(1).slice(0, 128, dim=1).load(DQ)      # (whatever the tile holds)
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(empty.index(b), ((i // STAGES) & 1) ^ 1)      # the consumers are done with slot b
-        if DIAG != 2:
+        if DIAG == 6:
+            # one held chunk of bytes XOR a zero the compilers cannot see (i // num_steps, times c + 1: one
+            # instruction per 4 bytes, and the conversion is neither hoisted nor shared between chunks), converted
+            # into all four chunks and stored as usual: diagnostic 4 without reading the raw rows from shared memory
+            tile = kv_ring.index(b)
+            for c in gl.static_range(4):
+                zero = gl.full([BLOCK_N, 128], 0, gl.uint8, DQ) + ((i // num_steps) * (c + 1)).to(gl.uint8)
+                r = gl.inline_asm_elementwise("xor.b32 $0, $1, $2;", "=r,r,r", [held, zero], dtype=gl.uint8,
+                                              is_pure=True, pack=4)
+                tile.slice(c * 128, 128, dim=1).store(
+                    _scaled(r, scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ)), DT))
+        elif DIAG != 2:
             raw = raw_halves.index(2 * b + 1)
             if DIAG != 4:
                 sl_lat, sl_rope, sl_scale = _request_step(
@@ -1400,11 +1413,13 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # 4 converter and consumer without gathers (whatever the staging buffer holds, converted and multiplied), 5 the
 # 64-head fp8_ds_mla kernel without its dequantization (the products read the bf16 tile as it stands). 1-4 apply to
 # the fp8_ds_mla rows-as-M kernel, 2-3 to the warp-specialized 64-head kernel (either layout), 5 to its fp8 form,
-# 1-4 to its converter form (v15; the converter's in-place conversion of the raw rows the gathers left).
+# 1-4 to its converter form (v15; the converter's in-place conversion of the raw rows the gathers left), 6 to the
+# converter form only (v16: 4 without the producer's shared-memory reads of the raw rows).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
-                  4: "converter and consumer, no gathers", 5: "no dequantization"}
+                  4: "converter and consumer, no gathers", 5: "no dequantization",
+                  6: "converter (bytes held in registers) and consumers, no gathers"}
 
 
 def check_tile(cfg: dict, fp8: bool) -> None:
@@ -1433,12 +1448,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
                            f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
                            f"ws={cfg.get('ws', False)}")
     diag = cfg.get("ws_diag", 0)
-    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3, 4))
+    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3, 4, 6))
             or (cfg.get("ws") and not converter and (diag in (2, 3) or (fp8 and diag == 5))))
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
                            "1-4 of the fp8_ds_mla rows-as-M kernel, 2-3 of the warp-specialized 64-head kernel, 5 of "
-                           f"its fp8_ds_mla form, 1-4 of its converter form ({WS_DIAGNOSTICS})")
+                           f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False) -> None:
