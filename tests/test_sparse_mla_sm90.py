@@ -323,11 +323,11 @@ def test_kernel_bench_gluon_variants_by_name():
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
-WGMMA_WSH = dict(sparse_mla_sm90.WGMMA_WS_HALVES_CONFIG)  # ... with the halves form's consumers (v16), 16-bit
-WGMMA_CVH = dict(sparse_mla_sm90.WGMMA_CV_HALVES_CONFIG)  # ... and fp8_ds_mla
+WGMMA_WSP = {**WGMMA_WS, "p_smem": True}  # ... with P.V's A operand through shared memory (v16)
+WGMMA_CVP = {**WGMMA_CV, "p_smem": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVH],
-                                    ids=["wg64", "ws64", "cv64", "cv64h"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP],
+                                    ids=["wg64", "ws64", "cv64", "cv64p"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -380,24 +380,21 @@ def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
     assert half["stack"] == plain["stack"] and half["regs"] <= 168
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-fp16"])
-def test_gluon_wgmma_halves_sm90_build_has_two_consumers_without_spilling(fp8, split):
-    """The halves form (NOTES.md v16; fp8_ds_mla: the converter form's): two consumer partitions of 40 wgmma a step
-    each (80 in all: both compute the whole S, HGMMA 64x64 instead of 64x32), P.V with P in registers (no shared-
-    memory exchange in the loop), registers 224 / 200 each beside a loader of 56 / a producer of 104, no spill in
-    any partition (ptxas spilled q's loop-invariant wgmma descriptors and the slot pointers until both were made
-    per-step), one CTA a SM (<= 227 KB); fp16 split partials add the one exchange of the heads' largest values."""
-    rep = _sm90_build(ws=True, converter=fp8, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=4, HALVES=True,
-                      SPLIT=split, PART_F16=split, _sass=True)
-    assert rep["HGMMA"] == 80 and rep["LDGSTS"] > 0 and rep["smem"] <= 227 * 1024 and rep["regs"] <= 168
-    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
-    assert {56, 224} <= set(rep["setmaxnreg"]) if not fp8 else {104, 200} <= set(rep["setmaxnreg"])
-    sass = rep["_sass"]
-    assert sum(i.startswith("HGMMA.64x64x16") for i in sass) == 72 and sum(i.startswith("HGMMA.64x256x16")
-                                                                          for i in sass) == 8
-    pv = [i for i in sass if i.startswith("HGMMA.64x256x16")]     # P.V: A (P) a register, B (V) a descriptor
-    assert all(re.match(r"HGMMA\S+ R\d+, R\d+, gdesc", i) for i in pv)
+@pytest.mark.parametrize("fp8,converter", [(False, False), (True, False), (True, True)],
+                         ids=["16bit", "fp8-loader", "fp8-converter"])
+def test_gluon_wgmma_ws_p_smem_build_exchanges_no_scores(fp8, converter):
+    """p_smem (NOTES.md v16): the consumers' step keeps S where wgmma left it -- no layout conversion of the scores
+    (the default build's runs 4 rounds of STS.128 / BAR / LDS.128 through a 4 KB buffer, 8 barriers a step) --, P is
+    stored once with stmatrix (STSM) and read by P.V's wgmma from shared memory; fewer CTA barriers, the same 40 wgmma,
+    no spill, one CTA a SM (<= 227 KB with the 8 KB P tile)."""
+    plain = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, _sass=True)
+    ps = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, P_SMEM=True,
+                     _sass=True)
+    assert ps["HGMMA"] == plain["HGMMA"] == 40 and ps["smem"] <= 227 * 1024 and ps["stack"] <= plain["stack"]
+    assert sum(i.startswith("STSM") for i in ps["_sass"]) > 0 == sum(i.startswith("STSM") for i in plain["_sass"])
+    assert ps["BAR"] < plain["BAR"]
+    pv = [i for i in ps["_sass"] if i.startswith("HGMMA.64x256x16")]     # P.V: both operands descriptors
+    assert pv and all(re.match(r"HGMMA\S+ R\d+, gdesc\[\w+\]", i) for i in pv)
 
 
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
@@ -422,10 +419,10 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
-      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSH)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVH))],
-    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64h", "fp16-wg64", "fp16-ws64", "fp16-ws64h", "fp8-wg64", "fp8-ws64",
-         "fp8-cv64", "fp8-cv64h"])
+      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP))],
+    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -439,7 +436,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64h"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -448,7 +445,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64h": WGMMA_WSH}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -686,20 +683,14 @@ def test_gluon_converter_form_is_fp8_and_warp_specialized_only():
             sm90.launch((1, 1, 1), (), {**cv, "ws_diag": diag}, False, True)
 
 
-def test_gluon_halves_form_refuses_what_it_does_not_build():
-    """halves=True: 4 warps of its own (the loader or producer), the warp-specialized tile, and 16-bit tiles to read
-    (a bf16/fp16 cache, or fp8_ds_mla through the converter form) -- each refused with the reason."""
+def test_gluon_p_smem_is_a_warp_specialized_option_only():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    sm90.check_tile(dict(sm90.WGMMA_WS_HALVES_CONFIG), False)
-    sm90.check_tile(dict(sm90.WGMMA_CV_HALVES_CONFIG), True)
-    with pytest.raises(Glm5labError, match="halves=True .* a bf16/fp16 cache, or fp8_ds_mla with converter=True; got "
-                                           "an fp8_ds_mla cache, ws=True, converter=False"):
-        sm90.launch((1, 1, 1), (), dict(sm90.WGMMA_WS_HALVES_CONFIG), False, True)
-    with pytest.raises(Glm5labError, match=r"64-row steps, 4 warps \(halves\) and 2 stages, got .* num_warps 8"):
-        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_WS_CONFIG, "halves": True}, False, False)
-    with pytest.raises(Glm5labError, match="halves=True"):
-        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "halves": True, "num_warps": 4}, False, False)
+    sm90.check_tile({**sm90.WGMMA_WS_CONFIG, "p_smem": True}, False)
+    sm90.check_tile({**sm90.WGMMA_CV_CONFIG, "p_smem": True}, True)
+    with pytest.raises(Glm5labError, match="p_smem=True is the warp-specialized 64-head kernel's consumer option.*"
+                                           "ws=False"):
+        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "p_smem": True}, False, False)
 
 
 @pytest.mark.gpu
@@ -708,14 +699,14 @@ def test_gluon_halves_form_refuses_what_it_does_not_build():
                                               ("fp8_ds_mla", 1, "cv64"), ("fp8_ds_mla", 2, "cv64"),
                                               ("fp8_ds_mla", 3, "cv64"), ("fp8_ds_mla", 4, "cv64"),
                                               ("fp8_ds_mla", 6, "cv64"),
-                                              ("native", 2, "ws64h"), ("native", 3, "ws64h"),
-                                              *(("fp8_ds_mla", d, "cv64h") for d in (1, 2, 3, 4))])
+                                              ("native", 2, "ws64p"), ("native", 3, "ws64p"),
+                                              *(("fp8_ds_mla", d, "cv64p") for d in (1, 2, 3, 4))])
 def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, tile):
     """Each diagnostic of the warp-specialized 64-head kernels finishes (their handovers still balance: no hang) at a
     real shape with forced splits; its results are wrong on purpose, so only the full kernel's are checked beside
     it."""
     q, cache, slots, ref = make_case(8, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    cfg = {**{"ws64": WGMMA_WS, "cv64": WGMMA_CV, "ws64h": WGMMA_WSH, "cv64h": WGMMA_CVH}[tile], "_diagnostic": True}
+    cfg = {**{"ws64": WGMMA_WS, "cv64": WGMMA_CV, "ws64p": WGMMA_WSP, "cv64p": WGMMA_CVP}[tile], "_diagnostic": True}
     for splits in (1, 4):
         sparse_mla_attention(q, cache, slots, SCALE, num_splits=splits, _config={**cfg, "ws_diag": diag})
         torch.cuda.synchronize()
@@ -726,10 +717,10 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSH),
+@pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVH)],
-                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64h", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64h"])
+                                         ("fp8_ds_mla", WGMMA_CVP)],
+                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
@@ -744,11 +735,10 @@ def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wcfg", [WGMMA_WS, WGMMA_WSH], ids=["ws64", "ws64h"])
+@pytest.mark.parametrize("wcfg", [WGMMA_WS, WGMMA_WSP], ids=["ws64", "ws64p"])
 def test_gpu_gluon_fp16_partials_keep_values_beyond_fp16_range(wcfg):
     """A bf16 cache reaching 1e6 (q scaled down as much): the warp-specialized kernel's fp16 partials, scaled a head,
-    give the reference's output where unscaled fp16 would overflow (the halves form: each head's scale from its
-    largest value over both halves)."""
+    give the reference's output where unscaled fp16 would overflow."""
     q, cache, slots, _ = make_case(8, 64, 2048, 65536, torch.bfloat16, "native", "cuda", block_size=64)
     q, cache = q * 1e-6, cache * 1e6
     ref = tuple(x.cpu() for x in sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE))

@@ -45,29 +45,25 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                "num_warps": 8, "stages": 2, "resident": 1}),
                   # ... warp-specialized, a loader warpgroup beside the two consumer warpgroups (the default since
                   # NOTES.md v12), its split partials in fp32 (as before v14)
-                  ("ws64", {"rows": False, "ws": True, "converter": False, "halves": False,
-                            "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                            "partials": "fp32"}),
+                  ("ws64", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64, "num_warps": 8,
+                            "stages": 2, "resident": 1, "partials": "fp32"}),
                   # ... writing its split partials in fp16 with a scale a head (half the bytes to write and merge;
                   # the default since NOTES.md v14)
-                  ("ws64p16", {"rows": False, "ws": True, "converter": False, "halves": False,
-                               "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                               "partials": "fp16"}),
+                  ("ws64p16", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
+                               "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   # ... fp8_ds_mla with the dequantization in a producer warpgroup, in place in a 2-slot ring of
                   # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
-                  ("ws64c", {"rows": False, "ws": True, "converter": True, "halves": False,
-                             "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                             "partials": "fp16"}),
+                  ("ws64c", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                             "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   # ... its raw rows unswizzled (the first build, v15 runs 1-2)
-                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "halves": False,
-                              "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                              "partials": "fp16", "_raw_swizzle": False}),
-                  # ... both with the halves form's consumers: two partitions that each compute the whole S and own
-                  # half of O, no exchange between them a step (NOTES.md v16); 16-bit (ws64h) and fp8_ds_mla (ws64ch)
-                  ("ws64h", {"rows": False, "ws": True, "converter": False, "halves": True, "block_h": 64,
-                             "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "partials": "fp16"}),
-                  ("ws64ch", {"rows": False, "ws": True, "converter": True, "halves": True, "block_h": 64,
-                              "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "_raw_swizzle": False}),
+                  # ... both with P.V's A operand through shared memory: no exchange of S between the consumer
+                  # warpgroups (NOTES.md v16); 16-bit or fp8_ds_mla's loader form (ws64ps), the converter form (ws64cps)
+                  ("ws64ps", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
+                              "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  ("ws64cps", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
+                               "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),
@@ -83,26 +79,25 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
                   # ... and of the warp-specialized 64-head kernel (NOTES.md v13): the consumers alone (d2), the
                   # gathers alone (d3), fp8_ds_mla without its dequantization (d5)
-                  *((f"ws64d{d}", {"rows": False, "ws": True, "converter": False, "halves": False,
-                                   "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                                   "_diagnostic": True, "ws_diag": d})
+                  *((f"ws64d{d}", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
+                                   "num_warps": 8, "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d})
                     for d in (2, 3, 5)),
                   # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
                   # gathers alone (d3), producer and consumers without gathers (d4), and d4 converting bytes held in
                   # registers instead of reading the raw rows from shared memory (d6, v16)
-                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "halves": False,
-                                    "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                                    "partials": "fp16", "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
-                  # ... and of the halves form (v16): the consumers alone (d2; 16-bit ws64hd2, fp8 ws64chd2), the
-                  # converter form's producer and consumers without gathers (ws64chd4)
-                  ("ws64hd2", {"rows": False, "ws": True, "converter": False, "halves": True, "block_h": 64,
-                               "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "partials": "fp16",
-                               "_diagnostic": True, "ws_diag": 2}),
-                  *((f"ws64chd{d}", {"rows": False, "ws": True, "converter": True, "halves": True, "block_h": 64,
-                                     "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1, "partials": "fp16",
-                                     "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
+                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
+                                    "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
+                                    "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
+                  # ... and of the P-through-shared-memory consumers (v16): the consumers alone (d2; 16-bit ws64psd2,
+                  # the converter form ws64cpsd2), the converter form's producer and consumers without gathers (d4)
+                  ("ws64psd2", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
+                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
+                                "_diagnostic": True, "ws_diag": 2}),
+                  *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
+                                      "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
+                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64h": False, "ws64hd2": False,
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 

@@ -76,32 +76,12 @@ WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
 WG_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-# The halves form of the warp-specialized 64-head kernels (NOTES.md v16): each consumer warpgroup is a partition of
-# its own that computes the step's whole S [64 heads, 64 rows] and owns half of O's columns [64, 256] -- no
-# exchange between the two a step (P stays in registers: the S accumulator is P.V's A operand as it stands).
-_HALF_S = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-_HALF_O = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-HALF_S_L = gl.constexpr(_HALF_S)
-HALF_O_L = gl.constexpr(_HALF_O)
-HALF_P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_HALF_O, k_width=2))
-HALF_ROWS = gl.constexpr(gl.SliceLayout(1, _HALF_S))
-HALF_COLS = gl.constexpr(gl.SliceLayout(0, _HALF_S))
-HALF_O_ROWS = gl.constexpr(gl.SliceLayout(1, _HALF_O))
-# registers a thread of each of the halves form's consumer partitions (setmaxnreg; the loader or the producer, the
-# kernel's own 4 warps, gets the rest of the 12 warps' 168 each: 56 beside 16-bit consumers, 88 in the converter form)
-WS64_HALF16_REGS = gl.constexpr(224)
-WS64_HALF_REGS = gl.constexpr(200)
 # fp16 partials [heads, 512] in stored-column order (sparse_mla.stored_column): the O tile's own threads and
 # registers, renamed so that a thread's 4 values of a head row are adjacent (one 8-byte store; sm90 build: 32 STG.E.64)
 HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [0, 256]], block_bases=[],
     shape=[64, 512]))
-# ... and of one half [heads, 256] of the halves form (the same bases without the warp bit that picks the half)
-HALF_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
-    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-    shape=[64, 256]))
 
 
 @gluon.jit
@@ -508,11 +488,7 @@ def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.con
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    if gl.num_warps() == 8:
-        q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, HEADS_LAT16,
-                                     HEADS_ROPE)
-    else:                                   # (the halves form: the kernel's own warps are one warpgroup)
-        q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, WG_LAT16, WG_ROPE)
+    q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, HEADS_LAT16, HEADS_ROPE)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     if FP8:
         lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
@@ -549,12 +525,16 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
-                l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True):
+                l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
+                P_SMEM: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
     dequantized with their scale into the bf16 tile kv_deq first (FlashMLA's rounding; DEQUANT=False, a timing
-    diagnostic: the products read kv_deq as it stands). Returns (m, l, acc)."""
+    diagnostic: the products read kv_deq as it stands). P_SMEM (NOTES.md v16): no exchange of S -- Triton's
+    layout conversion ran it in 4 rounds through a 4 KB buffer, 8 CTA barriers a step, with 5-6-way bank conflicts
+    (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
+    operand of P.V. Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -567,22 +547,36 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
     qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
     qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
-    p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
-    l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
-    acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
+    if P_SMEM:
+        # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
+        # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
+        p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+        p_tile.store(p.to(DT))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
+    else:
+        p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
+        l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
+        acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
     return m_new, l_i, acc
 
 
 @gluon.jit
-def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr = False):
     """The 64-head kernels' state before the first step: running max, sum, O and the zero S tile a step's q.K^T
-    starts from (S split by rows between the warpgroups: BLOCK_N / 2 rows each)."""
+    starts from (S split by rows between the warpgroups: BLOCK_N / 2 rows each). P_SMEM: max and sum in S's own
+    layout, the sum per element."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
-    return (gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HEADS_P_ROWS),
-            gl.zeros([BLOCK_H], gl.float32, layout=HEADS_P_ROWS),
-            gl.zeros([BLOCK_H, 512], gl.float32, layout=HEADS_O_L),
-            gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L))
+    if P_SMEM:
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    else:
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HEADS_P_ROWS)
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=HEADS_P_ROWS)
+    return m_i, l_i, gl.zeros([BLOCK_H, 512], gl.float32, layout=HEADS_O_L), gl.zeros([BLOCK_H, BLOCK_N], gl.float32,
+                                                                                      layout=S_L)
 
 
 @gluon.jit
@@ -698,132 +692,43 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
-                       PART_F16: gl.constexpr = False):
+                       PART_F16: gl.constexpr = False, p_tile=None, P_SMEM: gl.constexpr = False):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
-    kernel runs it), then `empty[b]` back to the loader. (ws_diag 1 / 3: no step; 5: the step without dequantizing.)"""
-    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, HEADS_P_COLS)
-    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N)
+    kernel runs it), then `empty[b]` back to the loader. (ws_diag 1 / 3: no step; 5: the step without dequantizing.)
+    P_SMEM: P.V's A operand from p_tile (`_heads_step`)."""
+    S_COLS: gl.constexpr = gl.SliceLayout(0, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                                       instr_shape=[16, BLOCK_N // 2, 16]))
+    COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
+    sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
+    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
     for i in range(num_steps):
         b = i % STAGES
         cur_cols = sl_cols
-        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, HEADS_P_COLS)
+        sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                        num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5)
+                                        num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
+                                        P_SMEM)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
+    if P_SMEM:
+        l_i = gl.convert_layout(gl.sum(l_i, 1), HEADS_P_ROWS)
+        m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                  stride_lt, BLOCK_H, SPLIT, PART_F16)
 
 
 @gluon.jit
-def _half_step(q_lat, q_rope, kv, rope, cur_cols, num_slots, qk_scale_log2, m_i, l_i, acc, zero_s,
-               HALF: gl.constexpr):
-    """One 64-row step of a halves-form consumer warpgroup on a 16-bit tile kv [rows, 512] (rope [rows, 64]): the
-    whole S = q.K^T [64 heads, 64 rows] (the other consumer computes it too), the online softmax on whole head rows
-    (in-quad reductions), P straight from the accumulator as P.V's register A operand, and P.V into this half's
-    256 columns of O. Returns (m, l, acc)."""
-    DT: gl.constexpr = q_lat.dtype
-    fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
-    qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s, use_acc=False)
-    qk = warpgroup_mma(q_rope, rope.permute((1, 0)), qk)
-    p, alpha, m_new, _ = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, 1)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(DT), HALF_P_A), kv.slice(HALF * 256, 256, dim=1),
-                        acc * gl.convert_layout(alpha, HALF_O_ROWS)[:, None])
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _store_half(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, xmax, xbar, t, s, pid_h, num_heads, num_splits, stride_ot,
-                stride_oh, stride_lt, HALF: gl.constexpr, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                PART_F16: gl.constexpr):
-    """A halves-form consumer's result: its 256 columns of out = acc / l (or of the split's normalized partial);
-    the first half also writes lse. PART_F16: each head's power-of-two scale needs the head's largest value over
-    BOTH halves, exchanged once through xmax [2, heads] and the mbarrier xbar (`_store_heads`' format)."""
-    inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
-    inv_r = gl.convert_layout(inv_l, HALF_O_ROWS)
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HALF_O_ROWS)
-    hm = (heads < num_heads)[:, None]
-    cols = HALF * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, HALF_O_L))
-    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HALF_ROWS)
-    if SPLIT:
-        part = t * num_splits + s
-        if PART_F16:
-            mine = gl.max(gl.abs(acc), 1) * inv_r
-            xmax.index(HALF).store(mine)
-            gl.thread_barrier()
-            mbarrier.arrive(xbar, count=1)
-            mbarrier.wait(xbar, 0)
-            mul = _pow2_into_f16_range(gl.maximum(mine, xmax.index(1 - HALF).load(HALF_O_ROWS)))
-            if HALF == 0:
-                gl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
-                         mask=heads < num_heads)
-            # stored_column order within each 16-column block (as _store_heads): one 8-byte store a thread
-            v = gl.reshape((acc * (inv_r * mul)[:, None]).to(gl.float16), [BLOCK_H, 16, 2, 4, 2])
-            v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 3, 2, 4]), [BLOCK_H, 256]), HALF_F16_STORE)
-            rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, HALF_F16_STORE))
-            stored = HALF * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, HALF_F16_STORE))
-            gl.store(PART_O + (part * num_heads + rows[:, None]) * 512 + stored[None, :], v,
-                     mask=(rows < num_heads)[:, None])
-        else:
-            gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], acc * inv_r[:, None],
-                     mask=hm)
-        if HALF == 0:
-            gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
+def _p_tile(q_rope, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr):
+    """P_SMEM: the [heads, rows] tile P goes through as P.V's A operand (8 KB, 128-byte swizzle); otherwise q_rope
+    stands in, never touched."""
+    if P_SMEM:
+        tile = gl.allocate_shared_memory(q_rope.dtype, [BLOCK_H, BLOCK_N],
+                                         gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     else:
-        o = OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
-        gl.store(o, (acc * inv_r[:, None]).to(OUT.dtype.element_ty), mask=hm)
-        if HALF == 0:
-            gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
-
-
-@gluon.jit
-def _wgmma_half_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full, empty, xmax, xbar,
-                         slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                         num_splits, stride_ot, stride_oh, stride_lt, HALF: gl.constexpr, BLOCK_H: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, DIAG: gl.constexpr = 0,
-                         PART_F16: gl.constexpr = False):
-    """One of the halves form's two consumer partitions (one warpgroup each, HALF 0 / 1): wait for ring slot b (a
-    16-bit tile: the rows themselves, or the converter form's dequantized ones), `_half_step`, then its own arrival
-    on `empty[b]` (which takes one from each half). (ws_diag 1 / 3: no step.)"""
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_lat3 = q_lat._reinterpret(q_lat.dtype, [1, BLOCK_H, 512], SM)
-    q_rope3 = q_rope._reinterpret(q_rope.dtype, [1, BLOCK_H, 64], SM)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HALF_ROWS)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=HALF_ROWS)
-    acc = gl.zeros([BLOCK_H, 256], gl.float32, layout=HALF_O_L)
-    zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=HALF_S_L)
-    for i in range(num_steps):
-        b = i % STAGES
-        # this step's slot indices (for the mask), loaded while the slot fills: one set of them live, not two (the
-        # registers: O's half is 128 a thread, S 32), their offsets opaque to the compiler -- it would otherwise keep
-        # 16 64-bit pointers across the loop (and spill them)
-        offs = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [n_start + i * BLOCK_N
-                                                                     + gl.arange(0, BLOCK_N, layout=HALF_COLS)],
-                                         dtype=gl.int32, is_pure=True, pack=1)
-        cur_cols = gl.load(slot_row + offs, mask=offs < n_end, other=-1)
-        mbarrier.wait(full.index(b), (i // STAGES) & 1)             # slot b is filled
-        if DIAG != 3 and DIAG != 1:
-            # q's tiles indexed by i // num_steps (always 0, opaque to the compiler): otherwise ptxas keeps its 36
-            # wgmma descriptors across the loop, and spills them (NOTES.md v10 run 4, v16)
-            z = i // num_steps
-            m_i, l_i, acc = _half_step(q_lat3.index(z), q_rope3.index(z), kv_ring.index(b), rope_ring.index(b),
-                                       cur_cols, num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, HALF)
-        gl.thread_barrier()               # this warpgroup is done with slot b
-        mbarrier.arrive(empty.index(b), count=1)
-    _store_half(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, xmax, xbar, t, s, pid_h, num_heads, num_splits, stride_ot,
-                stride_oh, stride_lt, HALF, BLOCK_H, SPLIT, PART_F16)
-
-
-@gluon.jit
-def _half_exchange():
-    """The halves form's one exchange: each half's largest value a head (fp16 partials), and its mbarrier."""
-    xmax = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(xbar, count=2)
-    return xmax, xbar
+        tile = q_rope
+    return tile
 
 
 @gluon.jit
@@ -832,16 +737,15 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, HALVES: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
-    HALVES (bf16/fp16, 4 warps of its own; NOTES.md v16): the consumers are two partitions that each compute the
-    whole S and own half of O (`_wgmma_half_consumer`), with no exchange between them a step."""
-    gl.static_assert(gl.num_warps() == (4 if HALVES else 8), "two consumer warpgroups (plus a loader warpgroup)")
+    P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16)."""
+    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
 
@@ -852,33 +756,16 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
-    if HALVES:
-        gl.static_assert(not FP8, "the halves form reads 16-bit tiles (fp8_ds_mla: its converter form)")
-        xmax, xbar = _half_exchange()
-        full, empty = _handover_barriers(STAGES, 4 * 32, 2)
-        # (the loader is the kernel's own partition, so that each consumer's register count is a worker's, set)
-        gl.warp_specialize([
-            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
-            (_wgmma_half_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, full, empty, xmax,
-                                    xbar, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                                    t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, 0, BLOCK_H,
-                                    BLOCK_N, STAGES, SPLIT, DIAG, PART_F16)),
-            (_wgmma_half_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, full, empty, xmax,
-                                    xbar, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                                    t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, 1, BLOCK_H,
-                                    BLOCK_N, STAGES, SPLIT, DIAG, PART_F16)),
-        ], [4, 4], [WS64_HALF16_REGS, WS64_HALF16_REGS])
-    else:
-        full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
-        gl.warp_specialize([
-            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
-                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16)),
-            (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
-        ], [4], [WS64_LOADER_REGS])
+    p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
+    full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
+        (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
+    ], [4], [WS64_LOADER_REGS])
 
 
 @gluon.jit
@@ -947,7 +834,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    HALVES: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -957,9 +844,8 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
     results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
     in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
-    HALVES (4 warps of its own; NOTES.md v16): the consumers are two partitions that each compute the whole S and own
-    half of O (`_wgmma_half_consumer`)."""
-    gl.static_assert(gl.num_warps() == (4 if HALVES else 8), "two consumer warpgroups (plus a producer warpgroup)")
+    P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16)."""
+    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
     gl.static_assert(STAGES == 2, "two bf16 tiles (q and two tiles fill the shared memory)")
@@ -977,33 +863,16 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-    if HALVES:
-        xmax, xbar = _half_exchange()
-        full, empty = _handover_barriers(STAGES, 1, 2)
-        gl.warp_specialize([
-            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
-                                  DIAG)),
-            (_wgmma_half_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full, empty, xmax,
-                                    xbar, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                                    t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, 0, BLOCK_H,
-                                    BLOCK_N, STAGES, SPLIT, DIAG, PART_F16)),
-            (_wgmma_half_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, full, empty, xmax,
-                                    xbar, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                                    t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, 1, BLOCK_H,
-                                    BLOCK_N, STAGES, SPLIT, DIAG, PART_F16)),
-        ], [4, 4], [WS64_HALF_REGS, WS64_HALF_REGS])
-    else:
-        full, empty = _handover_barriers(STAGES, 1)
-        gl.warp_specialize([
-            (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
-                                  full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots,
-                                  qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                                  BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16)),
-            (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                                  n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES,
-                                  DIAG)),
-        ], [4], [WS64_CONVERTER_REGS])
+    p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
+    full, empty = _handover_barriers(STAGES, 1)
+    gl.warp_specialize([
+        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
+                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
+                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM)),
+        (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
+                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4], [WS64_CONVERTER_REGS])
 
 
 @gluon.jit
@@ -1230,15 +1099,14 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
 
 
 @gluon.jit
-def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr, TAKERS: gl.constexpr = 1):
+def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr):
     """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b: FILLS arrivals)
-    and `empty` (the consumers are done with it: one arrival from each of TAKERS partitions), initialised and made
-    visible before the partitions start."""
+    and `empty` (the consumer is done with it: one), initialised and made visible before the partitions start."""
     full = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(N):
         mbarrier.init(full.index(j), count=FILLS)
-        mbarrier.init(empty.index(j), count=TAKERS)
+        mbarrier.init(empty.index(j), count=1)
     fence_async_shared()
     gl.thread_barrier()
     return full, empty
@@ -1322,11 +1190,6 @@ WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": Fals
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 222 KB of shared memory)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
-# ... both with the halves form's consumers (NOTES.md v16): two consumer partitions, each computing the whole S and
-# owning half of O, no exchange between them a step (12 warps; the kernel's own 4 are the loader or the producer;
-# sm90 builds: consumers 224 / 200 registers beside a loader of 56 / a producer of 104, no spill)
-WGMMA_WS_HALVES_CONFIG = {**WGMMA_WS_CONFIG, "halves": True, "num_warps": 4}
-WGMMA_CV_HALVES_CONFIG = {**WGMMA_CV_CONFIG, "halves": True, "num_warps": 4}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
 # (loader form -> converter form): 64 heads x 64 / 128 / 512 tokens (16-32 steps a split) 71.7 -> 71.5, 134.7 ->
@@ -1428,17 +1291,13 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("rows") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4):
         raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
                            f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
-    halves = bool(cfg.get("halves", False))
-    warps = 4 if halves else 8
-    if cfg.get("ws") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"], cfg["stages"]) != (64, 64, warps, 2):
-        raise Glm5labError(f"the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, {warps} warps "
-                           f"{'(halves) ' if halves else ''}and 2 stages, got block_h {cfg['block_h']}, block_n "
-                           f"{cfg['block_n']}, num_warps {cfg['num_warps']}, stages {cfg['stages']}")
-    if halves and not (cfg.get("ws") and (cfg.get("converter") or not fp8)):
-        raise Glm5labError("halves=True is the warp-specialized 64-head kernel's form with two consumer partitions "
-                           "that read 16-bit tiles: a bf16/fp16 cache, or fp8_ds_mla with converter=True; got "
-                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, ws={cfg.get('ws', False)}, "
-                           f"converter={cfg.get('converter', False)}")
+    if cfg.get("ws") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"], cfg["stages"]) != (64, 64, 8, 2):
+        raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
+                           f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
+                           f"{cfg['num_warps']}, stages {cfg['stages']}")
+    if cfg.get("p_smem") and not cfg.get("ws"):
+        raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
+                           f"memory); got it with ws={cfg.get('ws', False)}")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1464,8 +1323,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
-    if cfg.get("halves"):
-        extra["HALVES"] = True
+    if cfg.get("p_smem"):
+        extra["P_SMEM"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
