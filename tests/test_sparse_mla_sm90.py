@@ -323,8 +323,10 @@ def test_kernel_bench_gluon_variants_by_name():
 WGMMA = dict(sparse_mla_sm90.WGMMA_CONFIG)       # the one-CTA 64-head tile (NOTES.md v8), forced
 WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specialized, the default beyond 16 heads (v12)
 WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
-WGMMA_WSP = {**WGMMA_WS, "p_smem": True}  # ... with P.V's A operand through shared memory (v16)
-WGMMA_CVP = {**WGMMA_CV, "p_smem": True}
+# both with P.V's A operand through shared memory (p_smem, the default since v16) and without it (the S exchange of
+# v12-v15)
+WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True}
+WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
 FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP],
                                     ids=["wg64", "ws64", "cv64", "cv64p"])
@@ -774,3 +776,5 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
 
     for name, cfg in GLUON_VARIANTS:
         assert {"rows", "ws", "block_n", "num_warps", "stages", "resident"} <= set(cfg), name
+        if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
+            assert {"converter", "p_smem"} <= set(cfg), name

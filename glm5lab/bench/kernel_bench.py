@@ -39,25 +39,29 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("n64w8s3", {"rows": False, "ws": False, "block_n": 64, "num_warps": 8, "stages": 3,
                                "resident": 1}),
                   # > 16 heads: the 64-head wgmma kernel (NOTES.md v8), 64- or 32-row steps (32: bf16/fp16 only)
-                  ("wg64", {"rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 64,
-                            "num_warps": 8, "stages": 2, "resident": 1}),
-                  ("wg64n32", {"rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 32,
-                               "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("wg64", {"rows": False, "ws": False, "converter": False, "p_smem": False,
+                            "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1}),
+                  ("wg64n32", {"rows": False, "ws": False, "converter": False, "p_smem": False,
+                               "block_h": 64, "block_n": 32, "num_warps": 8, "stages": 2, "resident": 1}),
                   # ... warp-specialized, a loader warpgroup beside the two consumer warpgroups (the default since
                   # NOTES.md v12), its split partials in fp32 (as before v14)
-                  ("ws64", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64, "num_warps": 8,
-                            "stages": 2, "resident": 1, "partials": "fp32"}),
+                  ("ws64", {"rows": False, "ws": True, "converter": False, "p_smem": False,
+                            "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                            "partials": "fp32"}),
                   # ... writing its split partials in fp16 with a scale a head (half the bytes to write and merge;
                   # the default since NOTES.md v14)
-                  ("ws64p16", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
-                               "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  ("ws64p16", {"rows": False, "ws": True, "converter": False, "p_smem": False,
+                               "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                               "partials": "fp16"}),
                   # ... fp8_ds_mla with the dequantization in a producer warpgroup, in place in a 2-slot ring of
                   # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
-                  ("ws64c", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
-                             "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
+                  ("ws64c", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                             "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                             "partials": "fp16"}),
                   # ... its raw rows unswizzled (the first build, v15 runs 1-2)
-                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
-                              "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16", "_raw_swizzle": False}),
+                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                              "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                              "partials": "fp16", "_raw_swizzle": False}),
                   # ... both with P.V's A operand through shared memory: no exchange of S between the consumer
                   # warpgroups (NOTES.md v16); 16-bit or fp8_ds_mla's loader form (ws64ps), the converter form (ws64cps)
                   ("ws64ps", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
@@ -79,15 +83,16 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "resident": 1, "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4)),
                   # ... and of the warp-specialized 64-head kernel (NOTES.md v13): the consumers alone (d2), the
                   # gathers alone (d3), fp8_ds_mla without its dequantization (d5)
-                  *((f"ws64d{d}", {"rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
-                                   "num_warps": 8, "stages": 2, "resident": 1, "_diagnostic": True, "ws_diag": d})
+                  *((f"ws64d{d}", {"rows": False, "ws": True, "converter": False, "p_smem": False,
+                                   "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                                   "_diagnostic": True, "ws_diag": d})
                     for d in (2, 3, 5)),
                   # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
                   # gathers alone (d3), producer and consumers without gathers (d4), and d4 converting bytes held in
                   # registers instead of reading the raw rows from shared memory (d6, v16)
-                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "block_h": 64, "block_n": 64,
-                                    "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                    "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
+                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                                    "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
+                                    "partials": "fp16", "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
                   # ... and of the P-through-shared-memory consumers (v16): the consumers alone (d2; 16-bit ws64psd2,
                   # the converter form ws64cpsd2), the converter form's producer and consumers without gathers (d4)
                   ("ws64psd2", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,

@@ -861,6 +861,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     (fp16: the Triton kernel and the 64-head Gluon kernels). Beyond 16 heads an fp8_ds_mla call whose splits cover
     >= 1024 rows runs the converter form (a producer warpgroup dequantizes; sparse_mla_sm90.converter_pays, NOTES.md
     v15); _config={"impl": "gluon", "converter": True | False} overrides (a _config without "impl" picks Triton).
+    Their consumers pass P through shared memory instead of exchanging the scores (NOTES.md v16; "p_smem": False
+    restores the exchange).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")

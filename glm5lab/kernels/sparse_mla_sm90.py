@@ -25,7 +25,8 @@ warp-specialized form `_sparse_mla_wgmma_ws_sm90_kernel` (a loader warpgroup iss
 the one-CTA form at 64 heads x 128-512 tokens, 0.84-0.88x FlashMLA's kernels); for fp8_ds_mla splits of >= 1024
 rows its converter form `_sparse_mla_wgmma_cv_sm90_kernel` takes the dequantization off the consumers (a producer
 warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.89-0.92x
-FlashMLA's fp8 decode at 64 heads). At small batches of bf16/fp16
+FlashMLA's fp8 decode at 64 heads); since v16 their consumers pass P to P.V through shared memory rather than
+exchanging the scores (2-8% faster). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
@@ -1172,20 +1173,24 @@ def _sparse_mla_rows_fp8_sm90_kernel(
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
-DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "block_n": 32, "num_warps": 4,
-                  "stages": 2}
+DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 32,
+                  "num_warps": 4, "stages": 2}
 
 
-WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "block_h": 64, "block_n": 64,
-                "num_warps": 8, "stages": 2}
+WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "p_smem": False, "block_h": 64,
+                "block_n": 64, "num_warps": 8, "stages": 2}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
 # slot for fp8_ds_mla). H200, NOTES.md v12 run 1, us at 8 / 128 / 512 tokens against WGMMA_CONFIG: 64 heads bf16
 # 27.5 / 103.3 / 406.2 (27.5 / 119.0 / 478.4), fp8_ds_mla 28.3 / 135.6 / 540.4 (29.1 / 161.8 / 622.5); 128 heads bf16
 # 35.5 / 193.6 / 837.0 (37.2 / 229.5 / 909.0), fp8_ds_mla 39.4 / 269.7 / 1023.0 (42.0 / 317.2 / 1232.1).
-WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "block_h": 64, "block_n": 64,
-                   "num_warps": 8, "stages": 2}
+# Since NOTES.md v16 with P.V's A operand through shared memory ("p_smem": the consumers exchange no scores; H200
+# v16 run 4, us at 8 / 128 / 512 tokens without -> with: 64 heads bf16 23.5 / 101.2 / 402.8 -> 21.4 / 95.8 / 370.8,
+# fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
+# 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
+WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
+                   "block_n": 64, "num_warps": 8, "stages": 2}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 222 KB of shared memory)
@@ -1209,17 +1214,15 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 # to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower.
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
-ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
-               "stages": 2,
-               "resident": 1}
+ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
+               "num_warps": 4, "stages": 2, "resident": 1}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
-ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
-                   "stages": 2,
-                   "resident": 1}
+ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
+                   "num_warps": 4, "stages": 2, "resident": 1}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
@@ -1228,9 +1231,8 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "block_h": 16, "
 # 30.4 / 83.3 / 319.4 us at 1 / 8 / 32 / 128 / 512 tokens; 8 heads x 1 / 2 / 3 / 4 / 6 / 8 tokens (v11 run 7) 11.0 /
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
-ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
-                   "stages": 2,
-                   "resident": 1}
+ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
+                   "num_warps": 4, "stages": 2, "resident": 1}
 FP8_ROWS_MIN_TOKENS = 4
 
 
