@@ -327,10 +327,9 @@ WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequant
 # v12-v15)
 WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True}
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False}
-WGMMA_WSX, WGMMA_CVX = {**WGMMA_WSP, "xmax": True}, {**WGMMA_CVP, "xmax": True}  # the row max via a buffer (v16)
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CVX],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64x"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP],
+                                    ids=["wg64", "ws64", "cv64", "cv64p"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -398,11 +397,6 @@ def test_gluon_wgmma_ws_p_smem_build_exchanges_no_scores(fp8, converter):
     assert ps["BAR"] < plain["BAR"]
     pv = [i for i in ps["_sass"] if i.startswith("HGMMA.64x256x16")]     # P.V: both operands descriptors
     assert pv and all(re.match(r"HGMMA\S+ R\d+, gdesc\[\w+\]", i) for i in pv)
-    # xmax: the row max through a [heads, 2] buffer of its own -- one CTA barrier fewer a step (in the build, whole
-    # kernel), the same wgmma, no spill
-    xm = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, P_SMEM=True,
-                     XMAX=True)
-    assert xm["HGMMA"] == 40 and xm["stack"] <= plain["stack"] and xm["BAR"] < ps["BAR"]
 
 
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
@@ -428,10 +422,9 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP)),
-    ("native", torch.bfloat16, WGMMA_WSX), ("fp8_ds_mla", torch.bfloat16, WGMMA_CVX)],
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP))],
     ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
-         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "bf16-ws64x", "fp8-cv64x"])
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -445,7 +438,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p", "ws64x"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -454,8 +447,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP,
-           "ws64x": WGMMA_WSX}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -701,8 +693,6 @@ def test_gluon_p_smem_is_a_warp_specialized_option_only():
     with pytest.raises(Glm5labError, match="p_smem=True is the warp-specialized 64-head kernel's consumer option.*"
                                            "ws=False"):
         sm90.launch((1, 1, 1), (), {**sm90.WGMMA_CONFIG, "p_smem": True}, False, False)
-    with pytest.raises(Glm5labError, match="xmax=True is an option of the p_smem consumers.*p_smem=False"):
-        sm90.launch((1, 1, 1), (), {**sm90.WGMMA_WS_CONFIG, "p_smem": False, "xmax": True}, False, False)
 
 
 @pytest.mark.gpu
@@ -731,9 +721,8 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP), ("native", WGMMA_WSX), ("fp8_ds_mla", WGMMA_CVX)],
-                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
-                              "bf16-ws64x", "fp8-cv64x"])
+                                         ("fp8_ds_mla", WGMMA_CVP)],
+                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):

@@ -68,13 +68,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                               "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   ("ws64cps", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
-                  # ... and with the row max through a buffer of their own (xmax: one CTA barrier instead of three)
-                  ("ws64psx", {"rows": False, "ws": True, "converter": False, "p_smem": True, "xmax": True,
-                               "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                               "partials": "fp16"}),
-                  ("ws64cpsx", {"rows": False, "ws": True, "converter": True, "p_smem": True, "xmax": True,
-                                "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
-                                "partials": "fp16"}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),

@@ -527,7 +527,7 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
-                P_SMEM: gl.constexpr = False, xmax=None, XMAX: gl.constexpr = False):
+                P_SMEM: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -535,8 +535,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     diagnostic: the products read kv_deq as it stands). P_SMEM (NOTES.md v16): no exchange of S -- Triton's
     layout conversion ran it in 4 rounds through a 4 KB buffer, 8 CTA barriers a step, with 5-6-way bank conflicts
     (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
-    operand of P.V. XMAX (with P_SMEM): that row max through xmax (`_row_max_across_warpgroups`: one barrier, where
-    Triton's cross-warp reduction takes three). Returns (m, l, acc)."""
+    operand of P.V. Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -552,16 +551,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        if XMAX:
-            ok = (cur_cols >= 0) & (cur_cols < num_slots)
-            s_tile = gl.where(ok[None, :], qk * qk_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, _row_max_across_warpgroups(s_tile, xmax))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s_tile - m_safe[:, None])
-            l_i = l_i * alpha[:, None] + p
-        else:
-            p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+        p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
@@ -571,26 +561,6 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
         acc = warpgroup_mma(p.to(DT), kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
     return m_new, l_i, acc
-
-
-@gluon.jit
-def _row_max_across_warpgroups(s_tile, xmax):
-    """The row max of S [heads, rows] whose columns are split between the two consumer warpgroups (32 each): each
-    warp reduces its own columns (in-warp), the two halves meet in xmax [heads, 2] (one CTA barrier; the next write
-    comes after the step's P barrier, so no second one), and each thread takes the larger. The result is in S's
-    row layout."""
-    H: gl.constexpr = s_tile.shape[0]
-    N: gl.constexpr = s_tile.shape[1]
-    part = gl.max(gl.reshape(s_tile, [H, 2, N // 2]), 2)               # [heads, warpgroup]
-    xmax.store(part)
-    gl.thread_barrier()
-    # a thread: both halves of the rows it holds in S (rows 16 w + 8 r + l, w its warp in the warpgroup, r a register,
-    # l the quad of its lane; the lane within the quad and the warpgroup hold copies)
-    BOTH: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[H, 2])
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, N // 2, 16])
-    return gl.convert_layout(gl.max(xmax.load(BOTH), 1), gl.SliceLayout(1, S_L), assert_trivial=True)
 
 
 @gluon.jit
@@ -723,8 +693,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
-                       PART_F16: gl.constexpr = False, p_tile=None, P_SMEM: gl.constexpr = False, xmax=None,
-                       XMAX: gl.constexpr = False):
+                       PART_F16: gl.constexpr = False, p_tile=None, P_SMEM: gl.constexpr = False):
     """The two consumer warpgroups: wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA
     kernel runs it), then `empty[b]` back to the loader. (ws_diag 1 / 3: no step; 5: the step without dequantizing.)
     P_SMEM: P.V's A operand from p_tile (`_heads_step`)."""
@@ -741,7 +710,7 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                        P_SMEM, xmax, XMAX)
+                                        P_SMEM)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -749,16 +718,6 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
         m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                  stride_lt, BLOCK_H, SPLIT, PART_F16)
-
-
-@gluon.jit
-def _xmax_buffer(q_rope, BLOCK_H: gl.constexpr, XMAX: gl.constexpr):
-    """XMAX: the [heads, 2] float32 buffer the consumer warpgroups' row maxima meet in; otherwise q_rope stands in."""
-    if XMAX:
-        buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    else:
-        buf = q_rope
-    return buf
 
 
 @gluon.jit
@@ -779,7 +738,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False, XMAX: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -799,13 +758,12 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
     p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
-    xmax = _xmax_buffer(q_rope, BLOCK_H, XMAX)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM, xmax, XMAX)),
+                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -877,7 +835,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, XMAX: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -907,13 +865,12 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
-    xmax = _xmax_buffer(q_rope, BLOCK_H, XMAX)
     full, empty = _handover_barriers(STAGES, 1)
     gl.warp_specialize([
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM, xmax, XMAX)),
+                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4], [WS64_CONVERTER_REGS])
@@ -1340,9 +1297,6 @@ def check_tile(cfg: dict, fp8: bool) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("xmax") and not cfg.get("p_smem"):
-        raise Glm5labError("xmax=True is an option of the p_smem consumers (their row max through a buffer of its "
-                           f"own); got it with p_smem={cfg.get('p_smem', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
@@ -1373,8 +1327,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
-    if cfg.get("xmax"):
-        extra["XMAX"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
