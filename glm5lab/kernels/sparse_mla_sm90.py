@@ -1186,14 +1186,14 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # 27.5 / 103.3 / 406.2 (27.5 / 119.0 / 478.4), fp8_ds_mla 28.3 / 135.6 / 540.4 (29.1 / 161.8 / 622.5); 128 heads bf16
 # 35.5 / 193.6 / 837.0 (37.2 / 229.5 / 909.0), fp8_ds_mla 39.4 / 269.7 / 1023.0 (42.0 / 317.2 / 1232.1).
 # Since NOTES.md v16 with P.V's A operand through shared memory ("p_smem": the consumers exchange no scores; H200
-# v16 run 4, us at 8 / 128 / 512 tokens without -> with: 64 heads bf16 23.5 / 101.2 / 402.8 -> 21.4 / 95.8 / 370.8,
+# v16 call 4, us at 8 / 128 / 512 tokens without -> with: 64 heads bf16 23.5 / 101.2 / 402.8 -> 21.4 / 95.8 / 370.8,
 # fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
                    "block_n": 64, "num_warps": 8, "stages": 2}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
-# 208, no spill, 222 KB of shared memory)
+# 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
