@@ -87,9 +87,11 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8]
-VARIANT_IDS = ["s2", "s3", "ws8"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8], ids=["default", "ws8"])
+WS8L = {**WS8, "lean_sync": True}         # ... with fewer barriers a step (NOTES.md v16; built, not yet run there)
+VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
+                WS8L]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8l"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8L], ids=["default", "ws8", "ws8l"])
 
 
 @pytest.mark.gpu
@@ -585,6 +587,27 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
     assert rep["HGMMA"] == 68 and rep.get("HMMA", 0) == 0 and rep["F2FP"] >= 128
     assert rep["LDGSTS"] == 22 and rep["smem"] <= 227 * 1024
     assert rep["WARPGROUP.DEPBAR"] == 9          # each of its nine wgmma products waited for in turn
+
+
+def test_gluon_rows_fp8_sm90_lean_sync_build_has_fewer_barriers():
+    """lean_sync (NOTES.md v16): the consumer's two reductions across its warps (the scores' max over the rows, the
+    chunk scales' max) become one, and P^T's four chunks four allocations (Triton put a CTA barrier between stores to
+    one allocation): 6 fewer barriers a step, the same 68 wgmma and 9 waits, no spill, one CTA a SM."""
+    plain = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
+    lean = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, LEAN=True)
+    assert lean["BAR"] == plain["BAR"] - 6
+    assert lean["HGMMA"] == plain["HGMMA"] == 68 and lean["WARPGROUP.DEPBAR"] == 9
+    assert lean["stack"] == 0 and lean["smem"] <= 227 * 1024
+
+
+def test_lean_sync_is_the_fp8_rows_kernels_option_only():
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "lean_sync": True}, True)
+    for cfg, fp8 in (({**sm90.ROWS_CONFIG, "lean_sync": True}, False), ({**sm90.WGMMA_WS_CONFIG, "lean_sync": True},
+                                                                         True)):
+        with pytest.raises(Glm5labError, match="lean_sync=True is an option of the fp8_ds_mla rows-as-M kernel"):
+            sm90.launch((1, 1, 1), (), cfg, False, fp8)
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():

@@ -76,6 +76,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("n64", {"rows": False, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
                   ("ws8", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
+                  # ... with fewer barriers a step: one reduction across the consumer's warps, P^T in four allocations
+                  # (NOTES.md v16, built, not yet timed)
+                  ("ws8l", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
+                            "lean_sync": True}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
                   # consumer without gathers (d4)

@@ -1033,12 +1033,21 @@ def _fp8_rows_converter(raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages
 
 
 @gluon.jit
+def _max_pair(a0, a1, b0, b1):
+    """gl.reduce's combine of two maxima at once."""
+    return gl.maximum(a0, b0), gl.maximum(a1, b1)
+
+
+@gluon.jit
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
+                       p_ts=None, LEAN: gl.constexpr = False):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the converter."""
+    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the converter. LEAN (NOTES.md v16, built, not
+    yet timed): the same arithmetic with fewer barriers a step -- one reduction across the warps instead of two, and
+    P^T's four chunks in four allocations p_ts (11 -> 6 CTA barriers a step in the sm90 build)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -1071,20 +1080,40 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
                                 use_acc=False) * s3[:, None]
             st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-            p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
-            r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+            scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+            if LEAN:
+                # the scores' max over the rows and the chunk scales' max in ONE reduction across the warps (the
+                # separate ones took two rounds through shared memory)
+                ok = (cur_rows >= 0) & (cur_rows < num_slots)
+                s_t = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
+                col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
+                m_new = gl.maximum(m_i, col_max)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s_t - m_safe[None, :])
+                l_acc = l_acc * alpha[None, :] + p
+                m_i = m_new
+                r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+            else:
+                p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
+                r_new = gl.maximum(r_i, gl.max(scale_max, 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
-            p_t.index(0).store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-            p_t.index(1).store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-            p_t.index(2).store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-            p_t.index(3).store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+            # (LEAN: p_t is four allocations, so that Triton puts no barrier between the four stores)
+            p_t0 = p_ts[0] if LEAN else p_t.index(0)
+            p_t1 = p_ts[1] if LEAN else p_t.index(1)
+            p_t2 = p_ts[2] if LEAN else p_t.index(2)
+            p_t3 = p_ts[3] if LEAN else p_t.index(3)
+            p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+            p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+            p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+            p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
-            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t.index(0), acc0 * keep)
-            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t.index(1), acc1 * keep)
-            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t.index(2), acc2 * keep)
-            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t.index(3), acc3 * keep)
+            acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t0, acc0 * keep)
+            acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t1, acc1 * keep)
+            acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t2, acc2 * keep)
+            acc3 = warpgroup_mma(kv.slice(384, 128, dim=1).permute((1, 0)), p_t3, acc3 * keep)
             r_i = r_new
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
@@ -1119,7 +1148,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, LEAN: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized in three warpgroups (NOTES.md v9, v11): a loader issues
     each step's gathers into a two-half staging buffer, a converter turns each staged half's e4m3 rows once into an
@@ -1151,7 +1180,15 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
-    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
+    if LEAN:
+        p_ts = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
+        p_t = p_ts[0]
+    else:
+        p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
+        p_ts = (p_t, p_t, p_t, p_t)
     raw_lat = gl.allocate_shared_memory(gl.uint8, [2, HALF, 512], SM8)          # the staging buffer, in two halves
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, 64], SM)
     raw_scale = gl.allocate_shared_memory(gl.float32, [8, HALF], RAW)           # half h, chunk c: row 4h + c
@@ -1161,7 +1198,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, ST_L, DIAG)),
+                              STAGES, SPLIT, ST_L, DIAG, p_ts, LEAN)),
         (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                                num_steps, STAGES, BLOCK_N, DIAG)),
         (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
@@ -1300,6 +1337,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
+    if cfg.get("lean_sync") and not (cfg.get("rows") and fp8):
+        raise Glm5labError("lean_sync=True is an option of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it with "
+                           f"rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
     if cfg.get("rows") and fp8 and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1327,6 +1367,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
+    if cfg.get("lean_sync"):
+        extra["LEAN"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
