@@ -1080,10 +1080,10 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
                                 use_acc=False) * s3[:, None]
             st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-            scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
             if LEAN:
                 # the scores' max over the rows and the chunk scales' max in ONE reduction across the warps (the
                 # separate ones took two rounds through shared memory)
+                scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
                 ok = (cur_rows >= 0) & (cur_rows < num_slots)
                 s_t = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
                 col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
@@ -1096,7 +1096,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
                 r_new = gl.maximum(r_i, gl.max(col_scale, 0))
             else:
                 p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
-                r_new = gl.maximum(r_i, gl.max(scale_max, 0))
+                r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
             # (LEAN: p_t is four allocations, so that Triton puts no barrier between the four stores)
