@@ -387,8 +387,8 @@ def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
 @pytest.mark.parametrize("fp8,converter", [(False, False), (True, False), (True, True)],
                          ids=["16bit", "fp8-loader", "fp8-converter"])
 def test_gluon_wgmma_ws_p_smem_build_exchanges_no_scores(fp8, converter):
-    """p_smem (NOTES.md v16): the consumers' step keeps S where wgmma left it -- no layout conversion of the scores
-    (the default build's runs 4 rounds of STS.128 / BAR / LDS.128 through a 4 KB buffer, 8 barriers a step) --, P is
+    """p_smem (NOTES.md v16, the default): the consumers' step keeps S where wgmma left it -- no layout conversion of
+    the scores (the exchange build's runs 4 rounds of STS.128 / BAR / LDS.128 through a 4 KB buffer) --, P is
     stored once with stmatrix (STSM) and read by P.V's wgmma from shared memory; fewer CTA barriers, the same 40 wgmma,
     no spill, one CTA a SM (<= 227 KB with the 8 KB P tile)."""
     plain = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, _sass=True)
