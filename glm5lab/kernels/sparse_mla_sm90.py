@@ -215,9 +215,21 @@ def _online_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_acc, AXIS: g
     rows-as-M kernels' S^T [rows, heads]): reduced along the rows, once per head. Returns (p, alpha, new max, l_acc),
     l kept per element and summed once at the end; slots -1 / past the cache score -inf; exp2 stays finite while a
     head has seen no valid slot."""
+    s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, AXIS)
+    return _softmax_update(s_tile, gl.max(s_tile, AXIS), m_i, l_acc, AXIS)
+
+
+@gluon.jit
+def _masked_scores(s_tile, slots, num_slots, qk_scale_log2, AXIS: gl.constexpr):
+    """The scores in log2 units, -inf where the slot is -1 or past the cache (rows along AXIS)."""
     ok = (slots >= 0) & (slots < num_slots)
-    s_tile = gl.where(gl.expand_dims(ok, 1 - AXIS), s_tile * qk_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s_tile, AXIS))
+    return gl.where(gl.expand_dims(ok, 1 - AXIS), s_tile * qk_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _softmax_update(s_tile, tile_max, m_i, l_acc, AXIS: gl.constexpr):
+    """`_online_softmax` after the reduction: the new max from the tile's (tile_max), the rescale alpha, p, l_acc."""
+    m_new = gl.maximum(m_i, tile_max)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s_tile - gl.expand_dims(m_safe, AXIS))
@@ -1039,15 +1051,15 @@ def _max_pair(a0, a1, b0, b1):
 
 
 @gluon.jit
-def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t, full,
+def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                       p_ts=None, LEAN: gl.constexpr = False):
+                       LEAN: gl.constexpr = False):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r), then `empty[b]` back to the converter. LEAN (NOTES.md v16, built, not
-    yet timed): the same arithmetic with fewer barriers a step -- one reduction across the warps instead of two, and
-    P^T's four chunks in four allocations p_ts (11 -> 6 CTA barriers a step in the sm90 build)."""
+    its scale; P^T per chunk as p * s_c / r, chunk c into p_ts[c]), then `empty[b]` back to the converter. LEAN
+    (NOTES.md v16, built, not yet timed): the same arithmetic with fewer barriers a step -- one reduction across the
+    warps instead of two, and P^T's chunks in four allocations (11 -> 5 CTA barriers a step in the sm90 build)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -1084,26 +1096,16 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
                 # the scores' max over the rows and the chunk scales' max in ONE reduction across the warps (the
                 # separate ones took two rounds through shared memory)
                 scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
-                ok = (cur_rows >= 0) & (cur_rows < num_slots)
-                s_t = gl.where(ok[:, None], st * qk_scale_log2, float("-inf"))
+                s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
                 col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-                m_new = gl.maximum(m_i, col_max)
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s_t - m_safe[None, :])
-                l_acc = l_acc * alpha[None, :] + p
-                m_i = m_new
+                p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
                 r_new = gl.maximum(r_i, gl.max(col_scale, 0))
             else:
                 p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
                 r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
-            # (LEAN: p_t is four allocations, so that Triton puts no barrier between the four stores)
-            p_t0 = p_ts[0] if LEAN else p_t.index(0)
-            p_t1 = p_ts[1] if LEAN else p_t.index(1)
-            p_t2 = p_ts[2] if LEAN else p_t.index(2)
-            p_t3 = p_ts[3] if LEAN else p_t.index(3)
+            p_t0, p_t1, p_t2, p_t3 = p_ts
             p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
             p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
             p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
@@ -1180,25 +1182,24 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
-    if LEAN:
+    if LEAN:    # (four allocations: Triton puts no barrier between the chunks' stores)
         p_ts = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
                 gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
                 gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
                 gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
-        p_t = p_ts[0]
     else:
         p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-        p_ts = (p_t, p_t, p_t, p_t)
+        p_ts = (p_t.index(0), p_t.index(1), p_t.index(2), p_t.index(3))
     raw_lat = gl.allocate_shared_memory(gl.uint8, [2, HALF, 512], SM8)          # the staging buffer, in two halves
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, 64], SM)
     raw_scale = gl.allocate_shared_memory(gl.float32, [8, HALF], RAW)           # half h, chunk c: row 4h + c
     full, empty = _handover_barriers(STAGES, 1)
     staged, free = _handover_barriers(2, 4 * 32)          # staged[h]: every loader thread's copies have landed
     gl.warp_specialize([
-        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_t,
+        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, ST_L, DIAG, p_ts, LEAN)),
+                              STAGES, SPLIT, ST_L, DIAG, LEAN)),
         (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                                num_steps, STAGES, BLOCK_N, DIAG)),
         (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
