@@ -80,6 +80,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # (NOTES.md v16, built, not yet timed)
                   ("ws8l", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
                             "lean_sync": True}),
+                  # ... its dual-consumer form: no converter, two consumer warpgroups converting the e4m3 bytes
+                  # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
+                  ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                             "dual_consumers": True}),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
                   # consumer without gathers (d4)

@@ -275,10 +275,11 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
 
 @gluon.jit
 def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
-                   QL: gl.constexpr):
+                   QL: gl.constexpr, K_ORDER: gl.constexpr = False):
     """The fp8 kernels' q: its latent part scaled per head by a power of two into fp16 range (exact) into q_lat
     [4, BLOCK_H, 128] (chunk-major), the rope part as is (bf16) into q_rope [BLOCK_H, 64]. Returns the per-head
-    multiplier (in SliceLayout(1, QL)); the scores are divided by it."""
+    multiplier (in SliceLayout(1, QL)); the scores are divided by it. K_ORDER: each chunk's columns in the order
+    the dual-consumer kernel reads the rows' bytes into registers (`_k_order`)."""
     heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     hm_q = heads_q < num_heads
     d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
@@ -290,10 +291,16 @@ def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
                       gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
     q_mul = _pow2_into_f16_range(amax)
-    q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
-    q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
+    if K_ORDER:
+        q_lat.index(0).store(_k_order((q0 * q_mul[:, None]).to(gl.float16)))
+        q_lat.index(1).store(_k_order((q1 * q_mul[:, None]).to(gl.float16)))
+        q_lat.index(2).store(_k_order((q2 * q_mul[:, None]).to(gl.float16)))
+        q_lat.index(3).store(_k_order((q3 * q_mul[:, None]).to(gl.float16)))
+    else:
+        q_lat.index(0).store((q0 * q_mul[:, None]).to(gl.float16))
+        q_lat.index(1).store((q1 * q_mul[:, None]).to(gl.float16))
+        q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
+        q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
     d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
     q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
     return q_mul
@@ -891,13 +898,17 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
 @gluon.jit
 def _store_columns(OUT, LSE, PART_O, PART_LSE, acc, col0: gl.constexpr, inv_l, lse2, t, s, pid_h, num_heads,
                    num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                   ST_L: gl.constexpr, WITH_LSE: gl.constexpr):
+                   ST_L: gl.constexpr, WITH_LSE: gl.constexpr, V_ORDER: gl.constexpr = False):
     """The rows-as-M kernels' O^T [D, heads], latent columns [col0, col0 + D) -> the split's normalized partial or
-    the output (acc * r / l); WITH_LSE also writes the heads' lse (a head with no valid slot: 0 and -inf)."""
+    the output (acc * r / l); WITH_LSE also writes the heads' lse (a head with no valid slot: 0 and -inf).
+    V_ORDER: acc's rows are a chunk's latent columns in the dual-consumer kernel's order (`_v_order`)."""
     D: gl.constexpr = acc.shape[0]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, ST_L))
     hm = (heads < num_heads)[None, :]
-    dims = col0 + gl.arange(0, D, layout=gl.SliceLayout(1, ST_L))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST_L))
+    if V_ORDER:
+        dims = _v_column(dims)
+    dims = col0 + dims
     if SPLIT:
         part = t * num_splits + s
         gl.store(PART_O + (part * num_heads + heads[None, :]) * 512 + dims[:, None], acc * inv_l[None, :], mask=hm)
@@ -1207,6 +1218,249 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     ], [4, 4], [144, 104])    # registers a thread: converter 144, loader 104, consumer 256 (the 12 warps' 168 each)
 
 
+# The dual-consumer kernel's register A operands (NOTES.md v17): a consumer warpgroup reads an e4m3 chunk [64 rows,
+# 128 bytes] straight from the staging buffer into wgmma's register operand, so no fp16 copy of the rows exists.
+# The byte order inside a chunk is free (the same permutation on q's columns, or on O's rows, undoes it), so each
+# thread reads bytes that lie together: for K (S^T = K.q^T) 32 contiguous bytes of each of its two rows, for V (O^T =
+# V^T.P^T) 4 contiguous bytes of each of its 16 rows. Bases: [row, byte] of the physical chunk.
+DUAL_K8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+DUAL_V8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
+    shape=[64, 128]))
+
+
+@gluon.jit
+def _k_order(x):
+    """[R, 128] columns of a chunk in physical order p = 32q + 4j + 2h + e -> the order k = 16j + 8h + 2q + e in
+    which wgmma's A operand gives them to thread q of a quad (what DUAL_K8 loads, as a register permutation)."""
+    R: gl.constexpr = x.shape[0]
+    return gl.reshape(gl.permute(gl.reshape(x, [R, 4, 8, 2, 2]), (0, 2, 3, 1, 4)), [R, 128])
+
+
+@gluon.jit
+def _v_order(x):
+    """[64 rows, 128 latent] in physical order p = 32w + 4r + 2m + g -> V^T [128, 64 rows] with row dl = 64m + 16w
+    + 8g + r: A's rows for warp w, quad row r, row half g, M tile m (what DUAL_V8 loads)."""
+    return gl.reshape(gl.permute(gl.reshape(gl.permute(x, (1, 0)), [4, 8, 2, 2, 64]), (2, 0, 3, 1, 4)), [128, 64])
+
+
+@gluon.jit
+def _v_column(dl):
+    """The physical latent column (in the chunk) of `_v_order`'s row dl."""
+    return 32 * ((dl // 16) % 4) + 4 * (dl % 8) + 2 * (dl // 64) + (dl // 8) % 2
+
+
+@gluon.jit
+def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
+    """Chunk c of the staged e4m3 rows as S^T's A operand in registers (fp16, exact; columns in `_k_order`)."""
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_K8)
+    return gl.convert_layout(_k_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
+
+
+@gluon.jit
+def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
+    """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact; rows in `_v_order`)."""
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
+    return gl.convert_layout(_v_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
+
+
+@gluon.jit
+def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
+                     num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The dual-consumer kernel's loader warpgroup: step i's gathers (cp.async) into stage i % STAGES as soon as its
+    consumer has freed it; each thread's copies arrive on `staged[b]` when they land."""
+    slot_row = SLOTS + t * stride_st
+    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
+        sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
+                                   raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss, BLOCK_N,
+                                   WG_LAT8, WG_ROPE, WG_SCALE, True)
+        async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
+                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps, num_slots,
+                       qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       ST_L: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... with a softmax state of its own (the
+    fp8 rows kernel's arithmetic, lean_sync's one reduction a step), both products' A operand converted from the
+    staged bytes in registers; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage,
+    which nothing refills), and warpgroup 0 merges the two and writes the result."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    r_i = 1.1754943508222875e-38
+    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    p_t0, p_t1, p_t2, p_t3 = p_ts
+    q_unscale = q_unscale.load(H_COLS)
+    sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+    for i in range(WG, num_steps, 2):
+        b = i % STAGES
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        mbarrier.wait(staged.index(b), (i // STAGES) & 1)
+        fence_async_shared()                  # (the rope product reads the gathered bytes through the async proxy)
+        lat = raw_lat.index(b)
+        # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
+        # loop, where ptxas spilled them)
+        opaque0 = i // num_steps
+        s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
+        s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
+        s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
+        s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
+        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+                           use_acc=False) * s0[:, None]
+        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s1[:, None]
+        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s2[:, None]
+        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s3[:, None]
+        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+        scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+        s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
+        col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
+        p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
+        r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+        keep = (alpha * (r_i / r_new))[None, :]
+        inv_r = 1.0 / r_new
+        p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+        p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+        p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+        p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
+        r_i = r_new
+        gl.thread_barrier()                   # every warp is done with stage b and with P^T
+        mbarrier.arrive(free.index(b), count=1)
+    l_i = gl.sum(l_acc, 0)
+    # warpgroup 1's last step is the largest odd one; no later step uses its stage (STAGES even: warpgroup 0's
+    # steps are even); with no step of its own, stage 1 (num_steps <= 1: never filled)
+    last = num_steps - 1 - num_steps % 2
+    last = gl.where(num_steps >= 2, last % STAGES, 1)
+    if WG == 1:
+        merge_acc.index(4 * last + 0).store(acc0)
+        merge_acc.index(4 * last + 1).store(acc1)
+        merge_acc.index(4 * last + 2).store(acc2)
+        merge_acc.index(4 * last + 3).store(acc3)
+        merge_vec.index(0).store(m_i)
+        merge_vec.index(1).store(l_i)
+        merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
+        gl.thread_barrier()
+        mbarrier.arrive(merged, count=1)
+    else:
+        mbarrier.wait(merged, 0)
+        m_o = merge_vec.index(0).load(H_COLS)
+        l_o = merge_vec.index(1).load(H_COLS)
+        r_o = gl.max(merge_vec.index(2).load(H_COLS), 0)
+        m_new = gl.maximum(m_i, m_o)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a_mine = gl.exp2(m_i - m_safe)
+        a_other = gl.exp2(m_o - m_safe)
+        r_new = gl.maximum(r_i, r_o)
+        k_mine = (a_mine * (r_i / r_new))[None, :]
+        k_other = (a_other * (r_o / r_new))[None, :]
+        acc0 = acc0 * k_mine + merge_acc.index(4 * last + 0).load(ST_L) * k_other
+        acc1 = acc1 * k_mine + merge_acc.index(4 * last + 1).load(ST_L) * k_other
+        acc2 = acc2 * k_mine + merge_acc.index(4 * last + 2).load(ST_L) * k_other
+        acc3 = acc3 * k_mine + merge_acc.index(4 * last + 3).load(ST_L) * k_other
+        inv_l, lse2 = _softmax_totals(l_i * a_mine + l_o * a_other, m_new, r_new)
+        _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+        _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+        _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+        _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, True)
+
+
+@gluon.jit
+def _sparse_mla_rows_fp8_dual_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
+    fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
+    operand (S^T's K and O^T's V^T, each byte twice), runs every other 64-row step with a softmax state of its own,
+    and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
+    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM."""
+    gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
+    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
+    gl.static_assert(BLOCK_H == 16, "16-head tiles (the register layouts are built for them)")
+    gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
+    NW: gl.constexpr = 4
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
+
+    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL, True)
+    q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
+    q_unscale.store(1.0 / q_mul)
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], SM8)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
+    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
+    merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
+    merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
+    p_a = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
+    p_b = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
+           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
+    merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    mbarrier.init(merged, count=1)
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
+    slot_row = SLOTS + t * stride_st
+    gl.warp_specialize([
+        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
+                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0)),
+        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
+                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1)),
+        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES)),
+    ], [4, 4], [200, 104])    # registers a thread: consumers 200 each, loader 104 (the 12 warps' 168 each)
+
+
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -1272,6 +1526,9 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
                    "num_warps": 4, "stages": 2, "resident": 1}
 FP8_ROWS_MIN_TOKENS = 4
+# ... its dual-consumer form (NOTES.md v17): no converter, two consumer warpgroups that convert the e4m3 bytes into
+# wgmma's register operand themselves, each on every other step; 4 stages of raw rows
+ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4}
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
@@ -1295,10 +1552,13 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     return dict(DEFAULT_CONFIG)
 
 
-def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False):
+def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
+              dual: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
-    dequantizes in a producer warpgroup)."""
+    warp-specialized one, with dual its dual-consumer form; ws: the warp-specialized 64-head kernel; with converter,
+    its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
+    if rows and fp8 and dual:
+        return _sparse_mla_rows_fp8_dual_sm90_kernel
     if ws and converter and fp8:
         return _sparse_mla_wgmma_cv_sm90_kernel
     if ws:
@@ -1341,7 +1601,15 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("lean_sync") and not (cfg.get("rows") and fp8):
         raise Glm5labError("lean_sync=True is an option of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it with "
                            f"rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    if cfg.get("rows") and fp8 and cfg["stages"] != 2:
+    dual = cfg.get("dual_consumers", False)
+    if dual and not (cfg.get("rows") and fp8):
+        raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
+                           f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
+    if dual and (cfg["stages"] != 4 or cfg.get("lean_sync") or cfg.get("ws_diag")):
+        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory), always "
+                           f"syncs lean and has no timing diagnostics; got stages {cfg['stages']}, lean_sync "
+                           f"{cfg.get('lean_sync', False)}, ws_diag {cfg.get('ws_diag', 0)}")
+    if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
     converter = cfg.get("converter", False)
@@ -1362,7 +1630,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
     split's partials in fp16 (the 64-head kernels only)."""
     check_tile(cfg, fp8)
-    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False))
+    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
+                       cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
