@@ -84,6 +84,14 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
+                  # ... converting the next chunk while a product runs (one wgmma group in flight)
+                  ("ws8x2a", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                              "dual_consumers": True, "async_chunks": True}),
+                  # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
+                  # alone (d3)
+                  *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
+                                    "resident": 1, "dual_consumers": True, "_diagnostic": True, "ws_diag": d})
+                    for d in (2, 3)),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
                   # consumer without gathers (d4)

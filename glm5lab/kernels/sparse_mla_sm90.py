@@ -39,7 +39,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
@@ -1270,7 +1271,8 @@ def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 
 @gluon.jit
 def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
-                     num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     DIAG: gl.constexpr):
     """The dual-consumer kernel's loader warpgroup: step i's gathers (cp.async) into stage i % STAGES as soon as its
     consumer has freed it; each thread's copies arrive on `staged[b]` when they land."""
     slot_row = SLOTS + t * stride_st
@@ -1278,51 +1280,55 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
-        sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
-                                   raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss, BLOCK_N,
-                                   WG_LAT8, WG_ROPE, WG_SCALE, True)
+        if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
+            sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
+                                       raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss,
+                                       BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
         async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
-                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps, num_slots,
-                       qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... with a softmax state of its own (the
-    fp8 rows kernel's arithmetic, lean_sync's one reduction a step), both products' A operand converted from the
-    staged bytes in registers; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage,
-    which nothing refills), and warpgroup 0 merges the two and writes the result."""
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+def _scores_chunk(lat, c: gl.constexpr, q_lat, opaque0, zero_s, A_L: gl.constexpr):
+    """Chunk c's S^T product (asynchronous: the caller waits), with its A operand (kept alive until then)."""
+    a = _k_operand(lat, c, A_L)
+    return warpgroup_mma(a, q_lat.index(c + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True), a
+
+
+@gluon.jit
+def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
+                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
+                   ASYNC: gl.constexpr):
+    """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
+    times its scale, the rope product, lean_sync's one reduction, P^T per chunk as p * s_c / r), each product's A
+    operand converted from the staged bytes in registers. ASYNC: each chunk's product runs while the next chunk's
+    operand is converted (one wgmma group in flight; otherwise each product is waited for before the next
+    conversion)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    r_i = 1.1754943508222875e-38
-    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    p_t0, p_t1, p_t2, p_t3 = p_ts
-    q_unscale = q_unscale.load(H_COLS)
-    sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-    for i in range(WG, num_steps, 2):
-        b = i % STAGES
-        cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-        mbarrier.wait(staged.index(b), (i // STAGES) & 1)
-        fence_async_shared()                  # (the rope product reads the gathered bytes through the async proxy)
-        lat = raw_lat.index(b)
-        # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
-        # loop, where ptxas spilled them)
-        opaque0 = i // num_steps
-        s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
-        s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
-        s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
-        s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
+    fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
+    lat = raw_lat.index(b)
+    # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
+    # loop, where ptxas spilled them)
+    opaque0 = i // num_steps
+    s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
+    s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
+    s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
+    s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
+    if ASYNC:
+        t0, a0 = _scores_chunk(lat, 0, q_lat, opaque0, zero_s, A_L)
+        t1, a1 = _scores_chunk(lat, 1, q_lat, opaque0, zero_s, A_L)
+        t0, a0 = warpgroup_mma_wait(1, deps=[t0, a0])
+        st = t0 * s0[:, None]
+        t2, a2 = _scores_chunk(lat, 2, q_lat, opaque0, zero_s, A_L)
+        t1, a1 = warpgroup_mma_wait(1, deps=[t1, a1])
+        st += t1 * s1[:, None]
+        t3, a3 = _scores_chunk(lat, 3, q_lat, opaque0, zero_s, A_L)
+        t2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
+        st += t2 * s2[:, None]
+        t3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
+        st += t3 * s3[:, None]
+    else:
         st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
                            use_acc=False) * s0[:, None]
         st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
@@ -1331,25 +1337,72 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                             use_acc=False) * s2[:, None]
         st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-        scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
-        s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
-        col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-        p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
-        r_new = gl.maximum(r_i, gl.max(col_scale, 0))
-        keep = (alpha * (r_i / r_new))[None, :]
-        inv_r = 1.0 / r_new
-        p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-        p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-        p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-        p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
+    st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+    scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+    s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
+    col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
+    p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
+    r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+    keep = (alpha * (r_i / r_new))[None, :]
+    inv_r = 1.0 / r_new
+    p_t0, p_t1, p_t2, p_t3 = p_ts
+    p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+    p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+    p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+    p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    if ASYNC:
+        v0 = _v_operand(lat, 0, A_L)
+        acc0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
+        v1 = _v_operand(lat, 1, A_L)
+        acc1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
+        acc0, v0 = warpgroup_mma_wait(1, deps=[acc0, v0])
+        v2 = _v_operand(lat, 2, A_L)
+        acc2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+        acc1, v1 = warpgroup_mma_wait(1, deps=[acc1, v1])
+        v3 = _v_operand(lat, 3, A_L)
+        acc3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
+        acc2, v2 = warpgroup_mma_wait(1, deps=[acc2, v2])
+        acc3, v3 = warpgroup_mma_wait(0, deps=[acc3, v3])
+    else:
         acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
         acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
         acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
         acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
-        r_i = r_new
+    return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
+                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps, num_slots,
+                       qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, ASYNC: gl.constexpr):
+    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
+    state of its own; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage, which
+    nothing refills), and warpgroup 0 merges the two and writes the result."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
+    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    r_i = 1.1754943508222875e-38
+    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    q_unscale = q_unscale.load(H_COLS)
+    sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+    for i in range(WG, num_steps, 2):
+        b = i % STAGES
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        mbarrier.wait(staged.index(b), (i // STAGES) & 1)
+        if DIAG != 3:                         # (ws_diag 3: the gathers alone)
+            m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
+                q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, ASYNC)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     l_i = gl.sum(l_acc, 0)
@@ -1400,6 +1453,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    DIAG: gl.constexpr = 0, ASYNC: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1451,14 +1505,14 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, ASYNC)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, ASYNC)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES)),
-    ], [4, 4], [200, 104])    # registers a thread: consumers 200 each, loader 104 (the 12 warps' 168 each)
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1605,9 +1659,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    if dual and (cfg["stages"] != 4 or cfg.get("lean_sync") or cfg.get("ws_diag")):
+    if cfg.get("async_chunks") and not dual:
+        raise Glm5labError("async_chunks=True is an option of the dual-consumer fp8_ds_mla kernel "
+                           "(dual_consumers=True)")
+    if dual and (cfg["stages"] != 4 or cfg.get("lean_sync") or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory), always "
-                           f"syncs lean and has no timing diagnostics; got stages {cfg['stages']}, lean_sync "
+                           f"syncs lean and has timing diagnostics 2-3 only; got stages {cfg['stages']}, lean_sync "
                            f"{cfg.get('lean_sync', False)}, ws_diag {cfg.get('ws_diag', 0)}")
     if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
@@ -1618,11 +1675,12 @@ def check_tile(cfg: dict, fp8: bool) -> None:
                            f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
                            f"ws={cfg.get('ws', False)}")
     diag = cfg.get("ws_diag", 0)
-    fits = ((fp8 and cfg.get("rows") and diag in (1, 2, 3, 4)) or (converter and diag in (1, 2, 3, 4, 6))
+    fits = ((fp8 and cfg.get("rows") and diag in ((2, 3) if dual else (1, 2, 3, 4))) or (converter and diag in (1, 2, 3, 4, 6))
             or (cfg.get("ws") and not converter and (diag in (2, 3) or (fp8 and diag == 5))))
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
-                           "1-4 of the fp8_ds_mla rows-as-M kernel, 2-3 of the warp-specialized 64-head kernel, 5 of "
+                           "1-4 of the fp8_ds_mla rows-as-M kernel (2-3 of its dual-consumer form), 2-3 of the "
+                           "warp-specialized 64-head kernel, 5 of "
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
 
 
@@ -1639,6 +1697,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["P_SMEM"] = True
     if cfg.get("lean_sync"):
         extra["LEAN"] = True
+    if cfg.get("async_chunks"):
+        extra["ASYNC"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
