@@ -90,11 +90,12 @@ WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_d
 WS8L = {**WS8, "lean_sync": True}         # ... with fewer barriers a step (NOTES.md v16; built, not yet run there)
 WS8X2 = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... its dual-consumer form (NOTES.md v17)
 WS8X2A = {**WS8X2, "async_chunks": True}         # ... converting the next chunk while a product runs
+WS8X2S2 = {**WS8X2, "slots_ahead": 2}             # ... its loader loading slot indices two requests ahead
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8L, WS8X2, WS8X2A]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8l", "ws8x2", "ws8x2a"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8L, WS8X2, WS8X2A],
-                                   ids=["default", "ws8", "ws8l", "ws8x2", "ws8x2a"])
+                WS8L, WS8X2, WS8X2A, WS8X2S2]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8l", "ws8x2", "ws8x2a", "ws8x2s2"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8L, WS8X2, WS8X2A, WS8X2S2],
+                                   ids=["default", "ws8", "ws8l", "ws8x2", "ws8x2a", "ws8x2s2"])
 
 
 @pytest.mark.gpu

@@ -84,6 +84,12 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
+                  # ... its loader loading the slot indices two requests ahead (ws8x2s2) instead of one
+                  ("ws8x2s2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                               "dual_consumers": True, "slots_ahead": 2}),
+                  *((f"ws8x2s2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
+                                      "resident": 1, "dual_consumers": True, "slots_ahead": 2, "_diagnostic": True,
+                                      "ws_diag": d}) for d in (3,)),
                   # ... converting the next chunk while a product runs (one wgmma group in flight)
                   ("ws8x2a", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                               "dual_consumers": True, "async_chunks": True}),

@@ -1272,18 +1272,29 @@ def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 @gluon.jit
 def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
                      num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     DIAG: gl.constexpr):
+                     DIAG: gl.constexpr, AHEAD2: gl.constexpr):
     """The dual-consumer kernel's loader warpgroup: step i's gathers (cp.async) into stage i % STAGES as soon as its
-    consumer has freed it; each thread's copies arrive on `staged[b]` when they land."""
+    consumer has freed it; each thread's copies arrive on `staged[b]` when they land. AHEAD2: the slot indices of a
+    request are loaded two requests earlier (ncu, NOTES.md v17: with one, a loader that found the next stage already
+    free waited on their load)."""
     slot_row = SLOTS + t * stride_st
     sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+    if AHEAD2:
+        sl2, sr2, ss2 = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
         if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
-            sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
-                                       raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss,
-                                       BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+            if AHEAD2:
+                _request_rows(KV, kv_row_stride, num_slots, sl, sr, ss, raw_lat.index(b), raw_rope.index(b),
+                              scale_stages.index(b), WG_LAT8, WG_ROPE, WG_SCALE)
+                sl, sr, ss = sl2, sr2, ss2
+                sl2, sr2, ss2 = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, WG_LAT8, WG_ROPE,
+                                            WG_SCALE, True)
+            else:
+                sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N,
+                                           n_end, raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr,
+                                           ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
         async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
     async_copy.wait_group(0)
 
@@ -1453,7 +1464,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, ASYNC: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, ASYNC: gl.constexpr = False, AHEAD2: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1511,7 +1522,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, ASYNC)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, AHEAD2)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
@@ -1659,6 +1670,9 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
+    if cfg.get("slots_ahead", 1) not in (1, 2) or (cfg.get("slots_ahead", 1) == 2 and not dual):
+        raise Glm5labError("slots_ahead (1 or 2) is an option of the dual-consumer fp8_ds_mla kernel's loader "
+                           f"(dual_consumers=True); got {cfg.get('slots_ahead')!r} with dual_consumers={dual}")
     if cfg.get("async_chunks") and not dual:
         raise Glm5labError("async_chunks=True is an option of the dual-consumer fp8_ds_mla kernel "
                            "(dual_consumers=True)")
@@ -1699,6 +1713,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["LEAN"] = True
     if cfg.get("async_chunks"):
         extra["ASYNC"] = True
+    if cfg.get("slots_ahead", 1) == 2:
+        extra["AHEAD2"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
