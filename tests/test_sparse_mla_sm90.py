@@ -87,15 +87,11 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-WS8L = {**WS8, "lean_sync": True}         # ... with fewer barriers a step (NOTES.md v16; built, not yet run there)
 WS8X2 = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... its dual-consumer form (NOTES.md v17)
-WS8X2A = {**WS8X2, "async_chunks": True}         # ... converting the next chunk while a product runs
-WS8X2S2 = {**WS8X2, "slots_ahead": 2}             # ... its loader loading slot indices two requests ahead
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8L, WS8X2, WS8X2A, WS8X2S2]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8l", "ws8x2", "ws8x2a", "ws8x2s2"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8L, WS8X2, WS8X2A, WS8X2S2],
-                                   ids=["default", "ws8", "ws8l", "ws8x2", "ws8x2a", "ws8x2s2"])
+                WS8X2]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
 
 
 @pytest.mark.gpu
@@ -500,7 +496,9 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
         assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
-        assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, 512) == sm90.ROWS_FP8_CONFIG
+        dual_from = sm90.FP8_DUAL_MIN_TOKENS * (1 if H <= 8 else 2)      # the dual-consumer form (NOTES.md v17)
+        assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
+        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == WS8X2
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -593,17 +591,6 @@ def test_gluon_rows_fp8_sm90_build_is_warp_specialized_without_spilling():
     assert rep["WARPGROUP.DEPBAR"] == 9          # each of its nine wgmma products waited for in turn
 
 
-def test_gluon_rows_fp8_sm90_lean_sync_build_has_fewer_barriers():
-    """lean_sync (NOTES.md v16): the consumer's two reductions across its warps (the scores' max over the rows, the
-    chunk scales' max) become one, and P^T's four chunks four allocations (Triton put a CTA barrier between stores to
-    one allocation): 6 fewer barriers a step, the same 68 wgmma and 9 waits, no spill, one CTA a SM."""
-    plain = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4)
-    lean = _sm90_build(rows=True, BLOCK_H=16, BLOCK_N=64, FP8=True, num_warps=4, LEAN=True)
-    assert lean["BAR"] == plain["BAR"] - 6
-    assert lean["HGMMA"] == plain["HGMMA"] == 68 and lean["WARPGROUP.DEPBAR"] == 9
-    assert lean["stack"] == 0 and lean["smem"] <= 227 * 1024
-
-
 def test_gluon_rows_fp8_sm90_dual_build_converts_in_both_consumers_without_spilling():
     """dual_consumers (NOTES.md v17): no converter warpgroup -- two consumer warpgroups with 68 wgmma a step each
     (136 in the build), each converting every e4m3 byte it multiplies in registers (K and V: 2 x 128 F2FP a step
@@ -625,21 +612,9 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
                      ({**sm90.WGMMA_WS_CONFIG, "dual_consumers": True}, True)):
         with pytest.raises(Glm5labError, match="dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel"):
             sm90.launch((1, 1, 1), (), cfg, False, fp8)
-    for extra in ({"stages": 2}, {"lean_sync": True}, {"ws_diag": 4, "_diagnostic": True}):
+    for extra in ({"stages": 2}, {"ws_diag": 4, "_diagnostic": True}):
         with pytest.raises(Glm5labError, match="the dual-consumer fp8_ds_mla kernel takes 4 stages"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
-    with pytest.raises(Glm5labError, match="async_chunks=True is an option of the dual-consumer"):
-        sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_CONFIG, "async_chunks": True}, False, True)
-
-
-def test_lean_sync_is_the_fp8_rows_kernels_option_only():
-    from glm5lab.kernels import sparse_mla_sm90 as sm90
-
-    sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "lean_sync": True}, True)
-    for cfg, fp8 in (({**sm90.ROWS_CONFIG, "lean_sync": True}, False), ({**sm90.WGMMA_WS_CONFIG, "lean_sync": True},
-                                                                         True)):
-        with pytest.raises(Glm5labError, match="lean_sync=True is an option of the fp8_ds_mla rows-as-M kernel"):
-            sm90.launch((1, 1, 1), (), cfg, False, fp8)
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
@@ -810,11 +785,11 @@ def test_named_tiles_forced_over_any_default_are_complete():
     was laid over the rows-as-M default and refused)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
-    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "WGMMA_CONFIG",
-                 "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
+    for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
+                 "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
-            if (tile.get("rows") and fp8 != (name == "ROWS_FP8_CONFIG")) or (tile.get("converter") and not fp8):
+            if (tile.get("rows") and fp8 != name.startswith("ROWS_FP8")) or (tile.get("converter") and not fp8):
                 continue
             for H in (8, 16, 64):
                 for T in (1, 8, 17, 132, 133, 512):
@@ -822,6 +797,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     sm90.check_tile(merged, fp8)
                     assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)
                     assert merged["ws"] == tile["ws"], (name, fp8, H, T)
+                    assert merged["dual_consumers"] == tile["dual_consumers"], (name, fp8, H, T)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():
@@ -830,6 +806,6 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS
 
     for name, cfg in GLUON_VARIANTS:
-        assert {"rows", "ws", "block_n", "num_warps", "stages", "resident"} <= set(cfg), name
+        assert {"rows", "ws", "block_n", "num_warps", "stages", "resident", "dual_consumers"} <= set(cfg), name
         if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
             assert {"converter", "p_smem"} <= set(cfg), name

@@ -76,23 +76,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("n64", {"rows": False, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
                   # <= 16 heads, fp8_ds_mla: the warp-specialized rows-as-M kernel (NOTES.md v9), one CTA a SM
                   ("ws8", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1}),
-                  # ... with fewer barriers a step: one reduction across the consumer's warps, P^T in four allocations
-                  # (NOTES.md v16, built, not yet timed)
-                  ("ws8l", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2, "resident": 1,
-                            "lean_sync": True}),
                   # ... its dual-consumer form: no converter, two consumer warpgroups converting the e4m3 bytes
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
-                  # ... its loader loading the slot indices two requests ahead (ws8x2s2) instead of one
-                  ("ws8x2s2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                               "dual_consumers": True, "slots_ahead": 2}),
-                  *((f"ws8x2s2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                      "resident": 1, "dual_consumers": True, "slots_ahead": 2, "_diagnostic": True,
-                                      "ws_diag": d}) for d in (3,)),
-                  # ... converting the next chunk while a product runs (one wgmma group in flight)
-                  ("ws8x2a", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                              "dual_consumers": True, "async_chunks": True}),
                   # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
                   # alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -123,6 +110,9 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
+# every tile names dual_consumers: the <= 16-head fp8_ds_mla default is the dual-consumer form from 32 tokens (NOTES.md
+# v17), and a tile laid over it must not inherit it
+GLUON_VARIANTS = [(n, {"dual_consumers": False, **cfg}) for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

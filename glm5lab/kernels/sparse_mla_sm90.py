@@ -31,7 +31,11 @@ caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M in
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
 turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v12:
-0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens).
+0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens); from 32 tokens (64 at 9-16 heads)
+its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and no fp16 tile -- two consumer
+warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
+once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
+(v17: 0.65-0.67 of the roofline, 1.8x FlashMLA's fp8 decode at 128-512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -39,8 +43,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
@@ -1066,12 +1069,9 @@ def _max_pair(a0, a1, b0, b1):
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                       LEAN: gl.constexpr = False):
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
-    its scale; P^T per chunk as p * s_c / r, chunk c into p_ts[c]), then `empty[b]` back to the converter. LEAN
-    (NOTES.md v16, built, not yet timed): the same arithmetic with fewer barriers a step -- one reduction across the
-    warps instead of two, and P^T's chunks in four allocations (11 -> 5 CTA barriers a step in the sm90 build)."""
+    its scale; P^T per chunk as p * s_c / r, chunk c into p_ts[c]), then `empty[b]` back to the converter."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -1104,17 +1104,8 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             st += warpgroup_mma(kv.slice(384, 128, dim=1), q_lat.index(3).permute((1, 0)), zero_s,
                                 use_acc=False) * s3[:, None]
             st = warpgroup_mma(rope16.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
-            if LEAN:
-                # the scores' max over the rows and the chunk scales' max in ONE reduction across the warps (the
-                # separate ones took two rounds through shared memory)
-                scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
-                s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
-                col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-                p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
-                r_new = gl.maximum(r_i, gl.max(col_scale, 0))
-            else:
-                p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
-                r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
+            p, alpha, m_i, l_acc = _online_softmax(st, cur_rows, num_slots, qk_scale_log2, m_i, l_acc, 0)
+            r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
             p_t0, p_t1, p_t2, p_t3 = p_ts
@@ -1162,7 +1153,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, LEAN: gl.constexpr = False,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized in three warpgroups (NOTES.md v9, v11): a loader issues
     each step's gathers into a two-half staging buffer, a converter turns each staged half's e4m3 rows once into an
@@ -1194,14 +1185,8 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
-    if LEAN:    # (four allocations: Triton puts no barrier between the chunks' stores)
-        p_ts = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-                gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
-    else:
-        p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
-        p_ts = (p_t.index(0), p_t.index(1), p_t.index(2), p_t.index(3))
+    p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_N, BLOCK_H], SMP)
+    p_ts = (p_t.index(0), p_t.index(1), p_t.index(2), p_t.index(3))
     raw_lat = gl.allocate_shared_memory(gl.uint8, [2, HALF, 512], SM8)          # the staging buffer, in two halves
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, 64], SM)
     raw_scale = gl.allocate_shared_memory(gl.float32, [8, HALF], RAW)           # half h, chunk c: row 4h + c
@@ -1211,7 +1196,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
         (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, ST_L, DIAG, LEAN)),
+                              STAGES, SPLIT, ST_L, DIAG)),
         (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                                num_steps, STAGES, BLOCK_N, DIAG)),
         (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
@@ -1272,49 +1257,29 @@ def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 @gluon.jit
 def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
                      num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     DIAG: gl.constexpr, AHEAD2: gl.constexpr):
+                     DIAG: gl.constexpr):
     """The dual-consumer kernel's loader warpgroup: step i's gathers (cp.async) into stage i % STAGES as soon as its
-    consumer has freed it; each thread's copies arrive on `staged[b]` when they land. AHEAD2: the slot indices of a
-    request are loaded two requests earlier (ncu, NOTES.md v17: with one, a loader that found the next stage already
-    free waited on their load)."""
+    consumer has freed it; each thread's copies arrive on `staged[b]` when they land."""
     slot_row = SLOTS + t * stride_st
     sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
-    if AHEAD2:
-        sl2, sr2, ss2 = _ring_slots(slot_row, n_start + BLOCK_N, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
         if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
-            if AHEAD2:
-                _request_rows(KV, kv_row_stride, num_slots, sl, sr, ss, raw_lat.index(b), raw_rope.index(b),
-                              scale_stages.index(b), WG_LAT8, WG_ROPE, WG_SCALE)
-                sl, sr, ss = sl2, sr2, ss2
-                sl2, sr2, ss2 = _ring_slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, WG_LAT8, WG_ROPE,
-                                            WG_SCALE, True)
-            else:
-                sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N,
-                                           n_end, raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr,
-                                           ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+            sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
+                                       raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss,
+                                       BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
         async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _scores_chunk(lat, c: gl.constexpr, q_lat, opaque0, zero_s, A_L: gl.constexpr):
-    """Chunk c's S^T product (asynchronous: the caller waits), with its A operand (kept alive until then)."""
-    a = _k_operand(lat, c, A_L)
-    return warpgroup_mma(a, q_lat.index(c + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True), a
-
-
-@gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   ASYNC: gl.constexpr):
+                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
-    times its scale, the rope product, lean_sync's one reduction, P^T per chunk as p * s_c / r), each product's A
-    operand converted from the staged bytes in registers. ASYNC: each chunk's product runs while the next chunk's
-    operand is converted (one wgmma group in flight; otherwise each product is waited for before the next
-    conversion)."""
+    times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
+    staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
+    warps (two took two rounds through shared memory)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1326,28 +1291,14 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if ASYNC:
-        t0, a0 = _scores_chunk(lat, 0, q_lat, opaque0, zero_s, A_L)
-        t1, a1 = _scores_chunk(lat, 1, q_lat, opaque0, zero_s, A_L)
-        t0, a0 = warpgroup_mma_wait(1, deps=[t0, a0])
-        st = t0 * s0[:, None]
-        t2, a2 = _scores_chunk(lat, 2, q_lat, opaque0, zero_s, A_L)
-        t1, a1 = warpgroup_mma_wait(1, deps=[t1, a1])
-        st += t1 * s1[:, None]
-        t3, a3 = _scores_chunk(lat, 3, q_lat, opaque0, zero_s, A_L)
-        t2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
-        st += t2 * s2[:, None]
-        t3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
-        st += t3 * s3[:, None]
-    else:
-        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
-                           use_acc=False) * s0[:, None]
-        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s1[:, None]
-        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s2[:, None]
-        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s3[:, None]
+    st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+                       use_acc=False) * s0[:, None]
+    st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s1[:, None]
+    st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s2[:, None]
+    st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s3[:, None]
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
@@ -1363,24 +1314,10 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
-    if ASYNC:
-        v0 = _v_operand(lat, 0, A_L)
-        acc0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
-        v1 = _v_operand(lat, 1, A_L)
-        acc1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
-        acc0, v0 = warpgroup_mma_wait(1, deps=[acc0, v0])
-        v2 = _v_operand(lat, 2, A_L)
-        acc2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
-        acc1, v1 = warpgroup_mma_wait(1, deps=[acc1, v1])
-        v3 = _v_operand(lat, 3, A_L)
-        acc3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
-        acc2, v2 = warpgroup_mma_wait(1, deps=[acc2, v2])
-        acc3, v3 = warpgroup_mma_wait(0, deps=[acc3, v3])
-    else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
+    acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+    acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+    acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+    acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1389,7 +1326,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps, num_slots,
                        qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, ASYNC: gl.constexpr):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage, which
     nothing refills), and warpgroup 0 merges the two and writes the result."""
@@ -1413,7 +1350,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, ASYNC)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     l_i = gl.sum(l_acc, 0)
@@ -1464,7 +1401,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, ASYNC: gl.constexpr = False, AHEAD2: gl.constexpr = False,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1516,13 +1453,13 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, ASYNC)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, ASYNC)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, AHEAD2)),
+                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
@@ -1531,11 +1468,11 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
 DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 32,
-                  "num_warps": 4, "stages": 2}
+                  "num_warps": 4, "stages": 2, "dual_consumers": False}
 
 
 WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "p_smem": False, "block_h": 64,
-                "block_n": 64, "num_warps": 8, "stages": 2}
+                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
@@ -1547,7 +1484,7 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                   "block_n": 64, "num_warps": 8, "stages": 2}
+                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448)
@@ -1572,14 +1509,14 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-               "num_warps": 4, "stages": 2, "resident": 1}
+               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
@@ -1589,24 +1526,31 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
 FP8_ROWS_MIN_TOKENS = 4
-# ... its dual-consumer form (NOTES.md v17): no converter, two consumer warpgroups that convert the e4m3 bytes into
-# wgmma's register operand themselves, each on every other step; 4 stages of raw rows
+# ... its dual-consumer form (NOTES.md v17): no converter and no fp16 copy of the rows -- two consumer warpgroups
+# convert the staged e4m3 bytes into wgmma's register operand themselves, each on every other step; 4 stages of raw
+# rows (~200 KB of shared memory, one CTA of 12 warps a SM). H200, v17 calls 1, 2, 4, us (against ROWS_FP8_CONFIG):
+# 8 heads x 16 / 32 / 64 / 128 / 512 tokens 19.1 / 24.9-25.4 / 38.7 / 63.6-65.2 / 241.0-244.2 (19.8 / 27.9-28.1 /
+# 46.2 / 78.8-80.3 / 303.5-305.5); 16 heads 22.9 / 28.9-29.1 / 43.9 / 65.7-65.8 / 247.6-250.3 (20.0 / 28.5-28.7 /
+# 47.3 / 79.9-80.9 / 306.8-311.3). So the default from FP8_DUAL_MIN_TOKENS tokens (16 heads: twice as many).
 ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4}
+FP8_DUAL_MIN_TOKENS = 32
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
-    fp8_ds_mla: the warp-specialized rows-as-M kernel, except at 1-3 tokens of <= 8 heads (the 32-row mma.sync
-    tile: more, shorter splits)."""
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form from FP8_DUAL_MIN_TOKENS tokens (twice
+    as many at 9-16 heads), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
+        if num_tokens >= FP8_DUAL_MIN_TOKENS * (1 if num_heads <= 8 else 2):
+            return dict(ROWS_FP8_DUAL_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
         return dict(DEFAULT_CONFIG)
@@ -1663,23 +1607,13 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
-    if cfg.get("lean_sync") and not (cfg.get("rows") and fp8):
-        raise Glm5labError("lean_sync=True is an option of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it with "
-                           f"rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
     dual = cfg.get("dual_consumers", False)
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    if cfg.get("slots_ahead", 1) not in (1, 2) or (cfg.get("slots_ahead", 1) == 2 and not dual):
-        raise Glm5labError("slots_ahead (1 or 2) is an option of the dual-consumer fp8_ds_mla kernel's loader "
-                           f"(dual_consumers=True); got {cfg.get('slots_ahead')!r} with dual_consumers={dual}")
-    if cfg.get("async_chunks") and not dual:
-        raise Glm5labError("async_chunks=True is an option of the dual-consumer fp8_ds_mla kernel "
-                           "(dual_consumers=True)")
-    if dual and (cfg["stages"] != 4 or cfg.get("lean_sync") or cfg.get("ws_diag", 0) not in (0, 2, 3)):
-        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory), always "
-                           f"syncs lean and has timing diagnostics 2-3 only; got stages {cfg['stages']}, lean_sync "
-                           f"{cfg.get('lean_sync', False)}, ws_diag {cfg.get('ws_diag', 0)}")
+    if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
+        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
+                           f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
     if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1709,12 +1643,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
-    if cfg.get("lean_sync"):
-        extra["LEAN"] = True
-    if cfg.get("async_chunks"):
-        extra["ASYNC"] = True
-    if cfg.get("slots_ahead", 1) == 2:
-        extra["AHEAD2"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
