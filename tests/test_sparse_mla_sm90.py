@@ -88,11 +88,10 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2 = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... its dual-consumer form (NOTES.md v17)
-WS8X3 = {**WS8X2, "_consumers": 3}              # ... with three consumers (a private trial, v17)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X3]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x3"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X3], ids=["default", "ws8", "ws8x2", "ws8x3"])
+                WS8X2]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
 
 
 @pytest.mark.gpu
@@ -616,9 +615,6 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     for extra in ({"stages": 2}, {"ws_diag": 4, "_diagnostic": True}):
         with pytest.raises(Glm5labError, match="the dual-consumer fp8_ds_mla kernel takes 4 stages"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
-    for cfg in ({**sm90.ROWS_FP8_CONFIG, "_consumers": 3}, {**sm90.ROWS_FP8_DUAL_CONFIG, "_consumers": 4}):
-        with pytest.raises(Glm5labError, match="_consumers .2 or 3. is a private trial"):
-            sm90.launch((1, 1, 1), (), cfg, False, True)
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():

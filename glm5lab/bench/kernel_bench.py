@@ -80,12 +80,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
-                  # ... with three consumer warpgroups (a private trial: 152 registers each, 16 warps)
-                  ("ws8x3", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                             "dual_consumers": True, "_consumers": 3}),
-                  *((f"ws8x3d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                    "resident": 1, "dual_consumers": True, "_consumers": 3, "_diagnostic": True,
-                                    "ws_diag": d}) for d in (2,)),
                   # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
                   # alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
