@@ -13,6 +13,8 @@ CPU profile: tiny shapes under the interpreter; exercises the code path, never r
 
 --fp8-v4 (or GLM5LAB_BENCH_FP8_V4=1) also times the private fp8_ds_mla code paths of NOTES.md "v4" beside the
 default fp8 path, on the same inputs, at H8 T128, H8 T512 and H64 T512 only (FP8_V4_SHAPES).
+--interleave ROUNDS (GPU) times each shape's CUDA graphs once more in interleaved rounds, for A/B differences of a
+few percent (two identical kernels timed one after another differed by up to 6%: NOTES.md v16-v17).
 """
 from __future__ import annotations
 
@@ -227,6 +229,15 @@ def graph_time_us(calls, replays: int = 10, repeats: int = 5) -> float:
     decode) sees. Rotating input sets keep the previous call's rows out of L2."""
     import statistics
 
+    timer = graph_timer(calls, replays)
+    return statistics.median(timer() for _ in range(repeats))
+
+
+def graph_timer(calls, replays: int = 10):
+    """`calls` (one call per input set) captured once in a CUDA graph; returns a no-argument call that replays it
+    `replays` times between two events and returns the GPU time of one call in us (graph_time_us takes the median
+    of a few; interleaved timing, `timing.interleaved_rounds`, calls the timers of a shape's implementations in
+    turn)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -242,17 +253,16 @@ def graph_time_us(calls, replays: int = 10, repeats: int = 5) -> float:
             c()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
+
+    def one_timing() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
-    del graph
-    return statistics.median(times)
+        return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    return one_timing
 
 
 def _errors(out, lse, ref_out, ref_lse, n):
@@ -293,11 +303,13 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
-        fused_merge: bool = False, gluon: bool = False):
+        fused_merge: bool = False, gluon: bool = False, interleave: int = 0):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
-    (those named in env GLM5LAB_BENCH_GLUON, default all): 16-head tiles at <= 16 heads, wgmma tiles beyond."""
+    (those named in env GLM5LAB_BENCH_GLUON, default all): 16-head tiles at <= 16 heads, wgmma tiles beyond.
+    interleave (GPU only): after a shape's implementations are timed one after another, time their CUDA graphs
+    again in that many interleaved rounds (`timing.interleaved_rounds`; metric "time_graph_interleaved")."""
     import os
 
     import pandas as pd
@@ -305,7 +317,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
 
     from glm5lab.bench import flashmla_anchor
     from glm5lab.bench.records import append_rows
-    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_rounds, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config, resident_ctas,
@@ -430,6 +442,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             min_bytes = {lay: sparse_mla_min_bytes(T, H, prof.topk, lay) for lay in ("bf16", "fp8_ds_mla")}
             flops = sparse_mla_flops(T, H, prof.topk)
             impls = [i for i in impls if i[0] not in skip]
+            graph_calls = {}     # (name, layout) -> the calls its graph time replayed, for interleaved rounds
             for recorded, (name, lay, factory, graphable) in timing_order(impls, cuda):
                 g_warm = None
                 try:
@@ -437,7 +450,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     out, lse = fn()
                     rel, e_ln, e_log2 = _errors(out, lse, *ref[lay], n_acc)
                     t = bench(fn)
-                    g_us = graph_time_us([fn] + [factory(*st) for st in sets[1:]]) if (cuda and graphable) else None
+                    g_calls = [fn] + [factory(*st) for st in sets[1:]] if (cuda and graphable) else None
+                    g_us = graph_time_us(g_calls) if g_calls else None
                     if cuda and graphable and T <= 8 and name in ("glm5lab", "flashmla"):
                         g_warm = graph_time_us([fn])   # one input set replayed: its rows stay in L2 (warm)
                 except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
@@ -445,6 +459,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     continue
                 if not recorded:
                     continue
+                if interleave and g_us is not None:
+                    graph_calls[(name, lay)] = g_calls
                 us = t["p50"]
                 base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
                 eff = min_bytes[lay] / (us * 1e-6) / 1e9
@@ -476,7 +492,16 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 log(f"  {shape:16s} {name:24s} {lay:10s} {us:9.1f} us  graph {rec['graph_us']:8.1f} us{warm}  "
                     f"roofline {rec['roofline']:.2f}  "
                     f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
-            del q, slots, impls, sets
+            if graph_calls:
+                timers = {key: graph_timer(c) for key, c in graph_calls.items()}
+                for (name, lay), tq in interleaved_rounds(timers, interleave).items():
+                    rows.append({"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16",
+                                 "layout": lay, "metric": "time_graph_interleaved", "value": tq["p50"], "unit": "us",
+                                 **tq})
+                    log(f"  {shape:16s} {name:24s} {lay:10s} interleaved graph {tq['p50']:8.1f} us "
+                        f"(p20 {tq['p20']:.1f}, p80 {tq['p80']:.1f}; {interleave} rounds)")
+                del timers
+            del q, slots, impls, sets, graph_calls
             if cuda:
                 torch.cuda.empty_cache()
 
@@ -559,14 +584,19 @@ def main(argv=None) -> int:
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
     p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="GPU: also time each shape's CUDA graphs in ROUNDS interleaved rounds (metric "
+                        "time_graph_interleaved), for A/B differences of a few percent")
     args = p.parse_args(argv)
+    if args.interleave < 0:
+        p.error(f"--interleave takes a number of rounds >= 0, got {args.interleave}")
     import torch
 
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
     df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
-             fused_merge=args.fused_merge, gluon=args.gluon)
+             fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave)
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")

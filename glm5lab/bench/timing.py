@@ -43,6 +43,25 @@ def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 10
     return {"p20": q[0], "p50": statistics.median(times), "p80": q[3]}
 
 
+def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
+    """{name: {"p20", "p50", "p80"}} of `timers` ({name: a no-argument call returning one timing}) taken in rounds:
+    each round calls every timer once, in an order rotated by one place a round, so no implementation always runs
+    first or after the same neighbour; the quantiles are over the rounds. Why: timed one after another, two identical
+    kernels in one run differed by up to 6% on the H200 (results/kernels/NOTES.md v16-v17) -- a drift or a position
+    effect that rounds spread over every implementation alike."""
+    names = list(timers)
+    samples = {n: [] for n in names}
+    for r in range(max(1, rounds)):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            samples[name].append(float(timers[name]()))
+    out = {}
+    for name, xs in samples.items():
+        q = statistics.quantiles(xs, n=5) if len(xs) >= 2 else [xs[0]] * 4
+        out[name] = {"p20": q[0], "p50": statistics.median(xs), "p80": q[3]}
+    return out
+
+
 def pick_profile(profiles: dict, profile: str):
     """(the profile's settings, device) for a benchmark; the gpu profile refuses to run without CUDA so CPU
     timings are never recorded as GPU numbers."""
