@@ -92,6 +92,10 @@ VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_s
                 WS8X2]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
+# ... its 8-head tile (<= 8 heads; built after v17's device time, not yet run on a GPU), with two or three consumers
+WS8X2N8 = {**WS8X2, "block_h": 8}
+WS8X3N8 = {**WS8X2N8, "_consumers": 3}
+N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8], ids=["ws8x2n8", "ws8x3n8"])
 
 
 @pytest.mark.gpu
@@ -117,6 +121,42 @@ def test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits):
     q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=fp8_cfg)
     check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@N8_TILES
+@pytest.mark.parametrize("H", [5, 8])
+@pytest.mark.parametrize("T", [1, 8, 130])
+def test_gpu_gluon_8_head_tiles_real_shapes(n8_cfg, H, T):
+    """The dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads, rows] and read transposed), with two and
+    three consumers: real shapes as test_gpu_gluon_real_shapes, within its <= 8 heads."""
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **n8_cfg})
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@N8_TILES
+@pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 64)])
+def test_gpu_gluon_8_head_tiles_odd_topk_and_forced_splits(n8_cfg, topk, splits):
+    q, cache, slots, ref = make_case(6, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=n8_cfg)
+    check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@N8_TILES
+def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph(n8_cfg):
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **n8_cfg})
+    check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    slots[0] = -1
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), n8_cfg)
+    q16, cache16, slots16, _ = make_case(2, 16, 512, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 16"):
+        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=n8_cfg)
 
 
 @pytest.mark.gpu
@@ -615,6 +655,26 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     for extra in ({"stages": 2}, {"ws_diag": 4, "_diagnostic": True}):
         with pytest.raises(Glm5labError, match="the dual-consumer fp8_ds_mla kernel takes 4 stages"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
+    for cfg in ({**sm90.ROWS_FP8_CONFIG, "_consumers": 3}, {**sm90.ROWS_FP8_DUAL_CONFIG, "_consumers": 4},
+                {**sm90.ROWS_FP8_DUAL_CONFIG, "_consumers": 3}):           # (three: with the 8-head tile only)
+        with pytest.raises(Glm5labError, match="_consumers .2 or 3. is a private trial"):
+            sm90.launch((1, 1, 1), (), cfg, False, True)
+    n8 = {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
+    sm90.check_tile({**n8, "_consumers": 3}, True, 8)
+    with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
+        sm90.check_tile(n8, True, 9)
+    with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
+        sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "block_h": 8}, True, 8)
+
+
+def test_gluon_rows_fp8_sm90_dual_8_head_tile_builds_three_consumers_without_spilling():
+    """The 8-head tile (wgmma N = 8) halves O^T, S and l, so three consumer warpgroups fit 152 registers each (16
+    warps, the loader 56) without a spill -- the 16-head tile spilled there (NOTES.md v17 call 8): 3 x 68 wgmma, one
+    loader's 22 cp.async, one CTA a SM."""
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, CONSUMERS=3, FP8=True, num_warps=4)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["HGMMA"] == 3 * 68 and rep["F2FP"] >= 3 * 256 and rep["LDGSTS"] == 22
+    assert {56, 152} <= set(rep["setmaxnreg"]) and rep["smem"] <= 227 * 1024
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():

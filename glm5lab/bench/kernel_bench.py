@@ -82,6 +82,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
+                  # ... its 8-head tile (<= 8 heads), with two or three consumer warpgroups (built after v17's
+                  # device time, not yet timed) and the three consumers alone (d2)
+                  ("ws8x2n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                               "resident": 1, "dual_consumers": True}),
+                  ("ws8x3n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                               "resident": 1, "dual_consumers": True, "_consumers": 3}),
+                  ("ws8x3n8d2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "_consumers": 3, "_diagnostic": True,
+                                 "ws_diag": 2}),
                   # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
                   # alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -290,9 +299,12 @@ def timing_order(impls: list, cuda: bool) -> list:
 
 
 def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
-    """Whether the GLUON_VARIANTS tile `name` applies: 16-head tiles at <= 16 heads, the 64-head wgmma tiles beyond
-    (its fp8_ds_mla form takes 64-row steps only); the tiles of VARIANT_FP8_ONLY to their kind of cache."""
+    """Whether the GLUON_VARIANTS tile `name` applies: 16-head tiles at <= 16 heads (8-head ones at <= 8), the 64-head
+    wgmma tiles beyond (its fp8_ds_mla form takes 64-row steps only); the tiles of VARIANT_FP8_ONLY to their kind of
+    cache."""
     cfg = dict(GLUON_VARIANTS)[name]
+    if cfg.get("block_h") == 8 and num_heads > 8:     # (8-head tiles: <= 8 heads)
+        return False
     wide = cfg.get("block_h", 16) == 64
     if wide != (num_heads > 16):
         return False

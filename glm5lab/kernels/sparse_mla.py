@@ -925,6 +925,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
+        sparse_mla_sm90.check_tile(cfg, fp8, H)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:

@@ -1322,14 +1322,46 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 
 
 @gluon.jit
+def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, SMP: gl.constexpr, SM: gl.constexpr):
+    """One chunk's P^T [rows, heads], O^T's B operand: 16 heads as they are; 8 heads (16-byte rows, below the
+    smallest swizzle) stored as P [heads, rows] and read transposed."""
+    if BLOCK_H == 8:
+        return gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], SM).permute((1, 0))
+    else:
+        return gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP)
+
+
+@gluon.jit
+def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, k: gl.constexpr, ST_L: gl.constexpr):
+    """Merge the softmax state another consumer left in merge slot k into this one (O^T in units of r, l, m)."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    m_o = merge_vec.index(3 * k + 0).load(H_COLS)
+    l_o = merge_vec.index(3 * k + 1).load(H_COLS)
+    r_o = gl.max(merge_vec.index(3 * k + 2).load(H_COLS), 0)
+    m_new = gl.maximum(m_i, m_o)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    a_mine = gl.exp2(m_i - m_safe)
+    a_other = gl.exp2(m_o - m_safe)
+    r_new = gl.maximum(r_i, r_o)
+    k_mine = (a_mine * (r_i / r_new))[None, :]
+    k_other = (a_other * (r_o / r_new))[None, :]
+    acc0 = acc0 * k_mine + merge_acc.index(4 * k + 0).load(ST_L) * k_other
+    acc1 = acc1 * k_mine + merge_acc.index(4 * k + 1).load(ST_L) * k_other
+    acc2 = acc2 * k_mine + merge_acc.index(4 * k + 2).load(ST_L) * k_other
+    acc3 = acc3 * k_mine + merge_acc.index(4 * k + 3).load(ST_L) * k_other
+    return acc0, acc1, acc2, acc3, m_new, l_i * a_mine + l_o * a_other, r_new
+
+
+@gluon.jit
 def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
-                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps, num_slots,
-                       qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
+                       merge_acc, merge_vec, staged, free, merged, written, slot_row, n_start, n_end, num_steps,
+                       num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr):
-    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, NC: gl.constexpr = 2):
+    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + NC, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage, which
-    nothing refills), and warpgroup 0 merges the two and writes the result."""
+    nothing refills), and warpgroup 0 merges the two and writes the result. NC = 3 (a private trial, NOTES.md v17):
+    three consumers; once all three are done with the stages, 1 and 2 leave their states in stages 0 and 1."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
@@ -1342,10 +1374,10 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
     q_unscale = q_unscale.load(H_COLS)
     sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-    for i in range(WG, num_steps, 2):
+    for i in range(WG, num_steps, NC):
         b = i % STAGES
         cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        sl_rows = _slots(slot_row, n_start + (i + NC) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
         mbarrier.wait(staged.index(b), (i // STAGES) & 1)
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
@@ -1354,6 +1386,35 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     l_i = gl.sum(l_acc, 0)
+    if NC == 3:
+        mbarrier.arrive(merged, count=1)      # this warpgroup is done with the stages
+        if WG > 0:
+            mbarrier.wait(merged, 0)          # ... and so are the other two: stage WG - 1 takes this state
+            merge_acc.index(4 * (WG - 1) + 0).store(acc0)
+            merge_acc.index(4 * (WG - 1) + 1).store(acc1)
+            merge_acc.index(4 * (WG - 1) + 2).store(acc2)
+            merge_acc.index(4 * (WG - 1) + 3).store(acc3)
+            merge_vec.index(3 * (WG - 1) + 0).store(m_i)
+            merge_vec.index(3 * (WG - 1) + 1).store(l_i)
+            merge_vec.index(3 * (WG - 1) + 2).store(gl.zeros_like(l_i) + r_i)
+            gl.thread_barrier()
+            mbarrier.arrive(written, count=1)
+        else:
+            mbarrier.wait(written, 0)
+            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
+                                                                merge_vec, 0, ST_L)
+            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
+                                                                merge_vec, 1, ST_L)
+            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
+            _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+            _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+            _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
+            _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, True)
+        return
     # warpgroup 1's last step is the largest odd one; no later step uses its stage (STAGES even: warpgroup 0's
     # steps are even); with no step of its own, stage 1 (num_steps <= 1: never filled)
     last = num_steps - 1 - num_steps % 2
@@ -1401,7 +1462,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, CONSUMERS: gl.constexpr = 2,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1410,8 +1471,9 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 16, "16-head tiles (the register layouts are built for them)")
-    gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles, or 8-head ones (wgmma N = 8; <= 8 heads)")
+    gl.static_assert(CONSUMERS == 3 or STAGES % 2 == 0,
+                     "an even number of stages: each consumer's steps keep to stages of their own")
     NW: gl.constexpr = 4
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1436,31 +1498,59 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
-    merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
-    p_a = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
-    p_b = (gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP),
-           gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP))
+    merge_vec = gl.allocate_shared_memory(gl.float32, [3 * (CONSUMERS - 1), BLOCK_H], VEC)
+    p_a = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
+           _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
+    p_b = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
+           _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
+    if CONSUMERS == 3:
+        p_c = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
+               _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
     merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    mbarrier.init(merged, count=1)
+    if CONSUMERS == 3:
+        mbarrier.init(merged, count=3)        # (three consumers done with the stages)
+        written = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+        mbarrier.init(written, count=2)       # (two states left for consumer 0)
+    else:
+        mbarrier.init(merged, count=1)
+        written = merged
     staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
-    gl.warp_specialize([
-        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
-                              p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
-                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG)),
-        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
-                              p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
-                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG)),
-        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
-                            num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, written, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
+                                  0, DIAG, 3)),
+            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, written, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
+                                  1, DIAG, 3)),
+            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                  scale_ring, p_c, merge_acc, merge_vec, staged, free, merged, written, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
+                                  2, DIAG, 3)),
+            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+        ], [4, 4, 4], [152, 152, 56])    # registers a thread: consumers 152 each, loader 56 (16 warps' 128 each)
+    else:
+        gl.warp_specialize([
+            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, written, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
+                                  0, DIAG)),
+            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, written, slot_row,
+                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
+                                  1, DIAG)),
+            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+        ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1594,12 +1684,20 @@ WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "
                   6: "converter (bytes held in registers) and consumers, no gathers"}
 
 
-def check_tile(cfg: dict, fp8: bool) -> None:
+def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
-    steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys)."""
-    if cfg.get("rows") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"]) != (16, 64, 4):
-        raise Glm5labError("the rows-as-M wgmma kernels take 16-head tiles, 64-row steps and 4 warps, got block_h "
-                           f"{cfg['block_h']}, block_n {cfg['block_n']}, num_warps {cfg['num_warps']}")
+    steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys);
+    the dual-consumer kernel also 8-head tiles, for calls of <= 8 heads (num_heads, when given: more would read
+    every row once per tile)."""
+    dual = cfg.get("dual_consumers", False)
+    if cfg.get("rows") and (cfg["block_n"], cfg["num_warps"]) != (64, 4) or (
+            cfg.get("rows") and cfg["block_h"] not in ((8, 16) if dual else (16,))):
+        raise Glm5labError("the rows-as-M wgmma kernels (the dual-consumer one: 8-head tiles too) take 16-head tiles, "
+                           f"64-row steps and 4 warps, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, "
+                           f"num_warps {cfg['num_warps']}")
+    if dual and cfg["block_h"] == 8 and num_heads is not None and num_heads > 8:
+        raise Glm5labError(f"the dual-consumer kernel's 8-head tile takes calls of <= 8 heads, got {num_heads} (more "
+                           "would gather every row once per head tile: use the 16-head tile)")
     if cfg.get("ws") and (cfg["block_h"], cfg["block_n"], cfg["num_warps"], cfg["stages"]) != (64, 64, 8, 2):
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
@@ -1607,10 +1705,14 @@ def check_tile(cfg: dict, fp8: bool) -> None:
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
-    dual = cfg.get("dual_consumers", False)
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
+    consumers = cfg.get("_consumers", 2)
+    if consumers not in (2, 3) or (consumers == 3 and not (dual and cfg["block_h"] == 8)):
+        raise Glm5labError("_consumers (2 or 3) is a private trial of the dual-consumer fp8_ds_mla kernel, 3 with its "
+                           "8-head tile only (16-head tiles spilled at three consumers' registers, NOTES.md v17); got "
+                           f"{cfg.get('_consumers')!r} with dual_consumers={dual}, block_h {cfg.get('block_h')}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -1623,7 +1725,8 @@ def check_tile(cfg: dict, fp8: bool) -> None:
                            f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
                            f"ws={cfg.get('ws', False)}")
     diag = cfg.get("ws_diag", 0)
-    fits = ((fp8 and cfg.get("rows") and diag in ((2, 3) if dual else (1, 2, 3, 4))) or (converter and diag in (1, 2, 3, 4, 6))
+    fits = ((fp8 and cfg.get("rows") and diag in ((2, 3) if dual else (1, 2, 3, 4)))
+            or (converter and diag in (1, 2, 3, 4, 6))
             or (cfg.get("ws") and not converter and (diag in (2, 3) or (fp8 and diag == 5))))
     if diag not in WS_DIAGNOSTICS or (diag and (cfg.get("_diagnostic") is not True or not fits)):
         raise Glm5labError(f"ws_diag {diag!r} is a private timing diagnostic (wrong results) with _diagnostic=True: "
@@ -1643,6 +1746,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
+    if cfg.get("_consumers", 2) == 3 and "CONSUMERS" in kernel.arg_names:   # (a private trial, NOTES.md v17)
+        extra["CONSUMERS"] = 3
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
