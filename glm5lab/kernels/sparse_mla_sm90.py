@@ -1468,7 +1468,8 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
     operand (S^T's K and O^T's V^T, each byte twice), runs every other 64-row step with a softmax state of its own,
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
-    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM."""
+    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Built after v17's device time, not yet
+    run on a GPU: BLOCK_H = 8 (<= 8 heads, half the accumulator registers) and, with it, CONSUMERS = 3 (16 warps)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles, or 8-head ones (wgmma N = 8; <= 8 heads)")
