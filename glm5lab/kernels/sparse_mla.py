@@ -925,7 +925,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
-        sparse_mla_sm90.check_tile(cfg, fp8, H)
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:
@@ -977,7 +976,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if gluon:
-        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16)
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
                words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16)

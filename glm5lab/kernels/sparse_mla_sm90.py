@@ -926,6 +926,46 @@ def _store_columns(OUT, LSE, PART_O, PART_LSE, acc, col0: gl.constexpr, inv_l, l
 
 
 @gluon.jit
+def _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                  stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
+                  V_ORDER: gl.constexpr = False):
+    """The fp8 rows kernels' O^T, four [128, heads] chunk accumulators, through `_store_columns` (the lse once)."""
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
+    _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, V_ORDER)
+
+
+# The fp8 rows kernels' shared-memory layouts: 16-bit operand tiles (128-byte swizzle), P^T chunks (32-byte), raw
+# e4m3 rows (16-byte units XOR the row: no bank conflicts), vectors and plain tiles; q's staging layout (4 warps)
+ROWS_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+ROWS_SMP = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+ROWS_SM8 = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+ROWS_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+ROWS_RAW = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+ROWS_QL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _rows_fp8_start(Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H: gl.constexpr,
+                    BLOCK_N: gl.constexpr, K_ORDER: gl.constexpr = False):
+    """The fp8 rows kernels' start: this program's head tile, token and split (its rows and steps), and q staged in
+    the fp16 domain (`_q_fp16_domain`). Returns (pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul)."""
+    pid_h = gl.program_id(0)
+    t = gl.program_id(1).to(gl.int64)
+    s = gl.program_id(2)
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
+    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], ROWS_SM)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], ROWS_SM)
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, K_ORDER)
+    return pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul
+
+
+@gluon.jit
 def _sparse_mla_rows_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -1066,22 +1106,26 @@ def _max_pair(a0, a1, b0, b1):
 
 
 @gluon.jit
+def _rows_fp8_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, ST_L: gl.constexpr):
+    """An fp8 rows consumer's softmax state before its first step: the running max, l per element, the running
+    largest chunk scale r (the unit O^T is kept in; the smallest normal float), O^T in four [128, heads] chunks, and
+    the zero S^T tile each chunk's product starts from."""
+    return (gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, ST_L)),
+            gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L), 1.1754943508222875e-38,
+            gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L), gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L),
+            gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L), gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L),
+            gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L))
+
+
+@gluon.jit
 def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts, full,
                        empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
     """The consumer warpgroup: the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times
     its scale; P^T per chunk as p * s_c / r, chunk c into p_ts[c]), then `empty[b]` back to the converter."""
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    r_i = 1.1754943508222875e-38
-    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
     for i in range(num_steps):
         b = i % STAGES
@@ -1123,14 +1167,8 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
         gl.thread_barrier()                   # every warp's products are done with slot b and with P^T
         mbarrier.arrive(empty.index(b), count=1)
     inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False)
-    _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
+    _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
+                  stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
 
 
 @gluon.jit
@@ -1162,24 +1200,15 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     218 KB of shared memory: one CTA (12 warps) a SM."""
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a converter and a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    NW: gl.constexpr = 4
     HALF: gl.constexpr = BLOCK_N // 2
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
-
-    pid_h = gl.program_id(0)
-    t = gl.program_id(1).to(gl.int64)
-    s = gl.program_id(2)
-    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
-
-    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
+    SM: gl.constexpr = ROWS_SM
+    SMP: gl.constexpr = ROWS_SMP
+    SM8: gl.constexpr = ROWS_SM8
+    VEC: gl.constexpr = ROWS_VEC
+    RAW: gl.constexpr = ROWS_RAW
+    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul = _rows_fp8_start(
+        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
@@ -1332,8 +1361,24 @@ def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, SMP: gl.constexpr, SM
 
 
 @gluon.jit
-def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, k: gl.constexpr, ST_L: gl.constexpr):
-    """Merge the softmax state another consumer left in merge slot k into this one (O^T in units of r, l, m)."""
+def _state_stage(k: gl.constexpr, num_steps, STAGES: gl.constexpr, NC: gl.constexpr):
+    """The stage whose bytes take consumer k + 1's state at the end. Three consumers: stage k, once all three are
+    done with the stages. Two: consumer 1's last stage -- its last step is the largest odd one, and no later step
+    uses that stage (STAGES even: consumer 0's steps are even); with no step of its own, stage 1 (num_steps <= 1:
+    never filled)."""
+    if NC == 3:
+        stage = k
+    else:
+        last = num_steps - 1 - num_steps % 2
+        stage = gl.where(num_steps >= 2, last % STAGES, 1)
+    return stage
+
+
+@gluon.jit
+def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, base, k: gl.constexpr,
+                ST_L: gl.constexpr):
+    """Merge into this consumer's softmax state (O^T in units of r, l, m) the one consumer k + 1 left at merge_acc
+    rows base .. base + 3 and merge_vec rows 3k .. 3k + 2."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     m_o = merge_vec.index(3 * k + 0).load(H_COLS)
     l_o = merge_vec.index(3 * k + 1).load(H_COLS)
@@ -1345,10 +1390,10 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, k: 
     r_new = gl.maximum(r_i, r_o)
     k_mine = (a_mine * (r_i / r_new))[None, :]
     k_other = (a_other * (r_o / r_new))[None, :]
-    acc0 = acc0 * k_mine + merge_acc.index(4 * k + 0).load(ST_L) * k_other
-    acc1 = acc1 * k_mine + merge_acc.index(4 * k + 1).load(ST_L) * k_other
-    acc2 = acc2 * k_mine + merge_acc.index(4 * k + 2).load(ST_L) * k_other
-    acc3 = acc3 * k_mine + merge_acc.index(4 * k + 3).load(ST_L) * k_other
+    acc0 = acc0 * k_mine + merge_acc.index(base + 0).load(ST_L) * k_other
+    acc1 = acc1 * k_mine + merge_acc.index(base + 1).load(ST_L) * k_other
+    acc2 = acc2 * k_mine + merge_acc.index(base + 2).load(ST_L) * k_other
+    acc3 = acc3 * k_mine + merge_acc.index(base + 3).load(ST_L) * k_other
     return acc0, acc1, acc2, acc3, m_new, l_i * a_mine + l_o * a_other, r_new
 
 
@@ -1359,19 +1404,11 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                        ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, NC: gl.constexpr = 2):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + NC, ... (`_fp8_dual_step`) with a softmax
-    state of its own; then warpgroup 1 hands its state to warpgroup 0 through shared memory (its last stage, which
-    nothing refills), and warpgroup 0 merges the two and writes the result. NC = 3 (a private trial, NOTES.md v17):
-    three consumers; once all three are done with the stages, 1 and 2 leave their states in stages 0 and 1."""
+    state of its own; then the others hand their states to warpgroup 0 through shared memory (`_state_stage`), and
+    warpgroup 0 merges them and writes the result. NC = 3: the 8-head tile's three consumers (NOTES.md v17)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=H_COLS)
-    l_acc = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
-    r_i = 1.1754943508222875e-38
-    acc0 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc1 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc2 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    acc3 = gl.zeros([128, BLOCK_H], gl.float32, layout=ST_L)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST_L)
+    m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     q_unscale = q_unscale.load(H_COLS)
     sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
     for i in range(WG, num_steps, NC):
@@ -1389,71 +1426,31 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     if NC == 3:
         mbarrier.arrive(merged, count=1)      # this warpgroup is done with the stages
         if WG > 0:
-            mbarrier.wait(merged, 0)          # ... and so are the other two: stage WG - 1 takes this state
-            merge_acc.index(4 * (WG - 1) + 0).store(acc0)
-            merge_acc.index(4 * (WG - 1) + 1).store(acc1)
-            merge_acc.index(4 * (WG - 1) + 2).store(acc2)
-            merge_acc.index(4 * (WG - 1) + 3).store(acc3)
-            merge_vec.index(3 * (WG - 1) + 0).store(m_i)
-            merge_vec.index(3 * (WG - 1) + 1).store(l_i)
-            merge_vec.index(3 * (WG - 1) + 2).store(gl.zeros_like(l_i) + r_i)
-            gl.thread_barrier()
-            mbarrier.arrive(written, count=1)
-        else:
-            mbarrier.wait(written, 0)
-            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
-                                                                merge_vec, 0, ST_L)
-            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
-                                                                merge_vec, 1, ST_L)
-            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
-            _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-            _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-            _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-            _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                           stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, True)
-        return
-    # warpgroup 1's last step is the largest odd one; no later step uses its stage (STAGES even: warpgroup 0's
-    # steps are even); with no step of its own, stage 1 (num_steps <= 1: never filled)
-    last = num_steps - 1 - num_steps % 2
-    last = gl.where(num_steps >= 2, last % STAGES, 1)
-    if WG == 1:
-        merge_acc.index(4 * last + 0).store(acc0)
-        merge_acc.index(4 * last + 1).store(acc1)
-        merge_acc.index(4 * last + 2).store(acc2)
-        merge_acc.index(4 * last + 3).store(acc3)
-        merge_vec.index(0).store(m_i)
-        merge_vec.index(1).store(l_i)
-        merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
-        gl.thread_barrier()
-        mbarrier.arrive(merged, count=1)
+            mbarrier.wait(merged, 0)          # ... and so are the other two
+        handed = written
     else:
-        mbarrier.wait(merged, 0)
-        m_o = merge_vec.index(0).load(H_COLS)
-        l_o = merge_vec.index(1).load(H_COLS)
-        r_o = gl.max(merge_vec.index(2).load(H_COLS), 0)
-        m_new = gl.maximum(m_i, m_o)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        a_mine = gl.exp2(m_i - m_safe)
-        a_other = gl.exp2(m_o - m_safe)
-        r_new = gl.maximum(r_i, r_o)
-        k_mine = (a_mine * (r_i / r_new))[None, :]
-        k_other = (a_other * (r_o / r_new))[None, :]
-        acc0 = acc0 * k_mine + merge_acc.index(4 * last + 0).load(ST_L) * k_other
-        acc1 = acc1 * k_mine + merge_acc.index(4 * last + 1).load(ST_L) * k_other
-        acc2 = acc2 * k_mine + merge_acc.index(4 * last + 2).load(ST_L) * k_other
-        acc3 = acc3 * k_mine + merge_acc.index(4 * last + 3).load(ST_L) * k_other
-        inv_l, lse2 = _softmax_totals(l_i * a_mine + l_o * a_other, m_new, r_new)
-        _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-        _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-        _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, True)
-        _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
-                       stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, True)
+        handed = merged
+    if WG > 0:
+        k = WG - 1
+        base = 4 * _state_stage(k, num_steps, STAGES, NC)
+        merge_acc.index(base + 0).store(acc0)
+        merge_acc.index(base + 1).store(acc1)
+        merge_acc.index(base + 2).store(acc2)
+        merge_acc.index(base + 3).store(acc3)
+        merge_vec.index(3 * k + 0).store(m_i)
+        merge_vec.index(3 * k + 1).store(l_i)
+        merge_vec.index(3 * k + 2).store(gl.zeros_like(l_i) + r_i)
+        gl.thread_barrier()
+        mbarrier.arrive(handed, count=1)
+    else:
+        mbarrier.wait(handed, 0)
+        for k in gl.static_range(NC - 1):
+            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(
+                acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec,
+                4 * _state_stage(k, num_steps, STAGES, NC), k, ST_L)
+        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
+        _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
+                      num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
 @gluon.jit
@@ -1475,26 +1472,16 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles, or 8-head ones (wgmma N = 8; <= 8 heads)")
     gl.static_assert(CONSUMERS == 3 or STAGES % 2 == 0,
                      "an even number of stages: each consumer's steps keep to stages of their own")
-    NW: gl.constexpr = 4
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    SMP: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    SM8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])     # 16-byte units XOR the row: no bank conflicts
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
-
-    pid_h = gl.program_id(0)
-    t = gl.program_id(1).to(gl.int64)
-    s = gl.program_id(2)
-    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
-
-    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL, True)
+    SM: gl.constexpr = ROWS_SM
+    SMP: gl.constexpr = ROWS_SMP
+    VEC: gl.constexpr = ROWS_VEC
+    RAW: gl.constexpr = ROWS_RAW
+    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul = _rows_fp8_start(
+        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N, True)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
     q_unscale.store(1.0 / q_mul)
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], SM8)
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
@@ -1691,8 +1678,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     the dual-consumer kernel also 8-head tiles, for calls of <= 8 heads (num_heads, when given: more would read
     every row once per tile)."""
     dual = cfg.get("dual_consumers", False)
-    if cfg.get("rows") and (cfg["block_n"], cfg["num_warps"]) != (64, 4) or (
-            cfg.get("rows") and cfg["block_h"] not in ((8, 16) if dual else (16,))):
+    if cfg.get("rows") and (cfg["block_h"] not in ((8, 16) if dual else (16,))
+                            or (cfg["block_n"], cfg["num_warps"]) != (64, 4)):
         raise Glm5labError("the rows-as-M wgmma kernels (the dual-consumer one: 8-head tiles too) take 16-head tiles, "
                            f"64-row steps and 4 warps, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, "
                            f"num_warps {cfg['num_warps']}")
@@ -1736,10 +1723,10 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
 
 
-def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False) -> None:
+def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
-    split's partials in fp16 (the 64-head kernels only)."""
-    check_tile(cfg, fp8)
+    split's partials in fp16 (the 64-head kernels only); num_heads: the call's, for `check_tile`."""
+    check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
                        cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
