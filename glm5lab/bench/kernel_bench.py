@@ -236,16 +236,20 @@ def graph_time_us(calls, replays: int = 10, repeats: int = 5) -> float:
     """Median GPU time of one call, from CUDA-graph replays of `calls` (one call per input set, run back to
     back). No launch or Python overhead is in it: this is the time a CUDA-graph-captured engine (vLLM's
     decode) sees. Rotating input sets keep the previous call's rows out of L2."""
+    return median_us(graph_timer(calls, replays), repeats)
+
+
+def median_us(timer, repeats: int = 5) -> float:
+    """The median of `repeats` timings of a `graph_timer`."""
     import statistics
 
-    timer = graph_timer(calls, replays)
     return statistics.median(timer() for _ in range(repeats))
 
 
 def graph_timer(calls, replays: int = 10):
     """`calls` (one call per input set) captured once in a CUDA graph; returns a no-argument call that replays it
-    `replays` times between two events and returns the GPU time of one call in us (graph_time_us takes the median
-    of a few; interleaved timing, `timing.interleaved_rounds`, calls the timers of a shape's implementations in
+    `replays` times between two events and returns the GPU time of one call in us (`median_us` takes the median of
+    a few; interleaved timing, `timing.interleaved_rounds`, calls the timers of a shape's implementations in
     turn)."""
     import torch
 
@@ -454,16 +458,16 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             min_bytes = {lay: sparse_mla_min_bytes(T, H, prof.topk, lay) for lay in ("bf16", "fp8_ds_mla")}
             flops = sparse_mla_flops(T, H, prof.topk)
             impls = [i for i in impls if i[0] not in skip]
-            graph_calls = {}     # (name, layout) -> the calls its graph time replayed, for interleaved rounds
+            graph_timers = {}    # (name, layout) -> the graph its time was taken from, for interleaved rounds
             for recorded, (name, lay, factory, graphable) in timing_order(impls, cuda):
-                g_warm = None
+                g_warm = g_timer = None      # (the previous implementation's graph goes, unless kept for rounds)
                 try:
                     fn = factory(q, slots)
                     out, lse = fn()
                     rel, e_ln, e_log2 = _errors(out, lse, *ref[lay], n_acc)
                     t = bench(fn)
-                    g_calls = [fn] + [factory(*st) for st in sets[1:]] if (cuda and graphable) else None
-                    g_us = graph_time_us(g_calls) if g_calls else None
+                    g_timer = graph_timer([fn] + [factory(*st) for st in sets[1:]]) if (cuda and graphable) else None
+                    g_us = median_us(g_timer) if g_timer else None
                     if cuda and graphable and T <= 8 and name in ("glm5lab", "flashmla"):
                         g_warm = graph_time_us([fn])   # one input set replayed: its rows stay in L2 (warm)
                 except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
@@ -471,8 +475,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     continue
                 if not recorded:
                     continue
-                if interleave and g_us is not None:
-                    graph_calls[(name, lay)] = g_calls
+                if interleave and g_timer is not None:
+                    graph_timers[(name, lay)] = g_timer     # (kept: the graph is not captured again)
                 us = t["p50"]
                 base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
                 eff = min_bytes[lay] / (us * 1e-6) / 1e9
@@ -504,16 +508,14 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 log(f"  {shape:16s} {name:24s} {lay:10s} {us:9.1f} us  graph {rec['graph_us']:8.1f} us{warm}  "
                     f"roofline {rec['roofline']:.2f}  "
                     f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
-            if graph_calls:
-                timers = {key: graph_timer(c) for key, c in graph_calls.items()}
-                for (name, lay), tq in interleaved_rounds(timers, interleave).items():
+            if graph_timers:
+                for (name, lay), tq in interleaved_rounds(graph_timers, interleave).items():
                     rows.append({"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16",
                                  "layout": lay, "metric": "time_graph_interleaved", "value": tq["p50"], "unit": "us",
                                  **tq})
                     log(f"  {shape:16s} {name:24s} {lay:10s} interleaved graph {tq['p50']:8.1f} us "
                         f"(p20 {tq['p20']:.1f}, p80 {tq['p80']:.1f}; {interleave} rounds)")
-                del timers
-            del q, slots, impls, sets, graph_calls
+            del q, slots, impls, sets, graph_timers
             if cuda:
                 torch.cuda.empty_cache()
 

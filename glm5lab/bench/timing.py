@@ -38,9 +38,13 @@ def bench(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 10
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
-    times.sort()
-    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    return {"p20": q[0], "p50": statistics.median(times), "p80": q[3]}
+    return quantiles(times)
+
+
+def quantiles(xs: list) -> dict:
+    """{'p20','p50','p80'} of a list of timings."""
+    q = statistics.quantiles(xs, n=5) if len(xs) >= 2 else [xs[0]] * 4
+    return {"p20": q[0], "p50": statistics.median(xs), "p80": q[3]}
 
 
 def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
@@ -55,11 +59,7 @@ def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
             samples[name].append(float(timers[name]()))
-    out = {}
-    for name, xs in samples.items():
-        q = statistics.quantiles(xs, n=5) if len(xs) >= 2 else [xs[0]] * 4
-        out[name] = {"p20": q[0], "p50": statistics.median(xs), "p80": q[3]}
-    return out
+    return {name: quantiles(xs) for name, xs in samples.items()}
 
 
 def pick_profile(profiles: dict, profile: str):
