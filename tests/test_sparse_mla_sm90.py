@@ -95,10 +95,11 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default
 # ... its 8-head tile (<= 8 heads; built after v17's device time, not yet run on a GPU), with two or three consumers
 WS8X2N8 = {**WS8X2, "block_h": 8}
 WS8X3N8 = {**WS8X2N8, "_consumers": 3}
-N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8], ids=["ws8x2n8", "ws8x3n8"])
+WS8X2N8S5 = {**WS8X2N8, "stages": 5}
+N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2N8S5], ids=["ws8x2n8", "ws8x3n8", "ws8x2n8s5"])
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2N8S5],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2n8s5"])
 
 
 @pytest.mark.gpu
@@ -655,6 +656,10 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.launch((1, 1, 1), (), cfg, False, True)
     n8 = {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
     sm90.check_tile({**n8, "_consumers": 3}, True, 8)
+    sm90.check_tile({**n8, "stages": 5}, True, 8)           # (228 KB: the 8-head tile's two consumers only)
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "stages": 5}, {**n8, "_consumers": 3, "stages": 5}):
+        with pytest.raises(Glm5labError, match="takes 4 stages .* got stages 5"):
+            sm90.check_tile(cfg, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
