@@ -95,11 +95,11 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default
 # ... its 8-head tile (<= 8 heads; built after v17's device time, not yet run on a GPU), with two or three consumers
 WS8X2N8 = {**WS8X2, "block_h": 8}
 WS8X3N8 = {**WS8X2N8, "_consumers": 3}
-WS8X2N8S5 = {**WS8X2N8, "stages": 5}
-N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2N8S5], ids=["ws8x2n8", "ws8x3n8", "ws8x2n8s5"])
+WS8X2P = {**WS8X2N8, "persistent": True}      # ... persistent (NOTES.md v18)
+N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2P], ids=["ws8x2n8", "ws8x3n8", "ws8x2p"])
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2N8S5],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2n8s5"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2P],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2p"])
 
 
 @pytest.mark.gpu
@@ -152,6 +152,18 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
     q16, cache16, slots16, _ = make_case(2, 16, 512, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 16"):
         sparse_mla_attention(q16, cache16, slots16, SCALE, _config=n8_cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
+def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits):
+    """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
+    steps an item (the consumers' parities swap from item to item), splits of unequal length, items of one or two
+    steps, an all-invalid token; the poisoned outputs are all written and match the float64 reference."""
+    q, cache, slots, ref = make_case(T, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **WS8X2P})
+    check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -656,10 +668,13 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.launch((1, 1, 1), (), cfg, False, True)
     n8 = {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
     sm90.check_tile({**n8, "_consumers": 3}, True, 8)
-    sm90.check_tile({**n8, "stages": 5}, True, 8)           # (228 KB: the 8-head tile's two consumers only)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "stages": 5}, {**n8, "_consumers": 3, "stages": 5}):
-        with pytest.raises(Glm5labError, match="takes 4 stages .* got stages 5"):
+    sm90.check_tile({**n8, "persistent": True}, True, 8)
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "persistent": True}, {**n8, "_consumers": 3, "persistent": True},
+                {**sm90.ROWS_FP8_CONFIG, "block_h": 16, "persistent": True}):
+        with pytest.raises(Glm5labError, match="persistent=True is the dual-consumer fp8_ds_mla kernel's 8-head tile"):
             sm90.check_tile(cfg, True, 8)
+    assert sm90.kernel_of(8, True, rows=True, dual=True, persistent=True) is \
+        sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):

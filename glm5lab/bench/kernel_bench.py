@@ -86,11 +86,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # device time, not yet timed) and the three consumers alone (d2)
                   ("ws8x2n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True}),
-                  ("ws8x2n8s5", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                 "stages": 5, "resident": 1, "dual_consumers": True}),
-                  *((f"ws8x2n8{s}d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                         "stages": int(s[1:] or 4), "resident": 1, "dual_consumers": True,
-                                         "_diagnostic": True, "ws_diag": d}) for s in ("", "s5") for d in (2, 3)),
+                  # ... the 8-head tile persistent (NOTES.md v18): one program a SM walks the (token, split) items,
+                  # and its timing diagnostics
+                  ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                              "resident": 1, "dual_consumers": True, "persistent": True}),
+                  *((f"ws8x2{p}d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                       "stages": 4, "resident": 1, "dual_consumers": True, "persistent": p == "p",
+                                       "_diagnostic": True, "ws_diag": d}) for p in ("n8", "p") for d in (2, 3)),
                   ("ws8x3n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True, "_consumers": 3}),
                   ("ws8x3n8d2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -1539,6 +1539,170 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
+@gluon.jit
+def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_st, BLOCK_N: gl.constexpr):
+    """Work item `item` of a persistent program (token item // num_splits, split item % num_splits): its token, split,
+    rows [n_start, n_end), steps and slot row; an item past the end gets no rows (n_end = n_start, no steps)."""
+    t = (item // num_splits).to(gl.int64)
+    s = item % num_splits
+    n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
+    n_end = gl.where(item < num_items, n_end, n_start)
+    return t, s, n_start, n_end, gl.where(item < num_items, num_steps, 0), SLOTS + t * stride_st
+
+
+@gluon.jit
+def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
+                           rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, DIAG: gl.constexpr):
+    """The persistent kernel's loader warpgroup: the steps of this program's items one after another into the ring
+    (global step g into stage g % STAGES), the next item's first slot indices loaded during the last step of this
+    one, so the ring never drains between items."""
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    _, _, n_start, n_end, _, slot_row = _item_rows(pid, num_items, num_splits, rows_per_split, topk, SLOTS,
+                                                   stride_st, BLOCK_N)
+    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+    g = 0
+    for item in range(pid, num_items, G):
+        _, _, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
+                                                               SLOTS, stride_st, BLOCK_N)
+        _, _, n2_start, n2_end, _, slot_row2 = _item_rows(item + G, num_items, num_splits, rows_per_split, topk,
+                                                          SLOTS, stride_st, BLOCK_N)
+        for i in range(num_steps):
+            b = g % STAGES
+            mbarrier.wait(free.index(b), ((g // STAGES) & 1) ^ 1)
+            if DIAG != 2:                      # (ws_diag 2: the consumers alone, on whatever the stages hold)
+                last = i + 1 == num_steps      # (then the slot indices loaded next are the next item's first)
+                sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, gl.where(last, slot_row2, slot_row),
+                                           gl.where(last, n2_start, n_start + (i + 1) * BLOCK_N),
+                                           gl.where(last, n2_end, n_end), raw_lat.index(b), raw_rope.index(b),
+                                           scale_stages.index(b), sl, sr, ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE,
+                                           True)
+            async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
+            g += 1
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_lat, raw_rope, scale_ring, p_ts,
+                             merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items, num_splits,
+                             rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
+                             stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
+                             WG: gl.constexpr, DIAG: gl.constexpr):
+    """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
+    the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
+    warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
+    warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    g = 0
+    phase = 0
+    for item in range(pid, num_items, G):
+        t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
+                                                               SLOTS, stride_st, BLOCK_N)
+        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+        q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
+        fence_async_shared()                  # (q is read by wgmma through the async proxy)
+        gl.thread_barrier()
+        m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
+        first = (g + WG) % 2                  # this warpgroup's steps: global index g + i of its parity
+        sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        for i in range(first, num_steps, 2):
+            gi = g + i
+            b = gi % STAGES
+            cur_rows = sl_rows
+            sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+            mbarrier.wait(staged.index(b), (gi // STAGES) & 1)
+            if DIAG != 3:                     # (ws_diag 3: the gathers alone)
+                m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
+                    q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
+                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
+            gl.thread_barrier()               # every warp is done with stage b and with P^T
+            mbarrier.arrive(free.index(b), count=1)
+        g += num_steps
+        l_i = gl.sum(l_acc, 0)
+        if WG == 1:
+            mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
+            merge_acc.index(0).store(acc0)
+            merge_acc.index(1).store(acc1)
+            merge_acc.index(2).store(acc2)
+            merge_acc.index(3).store(acc3)
+            merge_vec.index(0).store(m_i)
+            merge_vec.index(1).store(l_i)
+            merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
+            gl.thread_barrier()
+            mbarrier.arrive(handed, count=1)
+        else:
+            mbarrier.wait(handed, phase)
+            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
+                                                                merge_vec, 0, 0, ST_L)
+            gl.thread_barrier()
+            mbarrier.arrive(taken, count=1)
+            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
+            _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, 0, num_heads,
+                          num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
+        phase ^= 1
+
+
+@gluon.jit
+def _sparse_mla_rows_fp8_persistent_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    DIAG: gl.constexpr = 0,
+):
+    """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile, persistent (NOTES.md v18). One
+    program a SM walks the work items (token, split) p, p + G, ...; the loader streams every item's steps through
+    one ring and the consumers hand over at item ends, so neither the ring's fill nor the last steps' products are
+    paid once per item (v18 call 2: the one-item-a-program kernel took 218 us at 8 heads x 512 tokens, its gathers
+    alone 188 and its consumers alone 159). Each consumer stages q itself (its own buffers); warpgroup 1's state
+    goes to warpgroup 0 through a buffer of its own (not a stage: the ring goes on). ~206 KB of shared memory."""
+    gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
+    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
+    gl.static_assert(BLOCK_H == 8, "the 8-head tile (wgmma N = 8; <= 8 heads)")
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    SM: gl.constexpr = ROWS_SM
+    VEC: gl.constexpr = ROWS_VEC
+    RAW: gl.constexpr = ROWS_RAW
+    q_lat0 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+    q_rope0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+    q_rope1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
+    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
+    merge_acc = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H], RAW)
+    merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
+    p_a = (_p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM),
+           _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM))
+    p_b = (_p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM),
+           _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM))
+    handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    mbarrier.init(handed, count=1)            # warpgroup 1's state is in merge_acc
+    mbarrier.init(taken, count=1)             # warpgroup 0 has read it
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
+    gl.warp_specialize([
+        (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat0, q_rope0, raw_lat, raw_rope, scale_ring,
+                                    p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
+                                    num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
+                                    stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
+                                    SPLIT, ST_L, 0, DIAG)),
+        (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
+                                    p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
+                                    num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
+                                    stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
+                                    SPLIT, ST_L, 1, DIAG)),
+        (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
+                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
+
+
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
 # 95 KB of shared memory with 2 stages (two CTAs a SM), 116 KB with 3 (one); bf16 165 registers, 94 KB; no spill.
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
@@ -1638,10 +1802,13 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False):
+              dual: bool = False, persistent: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one, with dual its dual-consumer form; ws: the warp-specialized 64-head kernel; with converter,
-    its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
+    warp-specialized one, with dual its dual-consumer form, with persistent too that form's persistent 8-head
+    kernel; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a
+    producer warpgroup)."""
+    if rows and fp8 and dual and persistent:
+        return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
     if ws and converter and fp8:
@@ -1699,12 +1866,13 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("_consumers (2 or 3) is a private trial of the dual-consumer fp8_ds_mla kernel, 3 with its "
                            "8-head tile only (16-head tiles spilled at three consumers' registers, NOTES.md v17); got "
                            f"{cfg.get('_consumers')!r} with dual_consumers={dual}, block_h {cfg.get('block_h')}")
-    if dual and (cfg["stages"] not in ((4, 5) if cfg["block_h"] == 8 and consumers == 2 else (4,))
-                 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
-        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory; its 8-head "
-                           "tile with two consumers also 5, 228 KB) and timing diagnostics 2-3 only; got stages "
-                           f"{cfg['stages']} (block_h {cfg['block_h']}, {consumers} consumers), ws_diag "
-                           f"{cfg.get('ws_diag', 0)}")
+    if cfg.get("persistent") and not (dual and cfg["block_h"] == 8 and consumers == 2):
+        raise Glm5labError("persistent=True is the dual-consumer fp8_ds_mla kernel's 8-head tile with two consumers "
+                           f"(NOTES.md v18); got it with dual_consumers={dual}, block_h {cfg.get('block_h')}, "
+                           f"{consumers} consumers")
+    if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
+        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
+                           f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
     if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -1724,13 +1892,19 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
 
 
-def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None) -> None:
+def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
+           num_sms: int = 132) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
-    split's partials in fp16 (the 64-head kernels only); num_heads: the call's, for `check_tile`."""
+    split's partials in fp16 (the 64-head kernels only); num_heads: the call's, for `check_tile`; num_sms: the GPU's
+    (a persistent kernel's programs)."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False))
+                       cfg.get("dual_consumers", False), cfg.get("persistent", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
+    if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
+        head_tiles, num_tokens, num_splits = grid
+        extra["num_items"] = num_tokens * num_splits
+        grid = (max(1, min(extra["num_items"], num_sms)),)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
