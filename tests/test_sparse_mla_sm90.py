@@ -96,10 +96,12 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default
 WS8X2N8 = {**WS8X2, "block_h": 8}
 WS8X3N8 = {**WS8X2N8, "_consumers": 3}
 WS8X2P = {**WS8X2N8, "persistent": True}      # ... persistent (NOTES.md v18)
-N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2P], ids=["ws8x2n8", "ws8x3n8", "ws8x2p"])
+WS8X2PQ = {**WS8X2P, "qk_fp8": True}         # ... with S's products in e4m3
+N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2P, WS8X2PQ],
+                                   ids=["ws8x2n8", "ws8x3n8", "ws8x2p", "ws8x2pq"])
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2P],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2p"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2P, WS8X2PQ],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2p", "ws8x2pq"])
 
 
 @pytest.mark.gpu
@@ -155,14 +157,15 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PQ], ids=["ws8x2p", "ws8x2pq"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
-def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits):
+def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
     steps an item (the consumers' parities swap from item to item), splits of unequal length, items of one or two
     steps, an all-invalid token; the poisoned outputs are all written and match the float64 reference."""
     q, cache, slots, ref = make_case(T, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **WS8X2P})
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -675,6 +678,9 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True, persistent=True) is \
         sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
+    sm90.check_tile({**n8, "persistent": True, "qk_fp8": True}, True, 8)
+    with pytest.raises(Glm5labError, match="qk_fp8=True .* is an option of the persistent"):
+        sm90.check_tile({**n8, "qk_fp8": True}, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):

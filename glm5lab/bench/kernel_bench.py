@@ -90,9 +90,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # and its timing diagnostics
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                               "resident": 1, "dual_consumers": True, "persistent": True}),
+                  # ... with S's products in e4m3 straight from the gathered bytes (q in two e4m3 parts)
+                  ("ws8x2pq", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                               "resident": 1, "dual_consumers": True, "persistent": True, "qk_fp8": True}),
                   *((f"ws8x2{p}d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                       "stages": 4, "resident": 1, "dual_consumers": True, "persistent": p == "p",
-                                       "_diagnostic": True, "ws_diag": d}) for p in ("n8", "p") for d in (2, 3)),
+                                       "stages": 4, "resident": 1, "dual_consumers": True,
+                                       "persistent": p != "n8", "qk_fp8": p == "pq",
+                                       "_diagnostic": True, "ws_diag": d}) for p in ("n8", "p", "pq") for d in (2, 3)),
                   ("ws8x3n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True, "_consumers": 3}),
                   ("ws8x3n8d2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -77,6 +77,7 @@ HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))      
 # scales [4 chunks, rows] float32
 WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))        # [rows, 512] e4m3
 WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
+WG_LAT8C = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))       # [rows, 128] e4m3 chunk tiles
 WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
@@ -109,10 +110,25 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
 
 
 @gluon.jit
+def _copy_chunks(ring, tile0, KV, row_stride, slots, num_slots, L: gl.constexpr):
+    """cp.async the 512 e4m3 bytes of each gathered row as four 128-byte chunks into the [rows, 128] tiles
+    ring[tile0 .. tile0 + 3]."""
+    _copy_rows(ring.index(tile0 + 0), KV, row_stride, slots, num_slots, 0, 128, gl.uint8, L)
+    _copy_rows(ring.index(tile0 + 1), KV, row_stride, slots, num_slots, 128, 128, gl.uint8, L)
+    _copy_rows(ring.index(tile0 + 2), KV, row_stride, slots, num_slots, 256, 128, gl.uint8, L)
+    _copy_rows(ring.index(tile0 + 3), KV, row_stride, slots, num_slots, 384, 128, gl.uint8, L)
+
+
+@gluon.jit
 def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
-    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales."""
-    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
+                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, CHUNKED: gl.constexpr = False,
+                  tile0=0):
+    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes (CHUNKED: as four chunk tiles of the ring lat_buf from
+    tile0 on, `_copy_chunks`), 64 bf16 rope values and (chunk-major) 4 scales."""
+    if CHUNKED:
+        _copy_chunks(lat_buf, tile0, KV, row_stride, sl_lat, num_slots, LAT)
+    else:
+        _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
     _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L)
     ok = (sl_scale >= 0) & (sl_scale < num_slots)
     rows = gl.where(ok, sl_scale, 0).to(gl.int64)
@@ -149,12 +165,12 @@ def _ring_slots(slot_row, n0, n_end, BLOCK_N: gl.constexpr, LAT: gl.constexpr, R
 @gluon.jit
 def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, rope_buf, scale_buf,
                   sl_lat, sl_rope, sl_scale, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
-                  SCALE_L: gl.constexpr, FP8: gl.constexpr):
+                  SCALE_L: gl.constexpr, FP8: gl.constexpr, CHUNKED: gl.constexpr = False, tile0=0):
     """Request one ring slot's rows (their slot indices were loaded a step earlier), then load the slot indices of
     the rows from n_next on for the next request: a step never waits on an address. Returns those indices."""
     if FP8:
         _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                      LAT, ROPE_L, SCALE_L)
+                      LAT, ROPE_L, SCALE_L, CHUNKED, tile0)
     else:
         _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf, LAT, ROPE_L)
     return _ring_slots(slot_row, n_next, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
@@ -945,6 +961,7 @@ def _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse
 ROWS_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROWS_SMP = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 ROWS_SM8 = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+ROWS_SM8Q = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))  # e4m3 operands
 ROWS_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 ROWS_RAW = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 ROWS_QL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -1277,10 +1294,69 @@ def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 
 
 @gluon.jit
-def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
-    """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact; rows in `_v_order`)."""
-    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
+def _v_operand(tile, A_L: gl.constexpr):
+    """A chunk of the staged e4m3 rows ([rows, 128]) as O^T's A operand V^T in registers (fp16, exact; rows in
+    `_v_order`)."""
+    raw = tile.load(DUAL_V8)
     return gl.convert_layout(_v_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
+
+
+@gluon.jit
+def _qk_e4m3(k_tile, q_parts, c, zero_s):
+    """S^T's product of one chunk in e4m3: K's [rows, 128] tile (shared memory, as gathered) times q's two e4m3
+    parts q_parts[c] and q_parts[4 + c], accumulated in one chain (the second part is ~2^-4 of the first); in
+    zero_s's layout (the accumulator's registers are those of the 16-bit products: only the instruction's K, 32,
+    differs)."""
+    ST_L: gl.constexpr = zero_s.type.layout
+    ST8_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=ST_L.warps_per_cta,
+                                                    instr_shape=[16, ST_L.instr_shape[1], 32])
+    zero8 = gl.zeros(zero_s.shape, gl.float32, layout=ST8_L)
+    st = warpgroup_mma(k_tile, q_parts.index(c).permute((1, 0)), zero8, use_acc=False)
+    return gl.convert_layout(warpgroup_mma(k_tile, q_parts.index(4 + c).permute((1, 0)), st), ST_L)
+
+
+@gluon.jit
+def _pow2_into_e4m3_range(amax):
+    """Per head, the power of two m with amax * m in [2^7, 2^8) (below e4m3's largest finite value, 448); exact
+    (built from the exponent bits)."""
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = gl.minimum(gl.maximum(7 - e, -126), 127)
+    m = ((k + 127) << 23).to(gl.float32, bitcast=True)
+    return gl.where(amax > 0, m, 1.0)
+
+
+@gluon.jit
+def _q_e4m3_split(Q, t, stride_qt, stride_qh, num_heads, q_parts, q_rope, BLOCK_H: gl.constexpr, QL: gl.constexpr):
+    """q for e4m3 products (QK_FP8): its latent part scaled per head by a power of two m (`_pow2_into_e4m3_range`)
+    and split as q * m = hi + lo, hi = e4m3(q * m), lo = e4m3(q * m - hi), into q_parts [8, BLOCK_H, 128] (hi
+    chunks 0-3, lo 4-7): bf16 has 8 significant bits and each part 4, so the split is exact wherever lo is an e4m3
+    normal (values above ~2^-13 of the head's largest); the rope part as is into q_rope. Returns m."""
+    heads_q = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
+                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
+    q_mul = _pow2_into_e4m3_range(amax)
+    _store_e4m3_parts(q_parts, 0, q0 * q_mul[:, None])
+    _store_e4m3_parts(q_parts, 1, q1 * q_mul[:, None])
+    _store_e4m3_parts(q_parts, 2, q2 * q_mul[:, None])
+    _store_e4m3_parts(q_parts, 3, q3 * q_mul[:, None])
+    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
+    return q_mul
+
+
+@gluon.jit
+def _store_e4m3_parts(q_parts, c: gl.constexpr, x):
+    """x = hi + lo in e4m3 into q_parts[c] and q_parts[4 + c]."""
+    hi = x.to(gl.float8e4nv)
+    q_parts.index(c).store(hi)
+    q_parts.index(4 + c).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
 
 
 @gluon.jit
@@ -1304,15 +1380,18 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr):
+                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
+                   QK_FP8: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory)."""
+    warps (two took two rounds through shared memory). QK_FP8 (NOTES.md v18): raw_lat holds each stage as four
+    [rows, 128] chunk tiles in wgmma's swizzle ([STAGES * 4, rows, 128]) and S^T's products are e4m3 wgmma straight from them, with q split
+    into two e4m3 parts q_lat[c] + q_lat[4 + c] (exact for bf16 q but the far tail, `_q_e4m3_split`): nothing of K
+    is converted."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
-    lat = raw_lat.index(b)
     # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
     # loop, where ptxas spilled them)
     opaque0 = i // num_steps
@@ -1320,14 +1399,30 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
-                       use_acc=False) * s0[:, None]
-    st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s1[:, None]
-    st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s2[:, None]
-    st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s3[:, None]
+    if QK_FP8:
+        k8 = raw_lat._reinterpret(gl.float8e4nv, raw_lat.shape, raw_lat.layout)
+        st = _qk_e4m3(k8.index(4 * b + 0), q_lat, 0 + opaque0, zero_s) * s0[:, None]
+        st += _qk_e4m3(k8.index(4 * b + 1), q_lat, 1 + opaque0, zero_s) * s1[:, None]
+        st += _qk_e4m3(k8.index(4 * b + 2), q_lat, 2 + opaque0, zero_s) * s2[:, None]
+        st += _qk_e4m3(k8.index(4 * b + 3), q_lat, 3 + opaque0, zero_s) * s3[:, None]
+        v0 = raw_lat.index(4 * b + 0)
+        v1 = raw_lat.index(4 * b + 1)
+        v2 = raw_lat.index(4 * b + 2)
+        v3 = raw_lat.index(4 * b + 3)
+    else:
+        lat = raw_lat.index(b)
+        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+                           use_acc=False) * s0[:, None]
+        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s1[:, None]
+        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s2[:, None]
+        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s3[:, None]
+        v0 = lat.slice(0, 128, dim=1)
+        v1 = lat.slice(128, 128, dim=1)
+        v2 = lat.slice(256, 128, dim=1)
+        v3 = lat.slice(384, 128, dim=1)
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
@@ -1343,10 +1438,10 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
-    acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
-    acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
-    acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
-    acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
+    acc0 = warpgroup_mma(_v_operand(v0, A_L), p_t0, acc0 * keep)
+    acc1 = warpgroup_mma(_v_operand(v1, A_L), p_t1, acc1 * keep)
+    acc2 = warpgroup_mma(_v_operand(v2, A_L), p_t2, acc2 * keep)
+    acc3 = warpgroup_mma(_v_operand(v3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1553,15 +1648,16 @@ def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_
 @gluon.jit
 def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                            rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, DIAG: gl.constexpr):
+                           STAGES: gl.constexpr, DIAG: gl.constexpr, QK_FP8: gl.constexpr):
     """The persistent kernel's loader warpgroup: the steps of this program's items one after another into the ring
     (global step g into stage g % STAGES), the next item's first slot indices loaded during the last step of this
-    one, so the ring never drains between items."""
+    one, so the ring never drains between items. QK_FP8: each stage's rows go to its four chunk tiles."""
+    LAT: gl.constexpr = WG_LAT8C if QK_FP8 else WG_LAT8
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     _, _, n_start, n_end, _, slot_row = _item_rows(pid, num_items, num_splits, rows_per_split, topk, SLOTS,
                                                    stride_st, BLOCK_N)
-    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, WG_ROPE, WG_SCALE, True)
     g = 0
     for item in range(pid, num_items, G):
         _, _, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
@@ -1573,11 +1669,15 @@ def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, f
             mbarrier.wait(free.index(b), ((g // STAGES) & 1) ^ 1)
             if DIAG != 2:                      # (ws_diag 2: the consumers alone, on whatever the stages hold)
                 last = i + 1 == num_steps      # (then the slot indices loaded next are the next item's first)
+                if QK_FP8:
+                    lat_buf = raw_lat          # (stage b: its tiles 4b .. 4b + 3)
+                else:
+                    lat_buf = raw_lat.index(b)
                 sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, gl.where(last, slot_row2, slot_row),
                                            gl.where(last, n2_start, n_start + (i + 1) * BLOCK_N),
-                                           gl.where(last, n2_end, n_end), raw_lat.index(b), raw_rope.index(b),
-                                           scale_stages.index(b), sl, sr, ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE,
-                                           True)
+                                           gl.where(last, n2_end, n_end), lat_buf, raw_rope.index(b),
+                                           scale_stages.index(b), sl, sr, ss, BLOCK_N, LAT, WG_ROPE, WG_SCALE,
+                                           True, QK_FP8, 4 * b)
             async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
             g += 1
     async_copy.wait_group(0)
@@ -1589,7 +1689,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr):
+                             WG: gl.constexpr, DIAG: gl.constexpr, QK_FP8: gl.constexpr):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1603,7 +1703,10 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     for item in range(pid, num_items, G):
         t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
                                                                SLOTS, stride_st, BLOCK_N)
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+        if QK_FP8:
+            q_mul = _q_e4m3_split(Q, t, stride_qt, stride_qh, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL)
+        else:
+            q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
         q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
         gl.thread_barrier()
@@ -1619,7 +1722,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
             if DIAG != 3:                     # (ws_diag 3: the gathers alone)
                 m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                     q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
+                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, QK_FP8)
             gl.thread_barrier()               # every warp is done with stage b and with P^T
             mbarrier.arrive(free.index(b), count=1)
         g += num_steps
@@ -1653,7 +1756,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, QK_FP8: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile, persistent (NOTES.md v18). One
     program a SM walks the work items (token, split) p, p + G, ...; the loader streams every item's steps through
@@ -1668,11 +1771,16 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     SM: gl.constexpr = ROWS_SM
     VEC: gl.constexpr = ROWS_VEC
     RAW: gl.constexpr = ROWS_RAW
-    q_lat0 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+    if QK_FP8:          # (q in two e4m3 parts; each stage's rows as four [rows, 128] chunk tiles in wgmma's swizzle)
+        q_lat0 = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_H, 128], ROWS_SM8Q)
+        q_lat1 = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_H, 128], ROWS_SM8Q)
+        raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N, 128], ROWS_SM8Q)
+    else:
+        q_lat0 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+        q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
+        raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
     q_rope0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
@@ -1692,14 +1800,15 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG)),
+                                    SPLIT, ST_L, 0, DIAG, QK_FP8)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG)),
+                                    SPLIT, ST_L, 1, DIAG, QK_FP8)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
-                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
+                                  QK_FP8)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
@@ -1870,6 +1979,10 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("persistent=True is the dual-consumer fp8_ds_mla kernel's 8-head tile with two consumers "
                            f"(NOTES.md v18); got it with dual_consumers={dual}, block_h {cfg.get('block_h')}, "
                            f"{consumers} consumers")
+    if cfg.get("qk_fp8") and not cfg.get("persistent"):
+        raise Glm5labError("qk_fp8=True (S's products in e4m3 from the gathered bytes) is an option of the persistent "
+                           f"8-head fp8_ds_mla kernel (persistent=True); got it with persistent="
+                           f"{cfg.get('persistent', False)}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -1909,6 +2022,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
+    if cfg.get("qk_fp8"):
+        extra["QK_FP8"] = True
     if cfg.get("_consumers", 2) == 3 and "CONSUMERS" in kernel.arg_names:   # (a private trial, NOTES.md v17)
         extra["CONSUMERS"] = 3
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
