@@ -92,16 +92,11 @@ VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_s
                 WS8X2]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
-# ... its 8-head tile (<= 8 heads; built after v17's device time, not yet run on a GPU), with two or three consumers
-WS8X2N8 = {**WS8X2, "block_h": 8}
-WS8X3N8 = {**WS8X2N8, "_consumers": 3}
-WS8X2P = {**WS8X2N8, "persistent": True}      # ... persistent (NOTES.md v18)
-WS8X2PQ = {**WS8X2P, "qk_fp8": True}         # ... with S's products in e4m3
-N8_TILES = pytest.mark.parametrize("n8_cfg", [WS8X2N8, WS8X3N8, WS8X2P, WS8X2PQ],
-                                   ids=["ws8x2n8", "ws8x3n8", "ws8x2p", "ws8x2pq"])
-# the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2N8, WS8X3N8, WS8X2P, WS8X2PQ],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2n8", "ws8x3n8", "ws8x2p", "ws8x2pq"])
+# ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18)
+WS8X2P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
+# the fp8 tiles a test at <= 8 heads takes: the 8-head one too
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2P],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2p"])
 
 
 @pytest.mark.gpu
@@ -130,42 +125,39 @@ def test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits):
 
 
 @pytest.mark.gpu
-@N8_TILES
 @pytest.mark.parametrize("H", [5, 8])
 @pytest.mark.parametrize("T", [1, 8, 130])
-def test_gpu_gluon_8_head_tiles_real_shapes(n8_cfg, H, T):
-    """The dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads, rows] and read transposed), with two and
-    three consumers: real shapes as test_gpu_gluon_real_shapes, within its <= 8 heads."""
+def test_gpu_gluon_8_head_tiles_real_shapes(H, T):
+    """The dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads, rows] and read transposed; persistent):
+    real shapes as test_gpu_gluon_real_shapes, within its <= 8 heads."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **n8_cfg})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2P})
     check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
-@N8_TILES
-def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph(n8_cfg):
+def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph():
     q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **n8_cfg})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2P})
     check(out, lse, ref, torch.bfloat16)
     q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), n8_cfg)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), WS8X2P)
     q16, cache16, slots16, _ = make_case(2, 16, 512, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 16"):
-        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=n8_cfg)
+        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=WS8X2P)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PQ], ids=["ws8x2p", "ws8x2pq"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
-def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
+def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
     steps an item (the consumers' parities swap from item to item), splits of unequal length, items of one or two
     steps, an all-invalid token; the poisoned outputs are all written and match the float64 reference."""
     q, cache, slots, ref = make_case(T, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **pcfg})
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **WS8X2P})
     check(out, lse, ref, torch.bfloat16)
 
 
@@ -546,9 +538,11 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
         assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
-        dual_from = sm90.FP8_DUAL_MIN_TOKENS * (1 if H <= 8 else 2)      # the dual-consumer form (NOTES.md v17)
+        # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
+        # 16 at <= 8 heads
+        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2P) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
-        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == WS8X2
+        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == dual
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -665,36 +659,25 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     for extra in ({"stages": 2}, {"ws_diag": 4, "_diagnostic": True}):
         with pytest.raises(Glm5labError, match="the dual-consumer fp8_ds_mla kernel takes 4 stages"):
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
-    for cfg in ({**sm90.ROWS_FP8_CONFIG, "_consumers": 3}, {**sm90.ROWS_FP8_DUAL_CONFIG, "_consumers": 4},
-                {**sm90.ROWS_FP8_DUAL_CONFIG, "_consumers": 3}):           # (three: with the 8-head tile only)
-        with pytest.raises(Glm5labError, match="_consumers .2 or 3. is a private trial"):
-            sm90.launch((1, 1, 1), (), cfg, False, True)
-    n8 = {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
-    sm90.check_tile({**n8, "_consumers": 3}, True, 8)
-    sm90.check_tile({**n8, "persistent": True}, True, 8)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "persistent": True}, {**n8, "_consumers": 3, "persistent": True},
-                {**sm90.ROWS_FP8_CONFIG, "block_h": 16, "persistent": True}):
-        with pytest.raises(Glm5labError, match="persistent=True is the dual-consumer fp8_ds_mla kernel's 8-head tile"):
-            sm90.check_tile(cfg, True, 8)
-    assert sm90.kernel_of(8, True, rows=True, dual=True, persistent=True) is \
-        sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    sm90.check_tile({**n8, "persistent": True, "qk_fp8": True}, True, 8)
-    with pytest.raises(Glm5labError, match="qk_fp8=True .* is an option of the persistent"):
-        sm90.check_tile({**n8, "qk_fp8": True}, True, 8)
+    n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
+    sm90.check_tile(n8, True, 8)
+    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
+    assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
         sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "block_h": 8}, True, 8)
 
 
-def test_gluon_rows_fp8_sm90_dual_8_head_tile_builds_three_consumers_without_spilling():
-    """The 8-head tile (wgmma N = 8) halves O^T, S and l, so three consumer warpgroups fit 152 registers each (16
-    warps, the loader 56) without a spill -- the 16-head tile spilled there (NOTES.md v17 call 8): 3 x 68 wgmma, one
-    loader's 22 cp.async, one CTA a SM."""
-    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, CONSUMERS=3, FP8=True, num_warps=4)
+@pytest.mark.parametrize("split", [False, True])
+def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(split):
+    """The persistent 8-head kernel (NOTES.md v18): the dual-consumer kernel's two consumers (68 wgmma a step each,
+    every e4m3 byte converted in registers twice) and one loader (22 cp.async a step) in a loop over work items;
+    registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within one CTA's shared memory."""
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4)
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
-    assert rep["HGMMA"] == 3 * 68 and rep["F2FP"] >= 3 * 256 and rep["LDGSTS"] == 22
-    assert {56, 152} <= set(rep["setmaxnreg"]) and rep["smem"] <= 227 * 1024
+    assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
+    assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
@@ -866,7 +849,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
-                 "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
+                 "ROWS_FP8_PERSISTENT_CONFIG", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
             if (tile.get("rows") and fp8 != name.startswith("ROWS_FP8")) or (tile.get("converter") and not fp8):
@@ -878,6 +861,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)
                     assert merged["ws"] == tile["ws"], (name, fp8, H, T)
                     assert merged["dual_consumers"] == tile["dual_consumers"], (name, fp8, H, T)
+                    assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():
@@ -886,6 +870,6 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS
 
     for name, cfg in GLUON_VARIANTS:
-        assert {"rows", "ws", "block_n", "num_warps", "stages", "resident", "dual_consumers"} <= set(cfg), name
+        assert {"rows", "ws", "block_h", "block_n", "num_warps", "stages", "resident", "dual_consumers"} <= set(cfg), name
         if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
             assert {"converter", "p_smem"} <= set(cfg), name

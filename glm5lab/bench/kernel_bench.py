@@ -82,26 +82,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                              "dual_consumers": True}),
-                  # ... its 8-head tile (<= 8 heads), with two or three consumer warpgroups (built after v17's
-                  # device time, not yet timed) and the three consumers alone (d2)
-                  ("ws8x2n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                               "resident": 1, "dual_consumers": True}),
-                  # ... the 8-head tile persistent (NOTES.md v18): one program a SM walks the (token, split) items,
-                  # and its timing diagnostics
+                  # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18), and its timing
+                  # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                              "resident": 1, "dual_consumers": True, "persistent": True}),
-                  # ... with S's products in e4m3 straight from the gathered bytes (q in two e4m3 parts)
-                  ("ws8x2pq", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                               "resident": 1, "dual_consumers": True, "persistent": True, "qk_fp8": True}),
-                  *((f"ws8x2{p}d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                       "stages": 4, "resident": 1, "dual_consumers": True,
-                                       "persistent": p != "n8", "qk_fp8": p == "pq",
-                                       "_diagnostic": True, "ws_diag": d}) for p in ("n8", "p", "pq") for d in (2, 3)),
-                  ("ws8x3n8", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                               "resident": 1, "dual_consumers": True, "_consumers": 3}),
-                  ("ws8x3n8d2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "_consumers": 3, "_diagnostic": True,
-                                 "ws_diag": 2}),
+                              "resident": 1, "dual_consumers": True}),
+                  *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                     "stages": 4, "resident": 1, "dual_consumers": True, "_diagnostic": True,
+                                     "ws_diag": d}) for d in (2, 3)),
                   # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
                   # alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -132,9 +119,9 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers: the <= 16-head fp8_ds_mla default is the dual-consumer form from 32 tokens (NOTES.md
-# v17), and a tile laid over it must not inherit it
-GLUON_VARIANTS = [(n, {"dual_consumers": False, **cfg}) for n, cfg in GLUON_VARIANTS]
+# every tile names dual_consumers and block_h: the <= 16-head fp8_ds_mla default is the dual-consumer form (NOTES.md
+# v17), with 8-head tiles at <= 8 heads (v18), and a tile laid over it must not inherit either
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, **cfg}) for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

@@ -31,11 +31,13 @@ caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M in
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
 turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v12:
-0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens); from 32 tokens (64 at 9-16 heads)
+0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens); at 9-16 heads from 64 tokens
 its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and no fp16 tile -- two consumer
 warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
 once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
-(v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens).
+(v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens); at <= 8 heads from 16 tokens
+the same two consumers on 8-head tiles in a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one
+program a SM walks the (token, split) items through one ring; v18: ~0.77 of the roofline, ~2.1x at 512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -77,7 +79,6 @@ HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))      
 # scales [4 chunks, rows] float32
 WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))        # [rows, 512] e4m3
 WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
-WG_LAT8C = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))       # [rows, 128] e4m3 chunk tiles
 WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
@@ -110,25 +111,10 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
 
 
 @gluon.jit
-def _copy_chunks(ring, tile0, KV, row_stride, slots, num_slots, L: gl.constexpr):
-    """cp.async the 512 e4m3 bytes of each gathered row as four 128-byte chunks into the [rows, 128] tiles
-    ring[tile0 .. tile0 + 3]."""
-    _copy_rows(ring.index(tile0 + 0), KV, row_stride, slots, num_slots, 0, 128, gl.uint8, L)
-    _copy_rows(ring.index(tile0 + 1), KV, row_stride, slots, num_slots, 128, 128, gl.uint8, L)
-    _copy_rows(ring.index(tile0 + 2), KV, row_stride, slots, num_slots, 256, 128, gl.uint8, L)
-    _copy_rows(ring.index(tile0 + 3), KV, row_stride, slots, num_slots, 384, 128, gl.uint8, L)
-
-
-@gluon.jit
 def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, CHUNKED: gl.constexpr = False,
-                  tile0=0):
-    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes (CHUNKED: as four chunk tiles of the ring lat_buf from
-    tile0 on, `_copy_chunks`), 64 bf16 rope values and (chunk-major) 4 scales."""
-    if CHUNKED:
-        _copy_chunks(lat_buf, tile0, KV, row_stride, sl_lat, num_slots, LAT)
-    else:
-        _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
+                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
+    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales."""
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
     _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L)
     ok = (sl_scale >= 0) & (sl_scale < num_slots)
     rows = gl.where(ok, sl_scale, 0).to(gl.int64)
@@ -165,12 +151,12 @@ def _ring_slots(slot_row, n0, n_end, BLOCK_N: gl.constexpr, LAT: gl.constexpr, R
 @gluon.jit
 def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, rope_buf, scale_buf,
                   sl_lat, sl_rope, sl_scale, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
-                  SCALE_L: gl.constexpr, FP8: gl.constexpr, CHUNKED: gl.constexpr = False, tile0=0):
+                  SCALE_L: gl.constexpr, FP8: gl.constexpr):
     """Request one ring slot's rows (their slot indices were loaded a step earlier), then load the slot indices of
     the rows from n_next on for the next request: a step never waits on an address. Returns those indices."""
     if FP8:
         _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                      LAT, ROPE_L, SCALE_L, CHUNKED, tile0)
+                      LAT, ROPE_L, SCALE_L)
     else:
         _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf, LAT, ROPE_L)
     return _ring_slots(slot_row, n_next, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
@@ -961,7 +947,6 @@ def _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse
 ROWS_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROWS_SMP = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 ROWS_SM8 = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-ROWS_SM8Q = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))  # e4m3 operands
 ROWS_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 ROWS_RAW = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 ROWS_QL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -1294,69 +1279,10 @@ def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 
 
 @gluon.jit
-def _v_operand(tile, A_L: gl.constexpr):
-    """A chunk of the staged e4m3 rows ([rows, 128]) as O^T's A operand V^T in registers (fp16, exact; rows in
-    `_v_order`)."""
-    raw = tile.load(DUAL_V8)
+def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
+    """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact; rows in `_v_order`)."""
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
     return gl.convert_layout(_v_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
-
-
-@gluon.jit
-def _qk_e4m3(k_tile, q_parts, c, zero_s):
-    """S^T's product of one chunk in e4m3: K's [rows, 128] tile (shared memory, as gathered) times q's two e4m3
-    parts q_parts[c] and q_parts[4 + c], accumulated in one chain (the second part is ~2^-4 of the first); in
-    zero_s's layout (the accumulator's registers are those of the 16-bit products: only the instruction's K, 32,
-    differs)."""
-    ST_L: gl.constexpr = zero_s.type.layout
-    ST8_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=ST_L.warps_per_cta,
-                                                    instr_shape=[16, ST_L.instr_shape[1], 32])
-    zero8 = gl.zeros(zero_s.shape, gl.float32, layout=ST8_L)
-    st = warpgroup_mma(k_tile, q_parts.index(c).permute((1, 0)), zero8, use_acc=False)
-    return gl.convert_layout(warpgroup_mma(k_tile, q_parts.index(4 + c).permute((1, 0)), st), ST_L)
-
-
-@gluon.jit
-def _pow2_into_e4m3_range(amax):
-    """Per head, the power of two m with amax * m in [2^7, 2^8) (below e4m3's largest finite value, 448); exact
-    (built from the exponent bits)."""
-    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = gl.minimum(gl.maximum(7 - e, -126), 127)
-    m = ((k + 127) << 23).to(gl.float32, bitcast=True)
-    return gl.where(amax > 0, m, 1.0)
-
-
-@gluon.jit
-def _q_e4m3_split(Q, t, stride_qt, stride_qh, num_heads, q_parts, q_rope, BLOCK_H: gl.constexpr, QL: gl.constexpr):
-    """q for e4m3 products (QK_FP8): its latent part scaled per head by a power of two m (`_pow2_into_e4m3_range`)
-    and split as q * m = hi + lo, hi = e4m3(q * m), lo = e4m3(q * m - hi), into q_parts [8, BLOCK_H, 128] (hi
-    chunks 0-3, lo 4-7): bf16 has 8 significant bits and each part 4, so the split is exact wherever lo is an e4m3
-    normal (values above ~2^-13 of the head's largest); the rope part as is into q_rope. Returns m."""
-    heads_q = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    hm_q = heads_q < num_heads
-    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
-                      gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
-    q_mul = _pow2_into_e4m3_range(amax)
-    _store_e4m3_parts(q_parts, 0, q0 * q_mul[:, None])
-    _store_e4m3_parts(q_parts, 1, q1 * q_mul[:, None])
-    _store_e4m3_parts(q_parts, 2, q2 * q_mul[:, None])
-    _store_e4m3_parts(q_parts, 3, q3 * q_mul[:, None])
-    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
-    return q_mul
-
-
-@gluon.jit
-def _store_e4m3_parts(q_parts, c: gl.constexpr, x):
-    """x = hi + lo in e4m3 into q_parts[c] and q_parts[4 + c]."""
-    hi = x.to(gl.float8e4nv)
-    q_parts.index(c).store(hi)
-    q_parts.index(4 + c).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
 
 
 @gluon.jit
@@ -1380,18 +1306,15 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   QK_FP8: gl.constexpr = False):
+                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory). QK_FP8 (NOTES.md v18): raw_lat holds each stage as four
-    [rows, 128] chunk tiles in wgmma's swizzle ([STAGES * 4, rows, 128]) and S^T's products are e4m3 wgmma straight from them, with q split
-    into two e4m3 parts q_lat[c] + q_lat[4 + c] (exact for bf16 q but the far tail, `_q_e4m3_split`): nothing of K
-    is converted."""
+    warps (two took two rounds through shared memory)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
+    lat = raw_lat.index(b)
     # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
     # loop, where ptxas spilled them)
     opaque0 = i // num_steps
@@ -1399,30 +1322,14 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if QK_FP8:
-        k8 = raw_lat._reinterpret(gl.float8e4nv, raw_lat.shape, raw_lat.layout)
-        st = _qk_e4m3(k8.index(4 * b + 0), q_lat, 0 + opaque0, zero_s) * s0[:, None]
-        st += _qk_e4m3(k8.index(4 * b + 1), q_lat, 1 + opaque0, zero_s) * s1[:, None]
-        st += _qk_e4m3(k8.index(4 * b + 2), q_lat, 2 + opaque0, zero_s) * s2[:, None]
-        st += _qk_e4m3(k8.index(4 * b + 3), q_lat, 3 + opaque0, zero_s) * s3[:, None]
-        v0 = raw_lat.index(4 * b + 0)
-        v1 = raw_lat.index(4 * b + 1)
-        v2 = raw_lat.index(4 * b + 2)
-        v3 = raw_lat.index(4 * b + 3)
-    else:
-        lat = raw_lat.index(b)
-        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
-                           use_acc=False) * s0[:, None]
-        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s1[:, None]
-        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s2[:, None]
-        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
-                            use_acc=False) * s3[:, None]
-        v0 = lat.slice(0, 128, dim=1)
-        v1 = lat.slice(128, 128, dim=1)
-        v2 = lat.slice(256, 128, dim=1)
-        v3 = lat.slice(384, 128, dim=1)
+    st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+                       use_acc=False) * s0[:, None]
+    st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s1[:, None]
+    st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s2[:, None]
+    st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+                        use_acc=False) * s3[:, None]
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
@@ -1438,10 +1345,10 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
-    acc0 = warpgroup_mma(_v_operand(v0, A_L), p_t0, acc0 * keep)
-    acc1 = warpgroup_mma(_v_operand(v1, A_L), p_t1, acc1 * keep)
-    acc2 = warpgroup_mma(_v_operand(v2, A_L), p_t2, acc2 * keep)
-    acc3 = warpgroup_mma(_v_operand(v3, A_L), p_t3, acc3 * keep)
+    acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+    acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+    acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+    acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1456,28 +1363,35 @@ def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, SMP: gl.constexpr, SM
 
 
 @gluon.jit
-def _state_stage(k: gl.constexpr, num_steps, STAGES: gl.constexpr, NC: gl.constexpr):
-    """The stage whose bytes take consumer k + 1's state at the end. Three consumers: stage k, once all three are
-    done with the stages. Two: consumer 1's last stage -- its last step is the largest odd one; the stage's next
-    step would be STAGES later, past the end, and its step before was freed before the loader refilled it (so any
-    number of stages >= 3); with no step of its own, stage 1 (num_steps <= 1: never filled)."""
-    if NC == 3:
-        stage = k
-    else:
-        last = num_steps - 1 - num_steps % 2
-        stage = gl.where(num_steps >= 2, last % STAGES, 1)
-    return stage
+def _state_stage(num_steps, STAGES: gl.constexpr):
+    """The stage whose bytes take consumer 1's state at the end: its last stage -- its last step is the largest odd
+    one; the stage's next step would be STAGES later, past the end, and its step before was freed before the loader
+    refilled it; with no step of its own, stage 1 (num_steps <= 1: never filled)."""
+    last = num_steps - 1 - num_steps % 2
+    return gl.where(num_steps >= 2, last % STAGES, 1)
 
 
 @gluon.jit
-def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, base, k: gl.constexpr,
-                ST_L: gl.constexpr):
-    """Merge into this consumer's softmax state (O^T in units of r, l, m) the one consumer k + 1 left at merge_acc
-    rows base .. base + 3 and merge_vec rows 3k .. 3k + 2."""
+def _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i):
+    """Leave a consumer's softmax state (O^T in units of r, l, m) at merge_acc rows base .. base + 3 and merge_vec
+    rows 0 .. 2 for `_fold_state`, every warp's stores done."""
+    merge_acc.index(base + 0).store(acc0)
+    merge_acc.index(base + 1).store(acc1)
+    merge_acc.index(base + 2).store(acc2)
+    merge_acc.index(base + 3).store(acc3)
+    merge_vec.index(0).store(m_i)
+    merge_vec.index(1).store(l_i)
+    merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, base, ST_L: gl.constexpr):
+    """Merge into this consumer's softmax state the one the other left (`_hand_state`)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    m_o = merge_vec.index(3 * k + 0).load(H_COLS)
-    l_o = merge_vec.index(3 * k + 1).load(H_COLS)
-    r_o = gl.max(merge_vec.index(3 * k + 2).load(H_COLS), 0)
+    m_o = merge_vec.index(0).load(H_COLS)
+    l_o = merge_vec.index(1).load(H_COLS)
+    r_o = gl.max(merge_vec.index(2).load(H_COLS), 0)
     m_new = gl.maximum(m_i, m_o)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     a_mine = gl.exp2(m_i - m_safe)
@@ -1494,22 +1408,22 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, bas
 
 @gluon.jit
 def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
-                       merge_acc, merge_vec, staged, free, merged, written, slot_row, n_start, n_end, num_steps,
+                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, NC: gl.constexpr = 2):
-    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + NC, ... (`_fp8_dual_step`) with a softmax
-    state of its own; then the others hand their states to warpgroup 0 through shared memory (`_state_stage`), and
-    warpgroup 0 merges them and writes the result. NC = 3: the 8-head tile's three consumers (NOTES.md v17)."""
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr):
+    """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
+    state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
+    warpgroup 0 merges the two and writes the result."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     q_unscale = q_unscale.load(H_COLS)
     sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-    for i in range(WG, num_steps, NC):
+    for i in range(WG, num_steps, 2):
         b = i % STAGES
         cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + NC) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
         mbarrier.wait(staged.index(b), (i // STAGES) & 1)
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
@@ -1518,31 +1432,14 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     l_i = gl.sum(l_acc, 0)
-    if NC == 3:
-        mbarrier.arrive(merged, count=1)      # this warpgroup is done with the stages
-        if WG > 0:
-            mbarrier.wait(merged, 0)          # ... and so are the other two
-        handed = written
-    else:
-        handed = merged
+    base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
-        k = WG - 1
-        base = 4 * _state_stage(k, num_steps, STAGES, NC)
-        merge_acc.index(base + 0).store(acc0)
-        merge_acc.index(base + 1).store(acc1)
-        merge_acc.index(base + 2).store(acc2)
-        merge_acc.index(base + 3).store(acc3)
-        merge_vec.index(3 * k + 0).store(m_i)
-        merge_vec.index(3 * k + 1).store(l_i)
-        merge_vec.index(3 * k + 2).store(gl.zeros_like(l_i) + r_i)
-        gl.thread_barrier()
-        mbarrier.arrive(handed, count=1)
+        _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
+        mbarrier.arrive(merged, count=1)
     else:
-        mbarrier.wait(handed, 0)
-        for k in gl.static_range(NC - 1):
-            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(
-                acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec,
-                4 * _state_stage(k, num_steps, STAGES, NC), k, ST_L)
+        mbarrier.wait(merged, 0)
+        acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
+                                                            merge_vec, base, ST_L)
         inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
         _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
@@ -1554,17 +1451,18 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, CONSUMERS: gl.constexpr = 2,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
     operand (S^T's K and O^T's V^T, each byte twice), runs every other 64-row step with a softmax state of its own,
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
-    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Built after v17's device time, not yet
-    run on a GPU: BLOCK_H = 8 (<= 8 heads, half the accumulator registers) and, with it, CONSUMERS = 3 (16 warps)."""
+    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
+    `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles, or 8-head ones (wgmma N = 8; <= 8 heads)")
+    gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
+    gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = ROWS_SM
     SMP: gl.constexpr = ROWS_SMP
@@ -1579,60 +1477,27 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
-    merge_vec = gl.allocate_shared_memory(gl.float32, [3 * (CONSUMERS - 1), BLOCK_H], VEC)
+    merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
     p_a = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
            _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
     p_b = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
            _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
-    if CONSUMERS == 3:
-        p_c = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
-               _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
     merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    if CONSUMERS == 3:
-        mbarrier.init(merged, count=3)        # (three consumers done with the stages)
-        written = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        mbarrier.init(written, count=2)       # (two states left for consumer 0)
-    else:
-        mbarrier.init(merged, count=1)
-        written = merged
+    mbarrier.init(merged, count=1)
     staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, written, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
-                                  0, DIAG, 3)),
-            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, written, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
-                                  1, DIAG, 3)),
-            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_c, merge_acc, merge_vec, staged, free, merged, written, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
-                                  2, DIAG, 3)),
-            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-        ], [4, 4, 4], [152, 152, 56])    # registers a thread: consumers 152 each, loader 56 (16 warps' 128 each)
-    else:
-        gl.warp_specialize([
-            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, written, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
-                                  0, DIAG)),
-            (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, written, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L,
-                                  1, DIAG)),
-            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-        ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
-
+    gl.warp_specialize([
+        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
+                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG)),
+        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
+                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG)),
+        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 @gluon.jit
 def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_st, BLOCK_N: gl.constexpr):
@@ -1648,16 +1513,15 @@ def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_
 @gluon.jit
 def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                            rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, DIAG: gl.constexpr, QK_FP8: gl.constexpr):
+                           STAGES: gl.constexpr, DIAG: gl.constexpr):
     """The persistent kernel's loader warpgroup: the steps of this program's items one after another into the ring
     (global step g into stage g % STAGES), the next item's first slot indices loaded during the last step of this
-    one, so the ring never drains between items. QK_FP8: each stage's rows go to its four chunk tiles."""
-    LAT: gl.constexpr = WG_LAT8C if QK_FP8 else WG_LAT8
+    one, so the ring never drains between items."""
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     _, _, n_start, n_end, _, slot_row = _item_rows(pid, num_items, num_splits, rows_per_split, topk, SLOTS,
                                                    stride_st, BLOCK_N)
-    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, LAT, WG_ROPE, WG_SCALE, True)
+    sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
     g = 0
     for item in range(pid, num_items, G):
         _, _, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
@@ -1669,15 +1533,11 @@ def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, f
             mbarrier.wait(free.index(b), ((g // STAGES) & 1) ^ 1)
             if DIAG != 2:                      # (ws_diag 2: the consumers alone, on whatever the stages hold)
                 last = i + 1 == num_steps      # (then the slot indices loaded next are the next item's first)
-                if QK_FP8:
-                    lat_buf = raw_lat          # (stage b: its tiles 4b .. 4b + 3)
-                else:
-                    lat_buf = raw_lat.index(b)
                 sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, gl.where(last, slot_row2, slot_row),
                                            gl.where(last, n2_start, n_start + (i + 1) * BLOCK_N),
-                                           gl.where(last, n2_end, n_end), lat_buf, raw_rope.index(b),
-                                           scale_stages.index(b), sl, sr, ss, BLOCK_N, LAT, WG_ROPE, WG_SCALE,
-                                           True, QK_FP8, 4 * b)
+                                           gl.where(last, n2_end, n_end), raw_lat.index(b), raw_rope.index(b),
+                                           scale_stages.index(b), sl, sr, ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE,
+                                           True)
             async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
             g += 1
     async_copy.wait_group(0)
@@ -1689,7 +1549,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, QK_FP8: gl.constexpr):
+                             WG: gl.constexpr, DIAG: gl.constexpr):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1703,10 +1563,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     for item in range(pid, num_items, G):
         t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
                                                                SLOTS, stride_st, BLOCK_N)
-        if QK_FP8:
-            q_mul = _q_e4m3_split(Q, t, stride_qt, stride_qh, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL)
-        else:
-            q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
         q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
         gl.thread_barrier()
@@ -1722,26 +1579,19 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
             if DIAG != 3:                     # (ws_diag 3: the gathers alone)
                 m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                     q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, QK_FP8)
+                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
             gl.thread_barrier()               # every warp is done with stage b and with P^T
             mbarrier.arrive(free.index(b), count=1)
         g += num_steps
         l_i = gl.sum(l_acc, 0)
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
-            merge_acc.index(0).store(acc0)
-            merge_acc.index(1).store(acc1)
-            merge_acc.index(2).store(acc2)
-            merge_acc.index(3).store(acc3)
-            merge_vec.index(0).store(m_i)
-            merge_vec.index(1).store(l_i)
-            merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
-            gl.thread_barrier()
+            _hand_state(merge_acc, merge_vec, 0, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
             mbarrier.arrive(handed, count=1)
         else:
             mbarrier.wait(handed, phase)
             acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
-                                                                merge_vec, 0, 0, ST_L)
+                                                                merge_vec, 0, ST_L)
             gl.thread_barrier()
             mbarrier.arrive(taken, count=1)
             inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
@@ -1756,31 +1606,29 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, QK_FP8: gl.constexpr = False,
+    DIAG: gl.constexpr = 0,
 ):
-    """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile, persistent (NOTES.md v18). One
-    program a SM walks the work items (token, split) p, p + G, ...; the loader streams every item's steps through
-    one ring and the consumers hand over at item ends, so neither the ring's fill nor the last steps' products are
-    paid once per item (v18 call 2: the one-item-a-program kernel took 218 us at 8 heads x 512 tokens, its gathers
-    alone 188 and its consumers alone 159). Each consumer stages q itself (its own buffers); warpgroup 1's state
-    goes to warpgroup 0 through a buffer of its own (not a stage: the ring goes on). ~206 KB of shared memory."""
+    """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
+    rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
+    p + G, ...; the loader streams every item's steps through one ring and the consumers hand over at item ends, so
+    the ring's fill and the last steps' products are not paid once per item (H200, v18 calls 2-3 at 8 heads x 512
+    tokens: one item a program 218-220 us, its gathers alone 188; persistent 212, its gathers alone 180 -- the
+    gather ceiling -- and its consumers alone 164). Each consumer stages q itself (its own buffers); warpgroup 1's
+    state goes to warpgroup 0 through a buffer of its own (not a stage: the ring goes on). ~207 KB of shared
+    memory; launched on min(items, SMs) programs (`launch`)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 8, "the 8-head tile (wgmma N = 8; <= 8 heads)")
+    gl.static_assert(STAGES >= 3, "two stages in the consumers' hands, at least one in flight")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = ROWS_SM
     VEC: gl.constexpr = ROWS_VEC
     RAW: gl.constexpr = ROWS_RAW
-    if QK_FP8:          # (q in two e4m3 parts; each stage's rows as four [rows, 128] chunk tiles in wgmma's swizzle)
-        q_lat0 = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_H, 128], ROWS_SM8Q)
-        q_lat1 = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_H, 128], ROWS_SM8Q)
-        raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES * 4, BLOCK_N, 128], ROWS_SM8Q)
-    else:
-        q_lat0 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-        q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
-        raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
+    q_lat0 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
@@ -1800,15 +1648,14 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, QK_FP8)),
+                                    SPLIT, ST_L, 0, DIAG)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, QK_FP8)),
+                                    SPLIT, ST_L, 1, DIAG)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
-                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                                  QK_FP8)),
+                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
@@ -1882,23 +1729,34 @@ FP8_ROWS_MIN_TOKENS = 4
 # rows (~200 KB of shared memory, one CTA of 12 warps a SM). H200, v17 calls 1, 2, 4, us (against ROWS_FP8_CONFIG):
 # 8 heads x 16 / 32 / 64 / 128 / 512 tokens 19.1 / 24.9-25.4 / 38.7 / 63.6-65.2 / 241.0-244.2 (19.8 / 27.9-28.1 /
 # 46.2 / 78.8-80.3 / 303.5-305.5); 16 heads 22.9 / 28.9-29.1 / 43.9 / 65.7-65.8 / 247.6-250.3 (20.0 / 28.5-28.7 /
-# 47.3 / 79.9-80.9 / 306.8-311.3). So the default from FP8_DUAL_MIN_TOKENS tokens (16 heads: twice as many).
+# 47.3 / 79.9-80.9 / 306.8-311.3). So the default at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens.
 ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4}
-FP8_DUAL_MIN_TOKENS = 32
+FP8_DUAL_MIN_TOKENS = 64
+# ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
+# (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
+# memory). H200, v18 calls 1-3 (interleaved rounds), us at 16 / 32 / 128 / 256 / 512 tokens: 18.6-18.8 / 24.1-24.4 /
+# 57.7-58.3 / 109.6 / 212.2-216.4 (ROWS_FP8_DUAL_CONFIG 25.0 / 63.8 / 244.0 at 32 / 128 / 512; ROWS_FP8_CONFIG
+# 19.6-19.8 at 16; the same 8-head tile one program an item 18.9 / 24.1-24.3 / 57.5-58.3 / 112.4 / 218.3-220.0).
+# So the default at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS tokens (at 8 tokens 15.0 against 14.8).
+ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8}
+FP8_PERSISTENT_MIN_TOKENS = 16
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
-    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form from FP8_DUAL_MIN_TOKENS tokens (twice
-    as many at 9-16 heads), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more, shorter splits)."""
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
+    tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS, the 32-row mma.sync tile at
+    1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
-        if num_tokens >= FP8_DUAL_MIN_TOKENS * (1 if num_heads <= 8 else 2):
+        if num_heads <= 8 and num_tokens >= FP8_PERSISTENT_MIN_TOKENS:
+            return dict(ROWS_FP8_PERSISTENT_CONFIG)
+        if num_heads > 8 and num_tokens >= FP8_DUAL_MIN_TOKENS:
             return dict(ROWS_FP8_DUAL_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
@@ -1911,12 +1769,11 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False, persistent: bool = False):
+              dual: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one, with dual its dual-consumer form, with persistent too that form's persistent 8-head
-    kernel; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a
-    producer warpgroup)."""
-    if rows and fp8 and dual and persistent:
+    warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles; ws: the
+    warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
+    if rows and fp8 and dual and block_h == 8:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
@@ -1949,8 +1806,8 @@ WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "
 def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
     steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys);
-    the dual-consumer kernel also 8-head tiles, for calls of <= 8 heads (num_heads, when given: more would read
-    every row once per tile)."""
+    the dual-consumer kernel also 8-head tiles (its persistent kernel), for calls of <= 8 heads (num_heads, when
+    given: more would read every row once per tile)."""
     dual = cfg.get("dual_consumers", False)
     if cfg.get("rows") and (cfg["block_h"] not in ((8, 16) if dual else (16,))
                             or (cfg["block_n"], cfg["num_warps"]) != (64, 4)):
@@ -1970,19 +1827,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    consumers = cfg.get("_consumers", 2)
-    if consumers not in (2, 3) or (consumers == 3 and not (dual and cfg["block_h"] == 8)):
-        raise Glm5labError("_consumers (2 or 3) is a private trial of the dual-consumer fp8_ds_mla kernel, 3 with its "
-                           "8-head tile only (16-head tiles spilled at three consumers' registers, NOTES.md v17); got "
-                           f"{cfg.get('_consumers')!r} with dual_consumers={dual}, block_h {cfg.get('block_h')}")
-    if cfg.get("persistent") and not (dual and cfg["block_h"] == 8 and consumers == 2):
-        raise Glm5labError("persistent=True is the dual-consumer fp8_ds_mla kernel's 8-head tile with two consumers "
-                           f"(NOTES.md v18); got it with dual_consumers={dual}, block_h {cfg.get('block_h')}, "
-                           f"{consumers} consumers")
-    if cfg.get("qk_fp8") and not cfg.get("persistent"):
-        raise Glm5labError("qk_fp8=True (S's products in e4m3 from the gathered bytes) is an option of the persistent "
-                           f"8-head fp8_ds_mla kernel (persistent=True); got it with persistent="
-                           f"{cfg.get('persistent', False)}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -2012,7 +1856,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     (a persistent kernel's programs)."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("persistent", False))
+                       cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         head_tiles, num_tokens, num_splits = grid
@@ -2022,10 +1866,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
-    if cfg.get("qk_fp8"):
-        extra["QK_FP8"] = True
-    if cfg.get("_consumers", 2) == 3 and "CONSUMERS" in kernel.arg_names:   # (a private trial, NOTES.md v17)
-        extra["CONSUMERS"] = 3
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
