@@ -1353,13 +1353,56 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 
 
 @gluon.jit
-def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, SMP: gl.constexpr, SM: gl.constexpr):
+def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
+                    n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
+    """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
+    stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
+    Returns its softmax state (m, l, r, O^T in four chunks)."""
+    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
+    m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
+    sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+    for i in range(first, num_steps, 2):
+        gi = g + i
+        b = gi % STAGES
+        cur_rows = sl_rows
+        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        mbarrier.wait(staged.index(b), (gi // STAGES) & 1)
+        if DIAG != 3:                         # (ws_diag 3: the gathers alone)
+            m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
+                q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
+        gl.thread_barrier()                   # every warp is done with stage b and with P^T
+        mbarrier.arrive(free.index(b), count=1)
+    return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _raw_ring(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The dual-consumer kernels' ring of raw fp8_ds_mla rows: STAGES stages of 512 e4m3 bytes (XOR-swizzled 16-byte
+    units), 64 bf16 rope values (wgmma's swizzle) and 4 scales a row -- the scales as [STAGES * 4, rows] (stage b:
+    rows 4b .. 4b + 3, the consumers' view) and the same bytes as [STAGES, 4, rows] (the loader's)."""
+    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
+    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], ROWS_SM)
+    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], ROWS_VEC)
+    return raw_lat, raw_rope, scale_ring, scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], ROWS_RAW)
+
+
+@gluon.jit
+def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
     """One chunk's P^T [rows, heads], O^T's B operand: 16 heads as they are; 8 heads (16-byte rows, below the
     smallest swizzle) stored as P [heads, rows] and read transposed."""
     if BLOCK_H == 8:
-        return gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], SM).permute((1, 0))
+        return gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], ROWS_SM).permute((1, 0))
     else:
-        return gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], SMP)
+        return gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], ROWS_SMP)
+
+
+@gluon.jit
+def _p_chunks(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
+    """A dual consumer's four P^T chunks (`_p_chunk`)."""
+    return (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
+            _p_chunk(BLOCK_N, BLOCK_H))
 
 
 @gluon.jit
@@ -1416,22 +1459,10 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
-    m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     q_unscale = q_unscale.load(H_COLS)
-    sl_rows = _slots(slot_row, n_start + WG * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-    for i in range(WG, num_steps, 2):
-        b = i % STAGES
-        cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-        mbarrier.wait(staged.index(b), (i // STAGES) & 1)
-        if DIAG != 3:                         # (ws_diag 3: the gathers alone)
-            m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
-                q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
-        gl.thread_barrier()                   # every warp is done with stage b and with P^T
-        mbarrier.arrive(free.index(b), count=1)
-    l_i = gl.sum(l_acc, 0)
+    m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
+        q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1464,24 +1495,17 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
     gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    SM: gl.constexpr = ROWS_SM
-    SMP: gl.constexpr = ROWS_SMP
     VEC: gl.constexpr = ROWS_VEC
     RAW: gl.constexpr = ROWS_RAW
     pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul = _rows_fp8_start(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N, True)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
     q_unscale.store(1.0 / q_mul)
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
-    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
+    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
-    p_a = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
-           _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
-    p_b = (_p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM),
-           _p_chunk(BLOCK_N, BLOCK_H, SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, SMP, SM))
+    p_a = _p_chunks(BLOCK_N, BLOCK_H)
+    p_b = _p_chunks(BLOCK_N, BLOCK_H)
     merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(merged, count=1)
     staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
@@ -1555,7 +1579,6 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
     warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     g = 0
@@ -1567,23 +1590,10 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
         gl.thread_barrier()
-        m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
-        first = (g + WG) % 2                  # this warpgroup's steps: global index g + i of its parity
-        sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-        for i in range(first, num_steps, 2):
-            gi = g + i
-            b = gi % STAGES
-            cur_rows = sl_rows
-            sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-            mbarrier.wait(staged.index(b), (gi // STAGES) & 1)
-            if DIAG != 3:                     # (ws_diag 3: the gathers alone)
-                m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
-                    q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
-            gl.thread_barrier()               # every warp is done with stage b and with P^T
-            mbarrier.arrive(free.index(b), count=1)
+        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
+            q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG)
         g += num_steps
-        l_i = gl.sum(l_acc, 0)
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
             _hand_state(merge_acc, merge_vec, 0, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1628,16 +1638,11 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     q_rope0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], ROWS_SM8)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
-    scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)     # the same bytes by stage
+    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H], RAW)
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
-    p_a = (_p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM),
-           _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM))
-    p_b = (_p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM),
-           _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM), _p_chunk(BLOCK_N, BLOCK_H, ROWS_SMP, SM))
+    p_a = _p_chunks(BLOCK_N, BLOCK_H)
+    p_b = _p_chunks(BLOCK_N, BLOCK_H)
     handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(handed, count=1)            # warpgroup 1's state is in merge_acc
