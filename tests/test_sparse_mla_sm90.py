@@ -95,8 +95,9 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18)
 WS8X2P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 # the fp8 tiles a test at <= 8 heads takes: the 8-head one too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2P],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2p"])
+WS8X2PP = {**WS8X2P, "_pipe": True}          # ... its products issued async, two at a time (a trial, NOTES.md v18)
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2P, WS8X2PP],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2p", "ws8x2pp"])
 
 
 @pytest.mark.gpu
@@ -150,14 +151,15 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP], ids=["ws8x2p", "ws8x2pp"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
-def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits):
+def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
     steps an item (the consumers' parities swap from item to item), splits of unequal length, items of one or two
     steps, an all-invalid token; the poisoned outputs are all written and match the float64 reference."""
     q, cache, slots, ref = make_case(T, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **WS8X2P})
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
 
 

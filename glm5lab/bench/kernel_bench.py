@@ -86,6 +86,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                               "resident": 1, "dual_consumers": True}),
+                  ("ws8x2pp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                               "resident": 1, "dual_consumers": True, "_pipe": True}),
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "_diagnostic": True,
                                      "ws_diag": d}) for d in (2, 3)),

@@ -45,7 +45,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
@@ -1306,11 +1307,13 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
-                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr):
+                   num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
+                   PIPE: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory)."""
+    warps (two took two rounds through shared memory). PIPE (a trial, NOTES.md v18): each product issued async, so
+    the next chunk's operand is converted while the last chunk's wgmma runs (two operands live, not one)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1322,14 +1325,29 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
-                       use_acc=False) * s0[:, None]
-    st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s1[:, None]
-    st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s2[:, None]
-    st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
-                        use_acc=False) * s3[:, None]
+    if PIPE:
+        k0 = _k_operand(lat, 0, A_L)
+        t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        k1 = _k_operand(lat, 1, A_L)
+        t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
+        k2 = _k_operand(lat, 2, A_L)
+        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c1, k1 = warpgroup_mma_wait(1, deps=[t1, k1])
+        k3 = _k_operand(lat, 3, A_L)
+        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
+        c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
+        st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
+    else:
+        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+                           use_acc=False) * s0[:, None]
+        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s1[:, None]
+        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s2[:, None]
+        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+                            use_acc=False) * s3[:, None]
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
@@ -1345,17 +1363,32 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
     fence_async_shared()
     gl.thread_barrier()
-    acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
-    acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
-    acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
-    acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
+    if PIPE:
+        v0 = _v_operand(lat, 0, A_L)
+        u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
+        v1 = _v_operand(lat, 1, A_L)
+        u1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
+        acc0, v0 = warpgroup_mma_wait(1, deps=[u0, v0])
+        v2 = _v_operand(lat, 2, A_L)
+        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+        acc1, v1 = warpgroup_mma_wait(1, deps=[u1, v1])
+        v3 = _v_operand(lat, 3, A_L)
+        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
+        acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
+        acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
+    else:
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
+                    PIPE: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1371,7 +1404,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1454,7 +1487,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = False):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
@@ -1462,7 +1495,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1482,7 +1515,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1514,11 +1547,11 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
@@ -1573,7 +1606,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1592,7 +1625,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         gl.thread_barrier()
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -1616,7 +1649,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1653,12 +1686,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
@@ -1871,6 +1904,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
+    if cfg.get("_pipe") and "PIPE" in kernel.arg_names:        # (a trial, NOTES.md v18)
+        extra["PIPE"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
