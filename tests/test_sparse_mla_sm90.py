@@ -664,6 +664,10 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
+    sm90.check_tile({**n8, "_pipe": True}, True, 8)
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "_pipe": True}, {**sm90.ROWS_FP8_CONFIG, "_pipe": True}):
+        with pytest.raises(Glm5labError, match="_pipe .* is an option of the persistent 8-head"):
+            sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)

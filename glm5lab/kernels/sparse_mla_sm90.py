@@ -1865,6 +1865,10 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
+    if cfg.get("_pipe") and not (dual and cfg["block_h"] == 8):
+        raise Glm5labError("_pipe (products issued async, two at a time; NOTES.md v18) is an option of the persistent "
+                           "8-head fp8_ds_mla kernel (the 16-head tile spills that way); got it with dual_consumers="
+                           f"{dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
