@@ -92,10 +92,11 @@ VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_s
                 WS8X2]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
-# ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18)
+# ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18), and that with its products issued async,
+# two at a time (an option, v18 call 10)
 WS8X2P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
-# the fp8 tiles a test at <= 8 heads takes: the 8-head one too
-WS8X2PP = {**WS8X2P, "_pipe": True}          # ... its products issued async, two at a time (a trial, NOTES.md v18)
+WS8X2PP = {**WS8X2P, "_pipe": True}
+# the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2P, WS8X2PP],
                                          ids=["default", "ws8", "ws8x2", "ws8x2p", "ws8x2pp"])
 
@@ -684,6 +685,30 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
     assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
     assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("tokens,splits,num_sms,programs", [(512, 1, 132, 132), (40, 3, 132, 120), (1, 1, 132, 1),
+                                                             (300, 2, 78, 78)])
+def test_persistent_kernel_launches_one_program_a_sm_over_all_items(monkeypatch, tokens, splits, num_sms, programs):
+    """`launch` runs the persistent 8-head kernel on min(items, SMs) programs and tells it the item count (tokens x
+    splits); the grid sparse_mla computes (head tiles, tokens, splits) would have left most of them out."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    seen = {}
+
+    class Recorder:
+        arg_names = sm90._sparse_mla_rows_fp8_persistent_sm90_kernel.arg_names
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.update(grid=grid, args=args, **kw)
+            return run
+
+    monkeypatch.setattr(sm90, "_sparse_mla_rows_fp8_persistent_sm90_kernel", Recorder())
+    sm90.launch((1, tokens, splits), tuple(range(20)), sm90.ROWS_FP8_PERSISTENT_CONFIG, splits > 1, True, num_heads=8,
+                num_sms=num_sms)
+    assert seen["grid"] == (programs,) and seen["num_items"] == tokens * splits
+    assert seen["BLOCK_H"] == 8 and seen["SPLIT"] == (splits > 1) and seen["args"] == tuple(range(20))
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
