@@ -1155,13 +1155,7 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
             r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), 0))
             keep = (alpha * (r_i / r_new))[None, :]
             inv_r = 1.0 / r_new
-            p_t0, p_t1, p_t2, p_t3 = p_ts
-            p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-            p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-            p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-            p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-            fence_async_shared()
-            gl.thread_barrier()
+            p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
             acc0 = warpgroup_mma(kv.slice(0, 128, dim=1).permute((1, 0)), p_t0, acc0 * keep)
             acc1 = warpgroup_mma(kv.slice(128, 128, dim=1).permute((1, 0)), p_t1, acc1 * keep)
             acc2 = warpgroup_mma(kv.slice(256, 128, dim=1).permute((1, 0)), p_t2, acc2 * keep)
@@ -1172,6 +1166,20 @@ def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv1
     inv_l, lse2 = _softmax_totals(gl.sum(l_acc, 0), m_i, r_i)
     _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
                   stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L)
+
+
+@gluon.jit
+def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r):
+    """The fp8 rows consumers' P^T into its four chunk tiles, each chunk's probabilities times its scale over r (fp16),
+    visible to the async proxy and to every warp before O^T's products read them. Returns the tiles."""
+    p_t0, p_t1, p_t2, p_t3 = p_ts
+    p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+    p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+    p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+    p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    return p_t0, p_t1, p_t2, p_t3
 
 
 @gluon.jit
@@ -1356,13 +1364,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     r_new = gl.maximum(r_i, gl.max(col_scale, 0))
     keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
-    p_t0, p_t1, p_t2, p_t3 = p_ts
-    p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-    p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-    p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-    p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-    fence_async_shared()
-    gl.thread_barrier()
+    p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE:
         v0 = _v_operand(lat, 0, A_L)
         u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
@@ -1901,7 +1903,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
                        cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
-        head_tiles, num_tokens, num_splits = grid
+        _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
         extra["num_items"] = num_tokens * num_splits
         grid = (max(1, min(extra["num_items"], num_sms)),)
     if cfg.get("ws_diag"):
