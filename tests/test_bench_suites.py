@@ -1,5 +1,7 @@
 """`glm5lab bench`: parts isolated, rows with provenance, cpu rows labeled non-performance, failures
 recorded as data, plots drawn from the CSVs."""
+import gzip
+
 import pandas as pd
 import pytest
 
@@ -87,3 +89,30 @@ def test_unknown_part_is_refused(tmp_path):
 
     with pytest.raises(Glm5labError, match="unknown part"):
         suites.run_suite("cpu", tmp_path, parts=["nope"], isolate=False, progress=False)
+
+
+def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_path):
+    """`records.archive_older_runs`: the CSV keeps its last run (readers see the same latest run), every older row
+    lands once in <name>_history.csv.gz across two archivings, and a non-benchmark CSV is refused untouched."""
+    from glm5lab.bench.records import append_rows, archive_older_runs
+    from glm5lab.bench.records import main as records_main
+
+    csv = tmp_path / "kernels.csv"
+    row = {"suite": "s", "implementation": "glm5lab", "shape": "H8_T1", "metric": "time", "unit": "us"}
+    for i, run in enumerate(("run=A", "run=B", "run=C")):
+        append_rows(csv, [{**row, "value": 10 * i + j} for j in range(3)], command=f"bench {run}")
+    latest, before = suites.latest_run(pd.read_csv(csv)), csv.read_bytes()
+    assert archive_older_runs(csv, keep=2) == 3
+    assert records_main(["archive", str(csv)]) == 0
+    hist = pd.read_csv(tmp_path / "kernels_history.csv.gz")
+    now = pd.read_csv(csv)
+    assert list(hist.value) == [0, 1, 2, 10, 11, 12] and list(hist.columns) == COLUMNS
+    assert list(now.value) == [20, 21, 22] and now.equals(latest.reset_index(drop=True))
+    assert archive_older_runs(csv) == 0
+    header, rest = csv.read_bytes().split(b"\n", 1)      # history + what is left = the file as it was, byte for byte
+    assert gzip.decompress((tmp_path / "kernels_history.csv.gz").read_bytes()) + rest == before
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="is not a benchmark CSV"):
+        archive_older_runs(other)
+    assert other.read_text() == "a,b\n1,2\n" and not (tmp_path / "other_history.csv.gz").exists()

@@ -2,6 +2,7 @@
 reference, under the same tolerances as the Triton kernel (tests/test_sparse_mla_kernel.py's docstring): it runs the
 same fp16-domain arithmetic as the "f16" path. No interpreter runs Gluon, so the numeric tests are GPU tests (the
 H200 run); without a GPU this file checks the refusal and the kernel's sm90 build."""
+import collections
 import json
 import os
 import re
@@ -88,17 +89,18 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2 = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... its dual-consumer form (NOTES.md v17)
+WS8X2O = {**WS8X2, "pipe": "o"}     # ... with O^T's products pipelined (NOTES.md v19)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2], ids=["default", "ws8", "ws8x2"])
-# ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18), and that with its products issued async,
-# two at a time (an option, v18 call 10)
-WS8X2P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
-WS8X2PP = {**WS8X2P, "_pipe": True}
+                WS8X2, WS8X2O]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
+# ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
+# (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
+WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
+WS8X2P = {**WS8X2PP, "pipe": ""}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2P, WS8X2PP],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2p", "ws8x2pp"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
 
 
 @pytest.mark.gpu
@@ -133,22 +135,22 @@ def test_gpu_gluon_8_head_tiles_real_shapes(H, T):
     """The dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads, rows] and read transposed; persistent):
     real shapes as test_gpu_gluon_real_shapes, within its <= 8 heads."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2P})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2PP})
     check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
 def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph():
     q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2P})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2PP})
     check(out, lse, ref, torch.bfloat16)
     q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), WS8X2P)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), WS8X2PP)
     q16, cache16, slots16, _ = make_case(2, 16, 512, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 16"):
-        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=WS8X2P)
+        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=WS8X2PP)
 
 
 @pytest.mark.gpu
@@ -543,7 +545,7 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
         # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
         # 16 at <= 8 heads
-        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2P) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2))
+        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == dual
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
@@ -664,10 +666,13 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
-    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8}
-    sm90.check_tile({**n8, "_pipe": True}, True, 8)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "_pipe": True}, {**sm90.ROWS_FP8_CONFIG, "_pipe": True}):
-        with pytest.raises(Glm5labError, match="_pipe .* is an option of the persistent 8-head"):
+    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
+    for pipe in ("", "o", "so"):
+        sm90.check_tile({**n8, "pipe": pipe}, True, 8)
+    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_CONFIG, "pipe": "o"},
+                {**n8, "pipe": "x"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
+        with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
@@ -676,15 +681,38 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "block_h": 8}, True, 8)
 
 
+def _pipe_consts(cfg: dict) -> dict:
+    """The PIPE_S / PIPE_O constexprs `launch` gives a tile's "pipe"."""
+    return {"PIPE_S": "s" in cfg["pipe"], "PIPE_O": "o" in cfg["pipe"]}
+
+
+def _depbars(rep: dict) -> collections.Counter:
+    """How many wgmma waits of a build leave 0 / 1 products outstanding."""
+    return collections.Counter(int(i.rsplit(",", 1)[1], 16) for i in rep["_sass"] if i.startswith("WARPGROUP.DEPBAR"))
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(split):
-    """The persistent 8-head kernel (NOTES.md v18): the dual-consumer kernel's two consumers (68 wgmma a step each,
-    every e4m3 byte converted in registers twice) and one loader (22 cp.async a step) in a loop over work items;
-    registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within one CTA's shared memory."""
-    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4)
+    """The persistent 8-head kernel (NOTES.md v18) as the default runs it: the dual-consumer kernel's two consumers
+    (68 wgmma a step each, every e4m3 byte converted in registers twice) and one loader (22 cp.async a step) in a
+    loop over work items; registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within one
+    CTA's shared memory; both products pipelined (v19): 12 of each step's 18 wgmma waits leave one outstanding."""
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4,
+                      _sass=True, **_pipe_consts(sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
     assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
     assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
+    assert _depbars(rep) == {0: 6, 1: 12}
+
+
+def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
+    """The 16-head dual-consumer tile with O^T's products pipelined (pipe "o", NOTES.md v19) gives its consumers 224
+    registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits; S^T's
+    side stays synchronous (it spills at 224 too)."""
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
+                      _sass=True, PIPE_O=True)
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
+    assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 12, 1: 6}
 
 
 @pytest.mark.parametrize("tokens,splits,num_sms,programs", [(512, 1, 132, 132), (40, 3, 132, 120), (1, 1, 132, 1),

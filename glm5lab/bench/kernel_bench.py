@@ -81,16 +81,20 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # ... its dual-consumer form: no converter, two consumer warpgroups converting the e4m3 bytes
                   # into wgmma's register operand, 4 stages of raw rows (NOTES.md v17)
                   ("ws8x2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                             "dual_consumers": True}),
+                             "dual_consumers": True, "pipe": ""}),
+                  # ... with O^T's products issued async, two at a time, consumers at 224 registers (NOTES.md v19)
+                  ("ws8x2o", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                              "dual_consumers": True, "pipe": "o"}),
                   # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18), and its timing
                   # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                              "resident": 1, "dual_consumers": True}),
+                              "resident": 1, "dual_consumers": True, "pipe": ""}),
+                  # ... with both products issued async, two at a time (the default since v19; NOTES.md v18 call 10)
                   ("ws8x2pp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                               "resident": 1, "dual_consumers": True, "_pipe": True}),
+                               "resident": 1, "dual_consumers": True, "pipe": "so"}),
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                     "stages": 4, "resident": 1, "dual_consumers": True, "_diagnostic": True,
-                                     "ws_diag": d}) for d in (2, 3)),
+                                     "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
+                                     "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
                   # alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -121,9 +125,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers and block_h: the <= 16-head fp8_ds_mla default is the dual-consumer form (NOTES.md
-# v17), with 8-head tiles at <= 8 heads (v18), and a tile laid over it must not inherit either
-GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, **cfg}) for n, cfg in GLUON_VARIANTS]
+# every tile names dual_consumers, block_h and pipe: the <= 16-head fp8_ds_mla default is the dual-consumer form
+# (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), and a tile laid over it
+# must not inherit any of them
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", **cfg}) for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

@@ -54,3 +54,60 @@ def read(path: str | os.PathLike):
     import pandas as pd
 
     return pd.read_csv(path)
+
+
+def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
+    """Move every run but the last `keep` of an appended CSV into `<name>_history.csv.gz` beside it (gzip members
+    appended, one header) and return how many rows moved. A run is the rows of one (git_sha, command) in file order.
+    Why: the suite and notebook CSVs grow ~0.8 MB a GPU run and the tree a device call carries is capped (64 MiB);
+    readers take the latest run anyway (`suites.latest_run`, the plots' last value). Both files are replaced
+    atomically: an interrupted call leaves the old ones."""
+    import gzip
+
+    import pandas as pd
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no benchmark CSV at {path}")
+    df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    if not set(COLUMNS) <= set(df.columns):
+        raise ValueError(f"{path} is not a benchmark CSV (columns {list(df.columns)[:5]}...; expected {COLUMNS})")
+    run = df["git_sha"] + "\x00" + df["command"]
+    runs = list(dict.fromkeys(run))
+    old = df[run.isin(runs[:-keep] if keep > 0 else runs)]
+    if old.empty:
+        return 0
+    history = path.with_name(path.name.removesuffix(".csv") + "_history.csv.gz")
+    tmp_hist, tmp_csv = history.with_name(history.name + ".tmp"), path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp_hist, "wb") as fh:
+            if history.exists():
+                fh.write(history.read_bytes())
+            with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
+                gz.write(old.to_csv(index=False, header=not history.exists(), lineterminator="\r\n").encode())
+        df[~df.index.isin(old.index)].to_csv(tmp_csv, index=False, lineterminator="\r\n")  # (as csv.writer)
+        os.replace(tmp_hist, history)
+        os.replace(tmp_csv, path)
+    finally:
+        for t in (tmp_hist, tmp_csv):
+            t.unlink(missing_ok=True)
+    return len(old)
+
+
+def main(argv=None) -> int:
+    """`python -m glm5lab.bench.records archive CSV... [--keep N]`: `archive_older_runs` on each file."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.records")
+    ap.add_argument("action", choices=("archive",))
+    ap.add_argument("csv", nargs="+", type=Path)
+    ap.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
+    args = ap.parse_args(argv)
+    for p in args.csv:
+        print(f"{p}: {archive_older_runs(p, args.keep)} rows of older runs -> "
+              f"{p.name.removesuffix('.csv')}_history.csv.gz")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1316,12 +1316,13 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = False):
+                   PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory). PIPE (a trial, NOTES.md v18): each product issued async, so
-    the next chunk's operand is converted while the last chunk's wgmma runs (two operands live, not one)."""
+    warps (two took two rounds through shared memory). PIPE_S / PIPE_O (NOTES.md v18-v19): S^T's / O^T's products
+    issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs (two
+    operands live, not one)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1333,7 +1334,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if PIPE:
+    if PIPE_S:
         k0 = _k_operand(lat, 0, A_L)
         t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k1 = _k_operand(lat, 1, A_L)
@@ -1365,7 +1366,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
-    if PIPE:
+    if PIPE_O:
         v0 = _v_operand(lat, 0, A_L)
         u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
         v1 = _v_operand(lat, 1, A_L)
@@ -1390,7 +1391,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = False):
+                    PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1406,7 +1407,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE_S, PIPE_O)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1489,7 +1490,8 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = False):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE_S: gl.constexpr = False,
+                       PIPE_O: gl.constexpr = False):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
@@ -1497,7 +1499,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE_S, PIPE_O)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1517,7 +1519,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1549,14 +1551,16 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE_S, PIPE_O)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE_S, PIPE_O)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
+    ], [4, 4], [224, 56] if PIPE_O else [208, 88])
+    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
+    # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
 
 @gluon.jit
 def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_st, BLOCK_N: gl.constexpr):
@@ -1608,7 +1612,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = False):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE_S: gl.constexpr = False,
+                             PIPE_O: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1627,7 +1632,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         gl.thread_barrier()
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE_S,
+            PIPE_O)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -1651,7 +1657,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1688,12 +1694,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE_S, PIPE_O)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE_S, PIPE_O)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
@@ -1704,11 +1710,11 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
 DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 32,
-                  "num_warps": 4, "stages": 2, "dual_consumers": False}
+                  "num_warps": 4, "stages": 2, "dual_consumers": False, "pipe": ""}
 
 
 WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "p_smem": False, "block_h": 64,
-                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False}
+                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
@@ -1720,7 +1726,7 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False}
+                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448)
@@ -1745,14 +1751,14 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
+               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
@@ -1762,7 +1768,7 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 FP8_ROWS_MIN_TOKENS = 4
 # ... its dual-consumer form (NOTES.md v17): no converter and no fp16 copy of the rows -- two consumer warpgroups
 # convert the staged e4m3 bytes into wgmma's register operand themselves, each on every other step; 4 stages of raw
@@ -1777,8 +1783,10 @@ FP8_DUAL_MIN_TOKENS = 64
 # memory). H200, v18 calls 1-3 (interleaved rounds), us at 16 / 32 / 128 / 256 / 512 tokens: 18.6-18.8 / 24.1-24.4 /
 # 57.7-58.3 / 109.6 / 212.2-216.4 (ROWS_FP8_DUAL_CONFIG 25.0 / 63.8 / 244.0 at 32 / 128 / 512; ROWS_FP8_CONFIG
 # 19.6-19.8 at 16; the same 8-head tile one program an item 18.9 / 24.1-24.3 / 57.5-58.3 / 112.4 / 218.3-220.0).
-# So the default at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS tokens (at 8 tokens 15.0 against 14.8).
-ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8}
+# So the default at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS tokens (at 8 tokens 15.0 against 14.8). Both products
+# pipelined ("pipe": "so", v18 call 10, interleaved): 18.3 / 54.6 / 207.6 against 18.9 / 57.3 / 218.6 at 16 / 128 /
+# 512 tokens.
+ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
 FP8_PERSISTENT_MIN_TOKENS = 16
 
 
@@ -1838,6 +1846,9 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # converter form only (v16: 4 without the producer's shared-memory reads of the raw rows).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
+# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
+PIPES = ("", "o", "so")
+PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
                   4: "converter and consumer, no gathers", 5: "no dequantization",
                   6: "converter (bytes held in registers) and consumers, no gathers"}
@@ -1867,10 +1878,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    if cfg.get("_pipe") and not (dual and cfg["block_h"] == 8):
-        raise Glm5labError("_pipe (products issued async, two at a time; NOTES.md v18) is an option of the persistent "
-                           "8-head fp8_ds_mla kernel (the 16-head tile spills that way); got it with dual_consumers="
-                           f"{dual}, block_h {cfg['block_h']}")
+    pipe = cfg.get("pipe", "")
+    if pipe not in PIPES or (pipe and not dual) or (dual and pipe not in PIPES_OF_TILE[cfg["block_h"]]):
+        raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
+                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' -- the 8-head tile any of "
+                           f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
+                           f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -1910,8 +1923,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
-    if cfg.get("_pipe") and "PIPE" in kernel.arg_names:        # (a trial, NOTES.md v18)
-        extra["PIPE"] = True
+    if cfg.get("pipe"):
+        extra.update(PIPE_S="s" in cfg["pipe"], PIPE_O="o" in cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
