@@ -88,8 +88,8 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-WS8X2 = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... its dual-consumer form (NOTES.md v17)
-WS8X2O = {**WS8X2, "pipe": "o"}     # ... with O^T's products pipelined (NOTES.md v19)
+WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
+WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
@@ -98,9 +98,10 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=[
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
+WS8X2PR = {**WS8X2PP, "pipe": "sor"}            # ... and the rope product issued first (NOTES.md v19)
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PR],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pr"])
 
 
 @pytest.mark.gpu
@@ -154,7 +155,7 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP], ids=["ws8x2p", "ws8x2pp"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PR], ids=["ws8x2p", "ws8x2pp", "ws8x2pr"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -545,7 +546,7 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
         # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
         # 16 at <= 8 heads
-        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2))
+        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2O))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == dual
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
@@ -667,10 +668,11 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
-    for pipe in ("", "o", "so"):
+    for pipe in ("", "o", "so", "sor"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_CONFIG, "pipe": "o"},
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "or"},
+                {**n8, "pipe": "or"}, {**sm90.ROWS_FP8_CONFIG, "pipe": "o"},
                 {**n8, "pipe": "x"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
@@ -679,11 +681,6 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
         sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "block_h": 8}, True, 8)
-
-
-def _pipe_consts(cfg: dict) -> dict:
-    """The PIPE_S / PIPE_O constexprs `launch` gives a tile's "pipe"."""
-    return {"PIPE_S": "s" in cfg["pipe"], "PIPE_O": "o" in cfg["pipe"]}
 
 
 def _depbars(rep: dict) -> collections.Counter:
@@ -698,7 +695,7 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
     loop over work items; registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within one
     CTA's shared memory; both products pipelined (v19): 12 of each step's 18 wgmma waits leave one outstanding."""
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4,
-                      _sass=True, **_pipe_consts(sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG))
+                      _sass=True, PIPE=sparse_mla_sm90.pipe_bits(sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG["pipe"]))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
     assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
     assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
@@ -710,7 +707,7 @@ def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits; S^T's
     side stays synchronous (it spills at 224 too)."""
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
-                      _sass=True, PIPE_O=True)
+                      _sass=True, PIPE=sparse_mla_sm90.pipe_bits("o"))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
     assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 12, 1: 6}
 

@@ -1313,16 +1313,22 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
     async_copy.wait_group(0)
 
 
+# the bits of the dual-consumer kernels' PIPE constexpr (`pipe_bits`)
+PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
+PIPE_O = gl.constexpr(2)       # O^T's products likewise
+PIPE_R = gl.constexpr(4)       # (with PIPE_S) the rope product issued first, async (its operands: shared memory)
+
+
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False):
+                   PIPE: gl.constexpr = 0):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory). PIPE_S / PIPE_O (NOTES.md v18-v19): S^T's / O^T's products
-    issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs (two
-    operands live, not one)."""
+    warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v19): S^T's (PIPE_S) / O^T's (PIPE_O)
+    products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
+    (two operands live, not one); with PIPE_S, the rope product issued first, async (PIPE_R)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1334,12 +1340,17 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if PIPE_S:
+    if PIPE & PIPE_S:
+        if PIPE & PIPE_R:                     # (the rope product first: its operands are in shared memory)
+            rope = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k0 = _k_operand(lat, 0, A_L)
         t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k1 = _k_operand(lat, 1, A_L)
         t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
+        if PIPE & PIPE_R:
+            rope, c0, k0 = warpgroup_mma_wait(1, deps=[rope, t0, k0])
+        else:
+            c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
         k2 = _k_operand(lat, 2, A_L)
         t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         c1, k1 = warpgroup_mma_wait(1, deps=[t1, k1])
@@ -1357,7 +1368,10 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
                             use_acc=False) * s2[:, None]
         st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-    st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+    if (PIPE & PIPE_S) and (PIPE & PIPE_R):
+        st = st * q_unscale[None, :] + rope
+    else:
+        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
@@ -1366,7 +1380,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
-    if PIPE_O:
+    if PIPE & PIPE_O:
         v0 = _v_operand(lat, 0, A_L)
         u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
         v1 = _v_operand(lat, 1, A_L)
@@ -1391,7 +1405,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False):
+                    PIPE: gl.constexpr = 0):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1407,7 +1421,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE_S, PIPE_O)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1490,8 +1504,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE_S: gl.constexpr = False,
-                       PIPE_O: gl.constexpr = False):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
@@ -1499,7 +1512,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE_S, PIPE_O)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1519,7 +1532,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1551,14 +1564,14 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE_S, PIPE_O)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE_S, PIPE_O)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [224, 56] if PIPE_O else [208, 88])
+    ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
     # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
 
@@ -1612,8 +1625,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE_S: gl.constexpr = False,
-                             PIPE_O: gl.constexpr = False):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1632,8 +1644,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         gl.thread_barrier()
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE_S,
-            PIPE_O)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -1657,7 +1668,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE_S: gl.constexpr = False, PIPE_O: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1694,12 +1705,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE_S, PIPE_O)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE_S, PIPE_O)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
@@ -1776,7 +1787,9 @@ FP8_ROWS_MIN_TOKENS = 4
 # 8 heads x 16 / 32 / 64 / 128 / 512 tokens 19.1 / 24.9-25.4 / 38.7 / 63.6-65.2 / 241.0-244.2 (19.8 / 27.9-28.1 /
 # 46.2 / 78.8-80.3 / 303.5-305.5); 16 heads 22.9 / 28.9-29.1 / 43.9 / 65.7-65.8 / 247.6-250.3 (20.0 / 28.5-28.7 /
 # 47.3 / 79.9-80.9 / 306.8-311.3). So the default at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens.
-ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4}
+# O^T's products pipelined (pipe "o": consumers at 224 registers, the loader at 56; v19 call 1, interleaved, 16 heads
+# x 32 / 128 / 512 tokens 28.3 / 63.1 / 253.5 us against 28.7 / 66.1 / 266.0).
+ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "o"}
 FP8_DUAL_MIN_TOKENS = 64
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
 # (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
@@ -1846,9 +1859,15 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # converter form only (v16: 4 without the producer's shared-memory reads of the raw rows).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
-# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES = ("", "o", "so")
+# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both (and the rope product first); the
+# 16-head tile spills with S^T's side (and with the rope product first)
+PIPES = ("", "o", "so", "sor")
 PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
+
+
+def pipe_bits(pipe: str) -> int:
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o, r)."""
+    return sum(bit for ch, bit in (("s", 1), ("o", 2), ("r", 4)) if ch in pipe)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
                   4: "converter and consumer, no gathers", 5: "no dequantization",
                   6: "converter (bytes held in registers) and consumers, no gathers"}
@@ -1881,7 +1900,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     pipe = cfg.get("pipe", "")
     if pipe not in PIPES or (pipe and not dual) or (dual and pipe not in PIPES_OF_TILE[cfg["block_h"]]):
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
-                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' -- the 8-head tile any of "
+                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' (with 'r': the rope product first) "
+                           "-- the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
@@ -1924,7 +1944,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
     if cfg.get("pipe"):
-        extra.update(PIPE_S="s" in cfg["pipe"], PIPE_O="o" in cfg["pipe"])
+        extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
