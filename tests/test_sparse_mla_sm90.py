@@ -98,10 +98,9 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=[
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
-WS8X2PR = {**WS8X2PP, "pipe": "sor"}            # ... and the rope product issued first (NOTES.md v19)
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PR],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pr"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
 
 
 @pytest.mark.gpu
@@ -155,7 +154,7 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PR], ids=["ws8x2p", "ws8x2pp", "ws8x2pr"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP], ids=["ws8x2p", "ws8x2pp"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -668,12 +667,11 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
-    for pipe in ("", "o", "so", "sor"):
+    for pipe in ("", "o", "so"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "or"},
-                {**n8, "pipe": "or"}, {**sm90.ROWS_FP8_CONFIG, "pipe": "o"},
-                {**n8, "pipe": "x"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
+                {**sm90.ROWS_FP8_CONFIG, "pipe": "o"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel

@@ -92,9 +92,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # ... with both products issued async, two at a time (the default since v19; NOTES.md v18 call 10)
                   ("ws8x2pp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True, "pipe": "so"}),
-                  # ... and the rope product issued first, async (NOTES.md v19)
-                  ("ws8x2pr", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                               "resident": 1, "dual_consumers": True, "pipe": "sor"}),
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),

@@ -1316,7 +1316,6 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 # the bits of the dual-consumer kernels' PIPE constexpr (`pipe_bits`)
 PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
-PIPE_R = gl.constexpr(4)       # (with PIPE_S) the rope product issued first, async (its operands: shared memory)
 
 
 @gluon.jit
@@ -1328,7 +1327,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
     warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v19): S^T's (PIPE_S) / O^T's (PIPE_O)
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
-    (two operands live, not one); with PIPE_S, the rope product issued first, async (PIPE_R)."""
+    (two operands live, not one)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1341,16 +1340,11 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
     if PIPE & PIPE_S:
-        if PIPE & PIPE_R:                     # (the rope product first: its operands are in shared memory)
-            rope = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k0 = _k_operand(lat, 0, A_L)
         t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k1 = _k_operand(lat, 1, A_L)
         t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if PIPE & PIPE_R:
-            rope, c0, k0 = warpgroup_mma_wait(1, deps=[rope, t0, k0])
-        else:
-            c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
+        c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
         k2 = _k_operand(lat, 2, A_L)
         t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         c1, k1 = warpgroup_mma_wait(1, deps=[t1, k1])
@@ -1368,10 +1362,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
                             use_acc=False) * s2[:, None]
         st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-    if (PIPE & PIPE_S) and (PIPE & PIPE_R):
-        st = st * q_unscale[None, :] + rope
-    else:
-        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+    st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
@@ -1859,15 +1850,14 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # converter form only (v16: 4 without the producer's shared-memory reads of the raw rows).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
-# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both (and the rope product first); the
-# 16-head tile spills with S^T's side (and with the rope product first)
-PIPES = ("", "o", "so", "sor")
+# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
+PIPES = ("", "o", "so")
 PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
-    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o, r)."""
-    return sum(bit for ch, bit in (("s", 1), ("o", 2), ("r", 4)) if ch in pipe)
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o)."""
+    return sum(bit for ch, bit in (("s", 1), ("o", 2)) if ch in pipe)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
                   4: "converter and consumer, no gathers", 5: "no dequantization",
                   6: "converter (bytes held in registers) and consumers, no gathers"}
@@ -1900,8 +1890,7 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     pipe = cfg.get("pipe", "")
     if pipe not in PIPES or (pipe and not dual) or (dual and pipe not in PIPES_OF_TILE[cfg["block_h"]]):
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
-                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' (with 'r': the rope product first) "
-                           "-- the 8-head tile any of "
+                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' -- the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
