@@ -35,9 +35,11 @@ turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the
 its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and no fp16 tile -- two consumer
 warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
 once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
-(v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens); at <= 8 heads from 16 tokens
-the same two consumers on 8-head tiles in a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one
-program a SM walks the (token, split) items through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens).
+(v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens; since v19 O^T's products
+issued two at a time: 0.67-0.70, 1.82-1.84x); at <= 8 heads from 16 tokens the same two consumers on 8-head tiles in
+a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items
+through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
+0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
