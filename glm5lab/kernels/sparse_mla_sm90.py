@@ -1568,6 +1568,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
     # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
 
+
 @gluon.jit
 def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_st, BLOCK_N: gl.constexpr):
     """Work item `item` of a persistent program (token item // num_splits, split item % num_splits): its token, split,
@@ -1842,6 +1843,16 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
+# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
+PIPES = ("", "o", "so")
+PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
+
+
+def pipe_bits(pipe: str) -> int:
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o)."""
+    return sum(bit for ch, bit in (("s", 1), ("o", 2)) if ch in pipe)
+
+
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
 # purpose; NOTES.md v10, v11, v13): 1 loader and converter alone (gathers and conversion, no products), 2 the
 # consumer alone (products on whatever the ring holds, no gathers), 3 the gathers alone (no conversion, no products),
@@ -1852,14 +1863,6 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # converter form only (v16: 4 without the producer's shared-memory reads of the raw rows).
 # (Their builds drop what they leave unused: the 64-head gathers alone take 84 KB of shared memory, so beyond one
 # program a SM two share it -- time that one at <= num_sms programs, e.g. 128 tokens.)
-# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES = ("", "o", "so")
-PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
-
-
-def pipe_bits(pipe: str) -> int:
-    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o)."""
-    return sum(bit for ch, bit in (("s", 1), ("o", 2)) if ch in pipe)
 WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "gathers only",
                   4: "converter and consumer, no gathers", 5: "no dequantization",
                   6: "converter (bytes held in registers) and consumers, no gathers"}
