@@ -95,10 +95,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... its timing diagnostics (wrong results on purpose): the consumers alone (d2), the gathers
-                  # alone (d3)
+                  # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
+                  # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                    "resident": 1, "dual_consumers": True, "_diagnostic": True, "ws_diag": d})
+                                    "resident": 1, "dual_consumers": True, "pipe": "o", "_diagnostic": True,
+                                    "ws_diag": d})
                     for d in (2, 3)),
                   # ... timing diagnostics, wrong results on purpose (sparse_mla_sm90.WS_DIAGNOSTICS, NOTES.md v10-11):
                   # loader and converter alone (d1), the consumer alone (d2), the gathers alone (d3), converter and
