@@ -90,21 +90,17 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-WS8X2Q = {**WS8X2, "persistent": True}          # ... persistent (an option, NOTES.md v19), without and with pipe "o"
-WS8X2QO = {**WS8X2O, "persistent": True}
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O, WS8X2Q, WS8X2QO]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2q", "ws8x2qo"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2Q, WS8X2QO],
-                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2q", "ws8x2qo"])
+                WS8X2, WS8X2O]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2Q, WS8X2QO, WS8X2P, WS8X2PP],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2q", "ws8x2qo", "ws8x2p",
-                                              "ws8x2pp"])
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
 
 
 @pytest.mark.gpu
@@ -158,15 +154,13 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,pcfg", [(8, WS8X2P), (8, WS8X2PP), (16, WS8X2Q), (13, WS8X2QO)],
-                         ids=["ws8x2p", "ws8x2pp", "ws8x2q", "ws8x2qo"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP], ids=["ws8x2p", "ws8x2pp"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
-def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, H, pcfg):
-    """The persistent kernel (NOTES.md v18; its 16-head tile, v19, hands its state over one chunk at a time) with
-    several (token, split) items a program: an odd number of steps an item (the consumers' parities swap from item
-    to item), splits of unequal length, items of one or two steps, an all-invalid token; the poisoned outputs are
-    all written and match the float64 reference."""
-    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
+    """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
+    steps an item (the consumers' parities swap from item to item), splits of unequal length, items of one or two
+    steps, an all-invalid token; the poisoned outputs are all written and match the float64 reference."""
+    q, cache, slots, ref = make_case(T, 8, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
@@ -681,10 +675,6 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    assert sm90.kernel_of(16, True, rows=True, dual=True, persistent=True) is \
-        sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    with pytest.raises(Glm5labError, match="persistent=True is a form of the dual-consumer fp8_ds_mla kernel"):
-        sm90.check_tile({**sm90.ROWS_FP8_CONFIG, "persistent": True}, True, 16)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
@@ -708,19 +698,6 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
     assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
     assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
     assert _depbars(rep) == {0: 6, 1: 12}
-
-
-def test_gluon_rows_fp8_sm90_persistent_16_head_tile_fits_one_cta():
-    """The persistent kernel's 16-head tile (an option, NOTES.md v19): two q copies and four stages leave room for a
-    one-chunk merge buffer only (consumer 1's state goes over one 8 KB O^T chunk at a time): within one CTA's 227 KB,
-    above the 8-head tile's, the same products and gathers a step; with O^T's products pipelined the 224 / 56 split."""
-    base = _sm90_build(rows=True, dual=True, persistent=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False,
-                       FP8=True, num_warps=4)
-    piped = _sm90_build(rows=True, dual=True, persistent=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False,
-                        FP8=True, num_warps=4, PIPE=sparse_mla_sm90.pipe_bits("o"))
-    for rep in (base, piped):
-        assert 220 * 1024 < rep["smem"] <= 232448 and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
-    assert {88, 208} <= set(base["setmaxnreg"]) and {56, 224} <= set(piped["setmaxnreg"])
 
 
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
@@ -755,10 +732,6 @@ def test_persistent_kernel_launches_one_program_a_sm_over_all_items(monkeypatch,
                 num_sms=num_sms)
     assert seen["grid"] == (programs,) and seen["num_items"] == tokens * splits
     assert seen["BLOCK_H"] == 8 and seen["SPLIT"] == (splits > 1) and seen["args"] == tuple(range(20))
-    seen.clear()                              # (its 16-head tile, an option: the same kernel, the same grid)
-    sm90.launch((1, tokens, splits), tuple(range(20)), {**sm90.ROWS_FP8_DUAL_CONFIG, "persistent": True}, splits > 1,
-                True, num_heads=16, num_sms=num_sms)
-    assert seen["grid"] == (programs,) and seen["num_items"] == tokens * splits and seen["BLOCK_H"] == 16
 
 
 def test_gluon_rows_fp8_sm90_timing_diagnostics_build_what_they_name():
@@ -943,7 +916,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged["ws"] == tile["ws"], (name, fp8, H, T)
                     assert merged["dual_consumers"] == tile["dual_consumers"], (name, fp8, H, T)
                     assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
-                    assert (merged["pipe"], merged["persistent"]) == (tile["pipe"], tile["persistent"]), (name, H, T)
+                    assert merged["pipe"] == tile["pipe"], (name, fp8, H, T)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():

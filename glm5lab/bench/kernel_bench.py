@@ -85,15 +85,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # ... with O^T's products issued async, two at a time, consumers at 224 registers (NOTES.md v19)
                   ("ws8x2o", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                               "dual_consumers": True, "pipe": "o"}),
-                  # ... persistent (an option, NOTES.md v19: the state handed over one O^T chunk at a time), without
-                  # and with O^T's products pipelined, and its diagnostics (consumers alone d2, gathers alone d3)
-                  ("ws8x2q", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                              "dual_consumers": True, "pipe": "", "persistent": True}),
-                  ("ws8x2qo", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                               "dual_consumers": True, "pipe": "o", "persistent": True}),
-                  *((f"ws8x2qd{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                     "resident": 1, "dual_consumers": True, "pipe": "o", "persistent": True,
-                                     "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18), and its timing
                   # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -135,11 +126,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers, block_h, pipe and persistent: the <= 16-head fp8_ds_mla default is the
-# dual-consumer form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), and a
-# tile laid over it must not inherit any of them
-GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "persistent": False, **cfg})
-                  for n, cfg in GLUON_VARIANTS]
+# every tile names dual_consumers, block_h and pipe: the <= 16-head fp8_ds_mla default is the dual-consumer form
+# (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), and a tile laid over it
+# must not inherit any of them
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", **cfg}) for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

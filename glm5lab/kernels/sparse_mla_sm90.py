@@ -1472,9 +1472,8 @@ def _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_
 
 
 @gluon.jit
-def _fold_factors(m_i, l_i, r_i, merge_vec, ST_L: gl.constexpr):
-    """The factors that merge the other consumer's softmax state (its m, l, r in merge_vec) into this one's: this
-    O^T's and the other's rescale, and the merged m, l, r."""
+def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, base, ST_L: gl.constexpr):
+    """Merge into this consumer's softmax state the one the other left (`_hand_state`)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     m_o = merge_vec.index(0).load(H_COLS)
     l_o = merge_vec.index(1).load(H_COLS)
@@ -1484,45 +1483,13 @@ def _fold_factors(m_i, l_i, r_i, merge_vec, ST_L: gl.constexpr):
     a_mine = gl.exp2(m_i - m_safe)
     a_other = gl.exp2(m_o - m_safe)
     r_new = gl.maximum(r_i, r_o)
-    return ((a_mine * (r_i / r_new))[None, :], (a_other * (r_o / r_new))[None, :], m_new, l_i * a_mine + l_o * a_other,
-            r_new)
-
-
-@gluon.jit
-def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, base, ST_L: gl.constexpr):
-    """Merge into this consumer's softmax state the one the other left (`_hand_state`)."""
-    k_mine, k_other, m_i, l_i, r_i = _fold_factors(m_i, l_i, r_i, merge_vec, ST_L)
+    k_mine = (a_mine * (r_i / r_new))[None, :]
+    k_other = (a_other * (r_o / r_new))[None, :]
     acc0 = acc0 * k_mine + merge_acc.index(base + 0).load(ST_L) * k_other
     acc1 = acc1 * k_mine + merge_acc.index(base + 1).load(ST_L) * k_other
     acc2 = acc2 * k_mine + merge_acc.index(base + 2).load(ST_L) * k_other
     acc3 = acc3 * k_mine + merge_acc.index(base + 3).load(ST_L) * k_other
-    return acc0, acc1, acc2, acc3, m_i, l_i, r_i
-
-
-@gluon.jit
-def _hand_chunk(merge_acc, merge_vec, acc, m_i, l_i, r_i, handed, taken, c: gl.constexpr):
-    """The persistent 16-head kernel's handover, one O^T chunk at a time through a one-chunk buffer (8 KB; the whole
-    state, 32 KB, does not fit beside two q copies and four stages): consumer 1's chunk c (and with chunk 0 its m, l,
-    r) once consumer 0 has taken the chunk before -- handover j waits for take j - 1, four an item, so the parity is
-    c's."""
-    mbarrier.wait(taken, (c + 1) % 2)
-    merge_acc.index(0).store(acc)
-    if c == 0:
-        merge_vec.index(0).store(m_i)
-        merge_vec.index(1).store(l_i)
-        merge_vec.index(2).store(gl.zeros_like(l_i) + r_i)
-    gl.thread_barrier()
-    mbarrier.arrive(handed, count=1)
-
-
-@gluon.jit
-def _take_chunk(merge_acc, acc, k_mine, k_other, handed, taken, c: gl.constexpr, ST_L: gl.constexpr):
-    """Consumer 0's side of `_hand_chunk`: chunk c folded into its own, the buffer given back."""
-    mbarrier.wait(handed, c % 2)
-    acc = acc * k_mine + merge_acc.index(0).load(ST_L) * k_other
-    gl.thread_barrier()
-    mbarrier.arrive(taken, count=1)
-    return acc
+    return acc0, acc1, acc2, acc3, m_new, l_i * a_mine + l_o * a_other, r_new
 
 
 @gluon.jit
@@ -1655,9 +1622,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
-    warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item; at 16 heads
-    one O^T chunk a phase, `_hand_chunk`) and warpgroup 0 merges the two and writes the item's result while
-    warpgroup 1 goes on with the next item."""
+    warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
+    warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     pid = gl.program_id(0)
     G = gl.num_programs(0)
@@ -1675,29 +1641,15 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
             num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
         g += num_steps
         if WG == 1:
-            if BLOCK_H == 8:
-                mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
-                _hand_state(merge_acc, merge_vec, 0, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
-                mbarrier.arrive(handed, count=1)
-            else:
-                _hand_chunk(merge_acc, merge_vec, acc0, m_i, l_i, r_i, handed, taken, 0)
-                _hand_chunk(merge_acc, merge_vec, acc1, m_i, l_i, r_i, handed, taken, 1)
-                _hand_chunk(merge_acc, merge_vec, acc2, m_i, l_i, r_i, handed, taken, 2)
-                _hand_chunk(merge_acc, merge_vec, acc3, m_i, l_i, r_i, handed, taken, 3)
+            mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
+            _hand_state(merge_acc, merge_vec, 0, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
+            mbarrier.arrive(handed, count=1)
         else:
-            if BLOCK_H == 8:
-                mbarrier.wait(handed, phase)
-                acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i,
-                                                                    merge_acc, merge_vec, 0, ST_L)
-                gl.thread_barrier()
-                mbarrier.arrive(taken, count=1)
-            else:
-                mbarrier.wait(handed, 0)      # (chunk 0 came with m, l, r)
-                k_mine, k_other, m_i, l_i, r_i = _fold_factors(m_i, l_i, r_i, merge_vec, ST_L)
-                acc0 = _take_chunk(merge_acc, acc0, k_mine, k_other, handed, taken, 0, ST_L)
-                acc1 = _take_chunk(merge_acc, acc1, k_mine, k_other, handed, taken, 1, ST_L)
-                acc2 = _take_chunk(merge_acc, acc2, k_mine, k_other, handed, taken, 2, ST_L)
-                acc3 = _take_chunk(merge_acc, acc3, k_mine, k_other, handed, taken, 3, ST_L)
+            mbarrier.wait(handed, phase)
+            acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
+                                                                merge_vec, 0, ST_L)
+            gl.thread_barrier()
+            mbarrier.arrive(taken, count=1)
             inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
             _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, 0, num_heads,
                           num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
@@ -1713,8 +1665,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
-    rows] and read transposed), persistent (NOTES.md v18); its 16-head tile likewise (an option, v19: consumer 1's
-    state handed over one O^T chunk at a time). One program a SM walks the work items (token, split) p,
+    rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
     p + G, ...; the loader streams every item's steps through one ring and the consumers hand over at item ends, so
     the ring's fill and the last steps' products are not paid once per item (H200, v18 calls 2-3 at 8 heads x 512
     tokens: one item a program 218-220 us, its gathers alone 188; persistent 212, its gathers alone 180 -- the
@@ -1723,9 +1674,8 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     memory; launched on min(items, SMs) programs (`launch`)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert((BLOCK_H == 8) or (BLOCK_H == 16), "the 8-head tile (wgmma N = 8; <= 8 heads) or the 16-head")
+    gl.static_assert(BLOCK_H == 8, "the 8-head tile (wgmma N = 8; <= 8 heads)")
     gl.static_assert(STAGES >= 3, "two stages in the consumers' hands, at least one in flight")
-    MERGE_CHUNKS: gl.constexpr = 4 if BLOCK_H == 8 else 1     # (16 heads: one chunk at a time, 8 KB)
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = ROWS_SM
     VEC: gl.constexpr = ROWS_VEC
@@ -1735,7 +1685,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     q_lat1 = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SM)
     q_rope1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SM)
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-    merge_acc = gl.allocate_shared_memory(gl.float32, [MERGE_CHUNKS, 128, BLOCK_H], RAW)
+    merge_acc = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H], RAW)
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
     p_a = _p_chunks(BLOCK_N, BLOCK_H)
     p_b = _p_chunks(BLOCK_N, BLOCK_H)
@@ -1757,9 +1707,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [224, 56] if (BLOCK_H == 16) and (PIPE & PIPE_O) else [208, 88])
-    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); the 16-head tile with O^T's
-    # products pipelined as the dual kernel's
+    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1767,11 +1715,11 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
 DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 32,
-                  "num_warps": 4, "stages": 2, "dual_consumers": False, "pipe": "", "persistent": False}
+                  "num_warps": 4, "stages": 2, "dual_consumers": False, "pipe": ""}
 
 
 WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "p_smem": False, "block_h": 64,
-                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": "", "persistent": False}
+                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
@@ -1783,7 +1731,7 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": "", "persistent": False}
+                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
 # dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448)
@@ -1808,14 +1756,14 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "persistent": False}
+               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "persistent": False}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
@@ -1825,7 +1773,7 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "persistent": False}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
 FP8_ROWS_MIN_TOKENS = 4
 # ... its dual-consumer form (NOTES.md v17): no converter and no fp16 copy of the rows -- two consumer warpgroups
 # convert the staged e4m3 bytes into wgmma's register operand themselves, each on every other step; 4 stages of raw
@@ -1876,12 +1824,11 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False, persistent: bool = False):
+              dual: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles, and with 16-head tiles
-    when asked; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a
-    producer warpgroup)."""
-    if rows and fp8 and dual and (block_h == 8 or persistent):
+    warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles; ws: the
+    warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
+    if rows and fp8 and dual and block_h == 8:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
@@ -1945,9 +1892,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     if dual and not (cfg.get("rows") and fp8):
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
-    if cfg.get("persistent") and not dual:
-        raise Glm5labError("persistent=True is a form of the dual-consumer fp8_ds_mla kernel (its 16-head tile; the "
-                           "8-head tile always is); got it with dual_consumers=False")
     pipe = cfg.get("pipe", "")
     if pipe not in PIPES or (pipe and not dual) or (dual and pipe not in PIPES_OF_TILE[cfg["block_h"]]):
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
@@ -1983,7 +1927,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     (a persistent kernel's programs)."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("persistent", False))
+                       cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
