@@ -56,6 +56,12 @@ def read(path: str | os.PathLike):
     return pd.read_csv(path)
 
 
+def history_path(path: str | os.PathLike) -> Path:
+    """Where `archive_older_runs` keeps a CSV's older runs: `<name>_history.csv.gz` beside it."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".csv") + "_history.csv.gz")
+
+
 def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     """Move every run but the last `keep` of an appended CSV into `<name>_history.csv.gz` beside it (gzip members
     appended, one header) and return how many rows moved. A run is the rows of one (git_sha, command) in file order.
@@ -77,7 +83,7 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     old = df[run.isin(runs[:-keep] if keep > 0 else runs)]
     if old.empty:
         return 0
-    history = path.with_name(path.name.removesuffix(".csv") + "_history.csv.gz")
+    history = history_path(path)
     tmp_hist, tmp_csv = history.with_name(history.name + ".tmp"), path.with_name(path.name + ".tmp")
     try:
         with open(tmp_hist, "wb") as fh:
@@ -104,8 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
     args = ap.parse_args(argv)
     for p in args.csv:
-        print(f"{p}: {archive_older_runs(p, args.keep)} rows of older runs -> "
-              f"{p.name.removesuffix('.csv')}_history.csv.gz")
+        print(f"{p}: {archive_older_runs(p, args.keep)} rows of older runs -> {history_path(p).name}")
     return 0
 
 

@@ -1844,13 +1844,12 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES = ("", "o", "so")
-PIPES_OF_TILE = {8: PIPES, 16: ("", "o")}
+PIPES_OF_TILE = {8: ("", "o", "so"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
-    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s, o)."""
-    return sum(bit for ch, bit in (("s", 1), ("o", 2)) if ch in pipe)
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O)."""
+    return (PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
@@ -1893,7 +1892,7 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
     pipe = cfg.get("pipe", "")
-    if pipe not in PIPES or (pipe and not dual) or (dual and pipe not in PIPES_OF_TILE[cfg["block_h"]]):
+    if pipe not in (PIPES_OF_TILE[cfg["block_h"]] if dual else ("",)):     # (dual: an 8- or 16-head tile, above)
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
                            "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' -- the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
