@@ -91,7 +91,7 @@ def test_unknown_part_is_refused(tmp_path):
         suites.run_suite("cpu", tmp_path, parts=["nope"], isolate=False, progress=False)
 
 
-def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_path):
+def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_path, capsys):
     """`records.archive_older_runs`: the CSV keeps its last run (readers see the same latest run), every older row
     lands once in <name>_history.csv.gz across two archivings, and a non-benchmark CSV is refused untouched."""
     from glm5lab.bench.records import append_rows, archive_older_runs
@@ -116,3 +116,8 @@ def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_
     with pytest.raises(ValueError, match="is not a benchmark CSV"):
         archive_older_runs(other)
     assert other.read_text() == "a,b\n1,2\n" and not (tmp_path / "other_history.csv.gz").exists()
+    capsys.readouterr()
+    for bad, why in ((other, "is not a benchmark CSV"), (tmp_path / "missing.csv", "no benchmark CSV at")):
+        assert records_main(["archive", str(bad)]) == 2      # the CLI: one line, no traceback
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1

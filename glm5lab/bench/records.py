@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -110,7 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
     args = ap.parse_args(argv)
     for p in args.csv:
-        print(f"{p}: {archive_older_runs(p, args.keep)} rows of older runs -> {history_path(p).name}")
+        try:
+            moved = archive_older_runs(p, args.keep)
+        except (FileNotFoundError, ValueError) as exc:      # (missing file, not a benchmark CSV: one line)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{p}: {moved} rows of older runs -> {history_path(p).name}")
     return 0
 
 
