@@ -101,6 +101,11 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
                                          ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
+# v20's A/B trials (NOTES.md): three products in flight, the lazy rescale -- on every fp8 test that takes them
+WS8X2PP3 = {**WS8X2PP, "pipe": "so3"}
+TRIALS = {"ws8x2pp3": WS8X2PP3, "ws8x2ppl": {**WS8X2PP, "_lazy": True}, "ws8x2pp3l": {**WS8X2PP3, "_lazy": True},
+          "ws8x2ol": {**WS8X2O, "_lazy": True}}
+TRIALS_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", list(TRIALS.values()), ids=list(TRIALS))
 
 
 @pytest.mark.gpu
@@ -164,6 +169,54 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
     assert T * splits > torch.cuda.get_device_properties(0).multi_processor_count
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@TRIALS_AT_8_HEADS
+@pytest.mark.parametrize("case", ["shapes", "splits", "items", "ranges", "skipped", "bytes_invalid_graph", "sorted"])
+def test_gpu_gluon_v20_trials(fp8_cfg, case):
+    """v20's trial tiles (three products in flight, the lazy rescale) through the cases the 8-head tiles take: real
+    shapes, odd top-k and forced splits, many items a persistent program, q and scale ranges, skipped rows, every
+    byte pattern with an all-invalid token under a CUDA graph, and rows sorted by score (rising: the running max
+    moves every step, so the lazy rescale's both branches run; falling: it never moves after the first)."""
+    heads = (5, 8) if fp8_cfg["block_h"] == 8 else (8, 16)
+    if case == "shapes":
+        for H in heads:
+            for T in (1, 8, 130):
+                q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda",
+                                                 block_size=64)
+                out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **fp8_cfg})
+                check(out, lse, ref, torch.bfloat16)
+    elif case == "splits":
+        for topk, splits in [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)]:
+            test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits)
+    elif case == "items":
+        for T, topk, splits in [(400, 2048, 1), (150, 2000, 3), (97, 77, 5)]:
+            test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, fp8_cfg)
+    elif case == "ranges":
+        for q_mag, scale_range in [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))]:
+            test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range)
+    elif case == "skipped":
+        test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg)
+    elif case == "bytes_invalid_graph":
+        q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
+        out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **fp8_cfg})
+        check(out, lse, ref, torch.bfloat16)
+        q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+        slots[0] = -1
+        ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+        _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), fp8_cfg)
+    else:
+        q, cache, slots, _ = make_case(6, heads[-1], 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda",
+                                       block_size=64)
+        kv = dequantize_fp8_ds_mla(cache).view(-1, 576).float()
+        score = torch.einsum("thd,tkd->tk", q.float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])  # (all heads)
+        order = score.argsort(dim=1)
+        rising = torch.gather(slots, 1, order)
+        for s_ in (rising, rising.flip(1)):
+            ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(s_ >= 65536, -1, s_), SCALE)
+            out, lse = run_poisoned(q, cache, s_.contiguous(), _config={**GLUON, **fp8_cfg})
+            check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu

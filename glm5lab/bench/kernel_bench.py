@@ -95,6 +95,23 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
+                  # ... A/B trials of v20 (NOTES.md): three products in flight (pipe "so3", consumers at 224
+                  # registers), the lazy rescale ("l": O^T rescaled only when a head's p could pass 2^8), and the
+                  # consumers alone with it (ws8x2pd2l)
+                  ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                "resident": 1, "dual_consumers": True, "pipe": "so3"}),
+                  ("ws8x2ppl", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True}),
+                  ("ws8x2pp3l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "pipe": "so3", "_lazy": True}),
+                  ("ws8x2pd2l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True,
+                                 "_diagnostic": True, "ws_diag": 2}),
+                  ("ws8x2ol", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                               "dual_consumers": True, "pipe": "o", "_lazy": True}),
+                  ("ws8x2d2l", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                                "dual_consumers": True, "pipe": "o", "_lazy": True, "_diagnostic": True,
+                                "ws_diag": 2}),
                   # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
                   # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

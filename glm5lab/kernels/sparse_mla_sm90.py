@@ -1318,12 +1318,16 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 # the bits of the dual-consumer kernels' PIPE constexpr (`pipe_bits`)
 PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
+PIPE_3 = gl.constexpr(4)       # ... three at a time on the pipelined sides (the 8-head tile, consumers at 224)
+# the lazy rescale (LAZY): O^T, l and P keep the running max and largest scale they were last rescaled to until
+# some head's probabilities could exceed 2^LAZY_LOG2 (P in fp16: 2^8 leaves 2^7 of headroom below 65504)
+LAZY_LOG2 = gl.constexpr(8.0)
 
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0):
+                   PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
@@ -1341,7 +1345,21 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if PIPE & PIPE_S:
+    if PIPE & PIPE_3 and PIPE & PIPE_S:
+        k0 = _k_operand(lat, 0, A_L)
+        t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        k1 = _k_operand(lat, 1, A_L)
+        t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        k2 = _k_operand(lat, 2, A_L)
+        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c0, k0 = warpgroup_mma_wait(2, deps=[t0, k0])
+        k3 = _k_operand(lat, 3, A_L)
+        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        c1, k1 = warpgroup_mma_wait(2, deps=[t1, k1])
+        c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
+        c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
+        st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
+    elif PIPE & PIPE_S:
         k0 = _k_operand(lat, 0, A_L)
         t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k1 = _k_operand(lat, 1, A_L)
@@ -1368,37 +1386,92 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-    p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
-    r_new = gl.maximum(r_i, gl.max(col_scale, 0))
-    keep = (alpha * (r_i / r_new))[None, :]
+    if LAZY:
+        m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _lazy_rescale(col_max, gl.max(col_scale, 0), m_i, l_acc, r_i, acc0,
+                                                                acc1, acc2, acc3)
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(s_t - m_safe[None, :])
+        l_acc = l_acc + p
+        r_new = r_i
+        keep = 1.0
+    else:
+        p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
+        r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+        keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
-    if PIPE & PIPE_O:
+    if PIPE & PIPE_3 and PIPE & PIPE_O:
         v0 = _v_operand(lat, 0, A_L)
-        u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
+        u0 = warpgroup_mma(v0, p_t0, _kept(acc0, keep, LAZY), is_async=True)
         v1 = _v_operand(lat, 1, A_L)
-        u1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
+        u1 = warpgroup_mma(v1, p_t1, _kept(acc1, keep, LAZY), is_async=True)
+        v2 = _v_operand(lat, 2, A_L)
+        u2 = warpgroup_mma(v2, p_t2, _kept(acc2, keep, LAZY), is_async=True)
+        acc0, v0 = warpgroup_mma_wait(2, deps=[u0, v0])
+        v3 = _v_operand(lat, 3, A_L)
+        u3 = warpgroup_mma(v3, p_t3, _kept(acc3, keep, LAZY), is_async=True)
+        acc1, v1 = warpgroup_mma_wait(2, deps=[u1, v1])
+        acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
+        acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
+    elif PIPE & PIPE_O:
+        v0 = _v_operand(lat, 0, A_L)
+        u0 = warpgroup_mma(v0, p_t0, _kept(acc0, keep, LAZY), is_async=True)
+        v1 = _v_operand(lat, 1, A_L)
+        u1 = warpgroup_mma(v1, p_t1, _kept(acc1, keep, LAZY), is_async=True)
         acc0, v0 = warpgroup_mma_wait(1, deps=[u0, v0])
         v2 = _v_operand(lat, 2, A_L)
-        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+        u2 = warpgroup_mma(v2, p_t2, _kept(acc2, keep, LAZY), is_async=True)
         acc1, v1 = warpgroup_mma_wait(1, deps=[u1, v1])
         v3 = _v_operand(lat, 3, A_L)
-        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
+        u3 = warpgroup_mma(v3, p_t3, _kept(acc3, keep, LAZY), is_async=True)
         acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
         acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
     else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, _kept(acc0, keep, LAZY))
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, _kept(acc1, keep, LAZY))
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, _kept(acc2, keep, LAZY))
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, _kept(acc3, keep, LAZY))
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _kept(acc, keep, LAZY: gl.constexpr):
+    """O^T's chunk as the next product adds to it: rescaled by keep, or as it stands (LAZY: `_lazy_rescale` did it)."""
+    if LAZY:
+        return acc
+    else:
+        return acc * keep
+
+
+@gluon.jit
+def _lazy_rescale(col_max, scale_max, m_i, l_acc, r_i, acc0, acc1, acc2, acc3):
+    """A dual consumer's state moved to this step's running max and largest scale only when some head's p * s_c / r
+    could otherwise exceed 2^LAZY_LOG2 (a head's first valid rows always): otherwise O^T, l and the unit r stay as
+    they are and P is taken against the max they hold, so most steps skip O^T's rescale (64 of a thread's multiplies
+    a step at 16 heads). The test is one value for the whole warpgroup -- every warp holds every head's max after
+    the reduction across the rows -- so the branch is uniform. (FA4's lazy rescale; NOTES.md v20.)"""
+    m_new = gl.maximum(m_i, col_max)
+    r_new = gl.maximum(r_i, scale_max)
+    grow = gl.where(m_new > m_i, m_new - m_i, 0.0) + gl.log2(r_new / r_i)
+    if gl.max(grow, 0) > LAZY_LOG2:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        keep = (alpha * (r_i / r_new))[None, :]
+        acc0 = acc0 * keep
+        acc1 = acc1 * keep
+        acc2 = acc2 * keep
+        acc3 = acc3 * keep
+        l_acc = l_acc * alpha[None, :]
+        m_i = m_new
+        r_i = r_new
+    return m_i, l_acc, r_i, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0):
+                    PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1414,7 +1487,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, LAZY)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1497,7 +1570,8 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
+                       LAZY: gl.constexpr = False):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
@@ -1505,7 +1579,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, LAZY)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1525,7 +1599,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1557,11 +1631,11 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE, LAZY)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE, LAZY)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -1619,7 +1693,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
+                             LAZY: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1638,7 +1713,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         gl.thread_barrier()
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
+            LAZY)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -1662,7 +1738,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1699,15 +1775,17 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE, LAZY)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE, LAZY)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [208, 88])    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each)
+    ], [4, 4], [224, 56] if PIPE & PIPE_3 else [208, 88])
+    # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); three products in flight need 224
+    # (208 spill 40 bytes, NOTES.md v19), the loader fits 56
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -1844,12 +1922,14 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so"), 16: ("", "o")}
+PIPES_OF_TILE = {8: ("", "o", "so", "so3"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
-    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O)."""
-    return (PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; 3: three products
+    in flight, PIPE_3)."""
+    return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
+            | (PIPE_3.value if "3" in pipe else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
@@ -1938,6 +2018,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["P_SMEM"] = True
     if cfg.get("pipe"):
         extra["PIPE"] = pipe_bits(cfg["pipe"])
+    if cfg.get("_lazy") and "LAZY" in kernel.arg_names:      # (a private A/B switch, NOTES.md v20)
+        extra["LAZY"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
