@@ -102,9 +102,8 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
                                          ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
 # v20's A/B trials (NOTES.md): three products in flight, the lazy rescale -- on every fp8 test that takes them
-WS8X2PP3 = {**WS8X2PP, "pipe": "so3"}
-TRIALS = {"ws8x2pp3": WS8X2PP3, "ws8x2ppl": {**WS8X2PP, "_lazy": True}, "ws8x2pp3l": {**WS8X2PP3, "_lazy": True},
-          "ws8x2ol": {**WS8X2O, "_lazy": True}}
+TRIALS = {"ws8x2pp3": {**WS8X2PP, "pipe": "s3o3"}, "ws8x2ppo3": {**WS8X2PP, "pipe": "so3"},
+          "ws8x2ppl": {**WS8X2PP, "_lazy": True}, "ws8x2ol": {**WS8X2O, "_lazy": True}}
 TRIALS_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", list(TRIALS.values()), ids=list(TRIALS))
 
 

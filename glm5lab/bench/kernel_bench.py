@@ -95,15 +95,17 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... A/B trials of v20 (NOTES.md): three products in flight (pipe "so3", consumers at 224
-                  # registers), the lazy rescale ("l": O^T rescaled only when a head's p could pass 2^8), and the
-                  # consumers alone with it (ws8x2pd2l)
+                  # ... A/B trials of v20 (NOTES.md): three products in flight (pipe "s3o3" both sides, "so3" O^T's
+                  # only; consumers at 224 registers), the lazy rescale ("l": a head's max and the unit r moved only
+                  # when they grew by 2^4, O^T rescaled only when one moved), and the consumers alone with it
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                "resident": 1, "dual_consumers": True, "pipe": "so3"}),
+                                "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
+                  ("ws8x2ppo3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "pipe": "so3"}),
                   ("ws8x2ppl", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True}),
                   ("ws8x2pp3l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "so3", "_lazy": True}),
+                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "_lazy": True}),
                   ("ws8x2pd2l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True,
                                  "_diagnostic": True, "ws_diag": 2}),

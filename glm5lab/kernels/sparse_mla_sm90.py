@@ -1318,7 +1318,8 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 # the bits of the dual-consumer kernels' PIPE constexpr (`pipe_bits`)
 PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
-PIPE_3 = gl.constexpr(4)       # ... three at a time on the pipelined sides (the 8-head tile, consumers at 224)
+PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224)
+PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 # the lazy rescale (LAZY): O^T, l and P keep the running max and largest scale they were last rescaled to until
 # some head's probabilities could exceed 2^LAZY_LOG2 (P in fp16: 2^8 leaves 2^7 of headroom below 65504)
 LAZY_LOG2 = gl.constexpr(8.0)
@@ -1345,7 +1346,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if PIPE & PIPE_3 and PIPE & PIPE_S:
+    if PIPE & PIPE_S3:
         k0 = _k_operand(lat, 0, A_L)
         t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         k1 = _k_operand(lat, 1, A_L)
@@ -1387,20 +1388,22 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
     if LAZY:
-        m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _lazy_rescale(col_max, gl.max(col_scale, 0), m_i, l_acc, r_i, acc0,
-                                                                acc1, acc2, acc3)
-        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(s_t - m_safe[None, :])
-        l_acc = l_acc + p
-        r_new = r_i
-        keep = 1.0
+        p, alpha, m_i, l_acc, r_new = _lazy_softmax_update(s_t, col_max, gl.max(col_scale, 0), m_i, l_acc, r_i)
     else:
         p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
         r_new = gl.maximum(r_i, gl.max(col_scale, 0))
         keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
-    if PIPE & PIPE_3 and PIPE & PIPE_O:
+    if LAZY:
+        keep_h = alpha * (r_i / r_new)
+        if gl.min(keep_h, 0) < 1.0:           # (warpgroup-uniform: every warp holds every head's keep)
+            acc0 = acc0 * keep_h[None, :]
+            acc1 = acc1 * keep_h[None, :]
+            acc2 = acc2 * keep_h[None, :]
+            acc3 = acc3 * keep_h[None, :]
+        keep = 1.0
+    if PIPE & PIPE_O3:
         v0 = _v_operand(lat, 0, A_L)
         u0 = warpgroup_mma(v0, p_t0, _kept(acc0, keep, LAZY), is_async=True)
         v1 = _v_operand(lat, 1, A_L)
@@ -1436,7 +1439,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 
 @gluon.jit
 def _kept(acc, keep, LAZY: gl.constexpr):
-    """O^T's chunk as the next product adds to it: rescaled by keep, or as it stands (LAZY: `_lazy_rescale` did it)."""
+    """O^T's chunk as the next product adds to it: rescaled by keep, or as it stands (LAZY: rescaled before, when at
+    all)."""
     if LAZY:
         return acc
     else:
@@ -1444,27 +1448,21 @@ def _kept(acc, keep, LAZY: gl.constexpr):
 
 
 @gluon.jit
-def _lazy_rescale(col_max, scale_max, m_i, l_acc, r_i, acc0, acc1, acc2, acc3):
-    """A dual consumer's state moved to this step's running max and largest scale only when some head's p * s_c / r
-    could otherwise exceed 2^LAZY_LOG2 (a head's first valid rows always): otherwise O^T, l and the unit r stay as
-    they are and P is taken against the max they hold, so most steps skip O^T's rescale (64 of a thread's multiplies
-    a step at 16 heads). The test is one value for the whole warpgroup -- every warp holds every head's max after
-    the reduction across the rows -- so the branch is uniform. (FA4's lazy rescale; NOTES.md v20.)"""
+def _lazy_softmax_update(s_t, col_max, scale_max, m_i, l_acc, r_i):
+    """`_softmax_update` of a dual consumer that moves a head's running max only when it grew by more than
+    LAZY_LOG2 / 2, and the unit r (the largest chunk scale) only when it grew by more than that factor too, so p * s_c
+    / r stays below 2^LAZY_LOG2 and most steps leave every head's max and r where they were: then O^T's rescale
+    (64 of a thread's multiplies a step at 16 heads) is skipped by the caller. Decided per head, so p does not wait
+    on a reduction across the heads (a first trial that moved all heads together, on one reduction, was slower:
+    NOTES.md v20). Returns (p, alpha, m, l_acc, r)."""
     m_new = gl.maximum(m_i, col_max)
+    m_use = gl.where(m_new - m_i > 0.5 * LAZY_LOG2, m_new, m_i)       # (a head's first valid rows: inf > 4)
     r_new = gl.maximum(r_i, scale_max)
-    grow = gl.where(m_new > m_i, m_new - m_i, 0.0) + gl.log2(r_new / r_i)
-    if gl.max(grow, 0) > LAZY_LOG2:
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        keep = (alpha * (r_i / r_new))[None, :]
-        acc0 = acc0 * keep
-        acc1 = acc1 * keep
-        acc2 = acc2 * keep
-        acc3 = acc3 * keep
-        l_acc = l_acc * alpha[None, :]
-        m_i = m_new
-        r_i = r_new
-    return m_i, l_acc, r_i, acc0, acc1, acc2, acc3
+    r_use = gl.where(r_new > r_i * gl.exp2(0.5 * LAZY_LOG2), r_new, r_i)
+    m_safe = gl.where(m_use == float("-inf"), 0.0, m_use)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s_t - m_safe[None, :])
+    return p, alpha, m_use, l_acc * alpha[None, :] + p, r_use
 
 
 @gluon.jit
@@ -1783,7 +1781,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     SPLIT, ST_L, 1, DIAG, PIPE, LAZY)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [224, 56] if PIPE & PIPE_3 else [208, 88])
+    ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); three products in flight need 224
     # (208 spill 40 bytes, NOTES.md v19), the loader fits 56
 
@@ -1922,14 +1920,14 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so", "so3"), 16: ("", "o")}
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "s3o", "so3"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
-    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; 3: three products
-    in flight, PIPE_3)."""
+    """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; a 3 after one: that
+    side three products at a time, PIPE_S3 / PIPE_O3)."""
     return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
-            | (PIPE_3.value if "3" in pipe else 0))
+            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
