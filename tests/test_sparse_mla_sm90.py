@@ -101,10 +101,8 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
                                          ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
-# v20's A/B trials (NOTES.md): three products in flight, the lazy rescale -- on every fp8 test that takes them
-TRIALS = {"ws8x2pp3": {**WS8X2PP, "pipe": "s3o3"}, "ws8x2ppo3": {**WS8X2PP, "pipe": "so3"},
-          "ws8x2ppl": {**WS8X2PP, "_lazy": True}, "ws8x2ol": {**WS8X2O, "_lazy": True}}
-TRIALS_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", list(TRIALS.values()), ids=list(TRIALS))
+# ... with three products in flight on both sides (the default from 128 tokens since v20)
+WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 
 
 @pytest.mark.gpu
@@ -171,14 +169,14 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
 
 
 @pytest.mark.gpu
-@TRIALS_AT_8_HEADS
 @pytest.mark.parametrize("case", ["shapes", "splits", "items", "ranges", "skipped", "bytes_invalid_graph", "sorted"])
-def test_gpu_gluon_v20_trials(fp8_cfg, case):
-    """v20's trial tiles (three products in flight, the lazy rescale) through the cases the 8-head tiles take: real
-    shapes, odd top-k and forced splits, many items a persistent program, q and scale ranges, skipped rows, every
-    byte pattern with an all-invalid token under a CUDA graph, and rows sorted by score (rising: the running max
-    moves every step, so the lazy rescale's both branches run; falling: it never moves after the first)."""
-    heads = (5, 8) if fp8_cfg["block_h"] == 8 else (8, 16)
+def test_gpu_gluon_8_head_tile_three_in_flight(case):
+    """The persistent 8-head tile with three products in flight (pipe "s3o3", NOTES.md v20; its consumer 1 spills)
+    through the cases the 8-head tiles take: real shapes, odd top-k and forced splits, many items a program, q and
+    scale ranges, skipped rows, every byte pattern with an all-invalid token under a CUDA graph, and rows sorted by
+    score (rising: the running max moves every step; falling: only at the first)."""
+    fp8_cfg = WS8X2PP3
+    heads = (5, 8)
     if case == "shapes":
         for H in heads:
             for T in (1, 8, 130):
@@ -599,7 +597,10 @@ def test_gluon_tiles_by_head_count():
         # 16 at <= 8 heads
         dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2O))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
-        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 512) == dual
+        assert sm90.default_config(H, True, dual_from) == dual
+        # ... at <= 8 heads with three products in flight from FP8_DEEP_PIPE_MIN_TOKENS (v20)
+        assert sm90.default_config(H, True, 512) == (WS8X2PP3 if H <= 8 else dual)
+        assert sm90.default_config(H, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS - 1) == dual
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -719,10 +720,11 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
-    for pipe in ("", "o", "so"):
+    for pipe in ("", "o", "so", "s3o3"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3"},
+                {**n8, "pipe": "so3"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
                 {**sm90.ROWS_FP8_CONFIG, "pipe": "o"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
@@ -734,7 +736,7 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
 
 
 def _depbars(rep: dict) -> collections.Counter:
-    """How many wgmma waits of a build leave 0 / 1 products outstanding."""
+    """How many wgmma waits of a build leave 0 / 1 / 2 products outstanding."""
     return collections.Counter(int(i.rsplit(",", 1)[1], 16) for i in rep["_sass"] if i.startswith("WARPGROUP.DEPBAR"))
 
 
@@ -750,6 +752,22 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
     assert rep["HGMMA"] == 2 * 68 and rep["F2FP"] >= 2 * 256 and rep["LDGSTS"] == 22
     assert {88, 208} <= set(rep["setmaxnreg"]) and 200 * 1024 < rep["smem"] <= 227 * 1024
     assert _depbars(rep) == {0: 6, 1: 12}
+
+
+def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_little():
+    """The persistent 8-head kernel with three products in flight on both sides (pipe "s3o3", NOTES.md v20, the
+    default from FP8_DEEP_PIPE_MIN_TOKENS): consumers at 224 registers, the loader at 56, 8 of each step's 18 wgmma
+    waits leave two products outstanding and 4 one; the one spill allowed: consumer 1's 3 LDL + 3 STL a step (at
+    208 registers 40 bytes)."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    assert sm90.default_config(8, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS)["pipe"] == "s3o3"
+    assert sm90.default_config(8, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS - 1)["pipe"] == "so"
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
+                      _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
+    assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
+    assert rep["stack"] <= 16 and rep.get("LDL", 0) <= 3 and rep.get("STL", 0) <= 3
+    assert _depbars(rep) == {0: 6, 1: 4, 2: 8}
 
 
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
@@ -955,7 +973,8 @@ def test_named_tiles_forced_over_any_default_are_complete():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
-                 "ROWS_FP8_PERSISTENT_CONFIG", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
+                 "ROWS_FP8_PERSISTENT_CONFIG", "ROWS_FP8_PERSISTENT_DEEP_CONFIG",
+                 "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
             if (tile.get("rows") and fp8 != name.startswith("ROWS_FP8")) or (tile.get("converter") and not fp8):

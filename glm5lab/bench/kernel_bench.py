@@ -95,25 +95,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... A/B trials of v20 (NOTES.md): three products in flight (pipe "s3o3" both sides, "so3" O^T's
-                  # only; consumers at 224 registers), the lazy rescale ("l": a head's max and the unit r moved only
-                  # when they grew by 2^4, O^T rescaled only when one moved), and the consumers alone with it
+                  # ... with three products in flight on both sides (pipe "s3o3", the default from 128 tokens since
+                  # v20, consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
-                  ("ws8x2ppo3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "so3"}),
-                  ("ws8x2ppl", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True}),
-                  ("ws8x2pp3l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "_lazy": True}),
-                  ("ws8x2pd2l", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "so", "_lazy": True,
-                                 "_diagnostic": True, "ws_diag": 2}),
-                  ("ws8x2ol", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                               "dual_consumers": True, "pipe": "o", "_lazy": True}),
-                  ("ws8x2d2l", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                                "dual_consumers": True, "pipe": "o", "_lazy": True, "_diagnostic": True,
-                                "ws_diag": 2}),
+                  *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
+                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
                   # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

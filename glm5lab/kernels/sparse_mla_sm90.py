@@ -1318,23 +1318,20 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
 # the bits of the dual-consumer kernels' PIPE constexpr (`pipe_bits`)
 PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
-PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224)
+PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
-# the lazy rescale (LAZY): O^T, l and P keep the running max and largest scale they were last rescaled to until
-# some head's probabilities could exceed 2^LAZY_LOG2 (P in fp16: 2^8 leaves 2^7 of headroom below 65504)
-LAZY_LOG2 = gl.constexpr(8.0)
 
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False):
+                   PIPE: gl.constexpr = 0):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
-    warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v19): S^T's (PIPE_S) / O^T's (PIPE_O)
+    warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v20): S^T's (PIPE_S) / O^T's (PIPE_O)
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
-    (two operands live, not one)."""
+    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_s_products_async`)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1346,33 +1343,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
-    if PIPE & PIPE_S3:
-        k0 = _k_operand(lat, 0, A_L)
-        t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        k1 = _k_operand(lat, 1, A_L)
-        t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        k2 = _k_operand(lat, 2, A_L)
-        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c0, k0 = warpgroup_mma_wait(2, deps=[t0, k0])
-        k3 = _k_operand(lat, 3, A_L)
-        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c1, k1 = warpgroup_mma_wait(2, deps=[t1, k1])
-        c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
-        c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
-        st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
-    elif PIPE & PIPE_S:
-        k0 = _k_operand(lat, 0, A_L)
-        t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        k1 = _k_operand(lat, 1, A_L)
-        t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c0, k0 = warpgroup_mma_wait(1, deps=[t0, k0])
-        k2 = _k_operand(lat, 2, A_L)
-        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c1, k1 = warpgroup_mma_wait(1, deps=[t1, k1])
-        k3 = _k_operand(lat, 3, A_L)
-        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
-        c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
+    if PIPE & PIPE_S:
+        c0, c1, c2, c3 = _s_products_async(lat, q_lat, opaque0, zero_s, A_L, 3 if PIPE & PIPE_S3 else 2)
         st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
     else:
         st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
@@ -1387,89 +1359,82 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-    if LAZY:
-        p, alpha, m_i, l_acc, r_new = _lazy_softmax_update(s_t, col_max, gl.max(col_scale, 0), m_i, l_acc, r_i)
-    else:
-        p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
-        r_new = gl.maximum(r_i, gl.max(col_scale, 0))
-        keep = (alpha * (r_i / r_new))[None, :]
+    p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
+    r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+    keep = (alpha * (r_i / r_new))[None, :]
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
-    if LAZY:
-        keep_h = alpha * (r_i / r_new)
-        if gl.min(keep_h, 0) < 1.0:           # (warpgroup-uniform: every warp holds every head's keep)
-            acc0 = acc0 * keep_h[None, :]
-            acc1 = acc1 * keep_h[None, :]
-            acc2 = acc2 * keep_h[None, :]
-            acc3 = acc3 * keep_h[None, :]
-        keep = 1.0
-    if PIPE & PIPE_O3:
-        v0 = _v_operand(lat, 0, A_L)
-        u0 = warpgroup_mma(v0, p_t0, _kept(acc0, keep, LAZY), is_async=True)
-        v1 = _v_operand(lat, 1, A_L)
-        u1 = warpgroup_mma(v1, p_t1, _kept(acc1, keep, LAZY), is_async=True)
-        v2 = _v_operand(lat, 2, A_L)
-        u2 = warpgroup_mma(v2, p_t2, _kept(acc2, keep, LAZY), is_async=True)
-        acc0, v0 = warpgroup_mma_wait(2, deps=[u0, v0])
-        v3 = _v_operand(lat, 3, A_L)
-        u3 = warpgroup_mma(v3, p_t3, _kept(acc3, keep, LAZY), is_async=True)
-        acc1, v1 = warpgroup_mma_wait(2, deps=[u1, v1])
-        acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
-        acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
-    elif PIPE & PIPE_O:
-        v0 = _v_operand(lat, 0, A_L)
-        u0 = warpgroup_mma(v0, p_t0, _kept(acc0, keep, LAZY), is_async=True)
-        v1 = _v_operand(lat, 1, A_L)
-        u1 = warpgroup_mma(v1, p_t1, _kept(acc1, keep, LAZY), is_async=True)
-        acc0, v0 = warpgroup_mma_wait(1, deps=[u0, v0])
-        v2 = _v_operand(lat, 2, A_L)
-        u2 = warpgroup_mma(v2, p_t2, _kept(acc2, keep, LAZY), is_async=True)
-        acc1, v1 = warpgroup_mma_wait(1, deps=[u1, v1])
-        v3 = _v_operand(lat, 3, A_L)
-        u3 = warpgroup_mma(v3, p_t3, _kept(acc3, keep, LAZY), is_async=True)
-        acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
-        acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
+    if PIPE & PIPE_O:
+        acc0, acc1, acc2, acc3 = _o_products_async(lat, p_t0, p_t1, p_t2, p_t3, acc0, acc1, acc2, acc3, keep, A_L,
+                                                   3 if PIPE & PIPE_O3 else 2)
     else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, _kept(acc0, keep, LAZY))
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, _kept(acc1, keep, LAZY))
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, _kept(acc2, keep, LAZY))
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, _kept(acc3, keep, LAZY))
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
-def _kept(acc, keep, LAZY: gl.constexpr):
-    """O^T's chunk as the next product adds to it: rescaled by keep, or as it stands (LAZY: rescaled before, when at
-    all)."""
-    if LAZY:
-        return acc
+def _s_products_async(lat, q_lat, opaque0, zero_s, A_L: gl.constexpr, DEPTH: gl.constexpr):
+    """S^T's four chunk products of a dual-consumer step issued async, DEPTH (2 or 3) in flight: chunk c + DEPTH's
+    operand is converted from the staged bytes while chunk c's wgmma runs. Returns the four products."""
+    k0 = _k_operand(lat, 0, A_L)
+    t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    k1 = _k_operand(lat, 1, A_L)
+    t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if DEPTH == 3:
+        k2 = _k_operand(lat, 2, A_L)
+        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    c0, k0 = warpgroup_mma_wait(DEPTH - 1, deps=[t0, k0])
+    if DEPTH == 2:
+        k2 = _k_operand(lat, 2, A_L)
+        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     else:
-        return acc * keep
+        k3 = _k_operand(lat, 3, A_L)
+        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    c1, k1 = warpgroup_mma_wait(DEPTH - 1, deps=[t1, k1])
+    if DEPTH == 2:
+        k3 = _k_operand(lat, 3, A_L)
+        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
+    c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
+    return c0, c1, c2, c3
 
 
 @gluon.jit
-def _lazy_softmax_update(s_t, col_max, scale_max, m_i, l_acc, r_i):
-    """`_softmax_update` of a dual consumer that moves a head's running max only when it grew by more than
-    LAZY_LOG2 / 2, and the unit r (the largest chunk scale) only when it grew by more than that factor too, so p * s_c
-    / r stays below 2^LAZY_LOG2 and most steps leave every head's max and r where they were: then O^T's rescale
-    (64 of a thread's multiplies a step at 16 heads) is skipped by the caller. Decided per head, so p does not wait
-    on a reduction across the heads (a first trial that moved all heads together, on one reduction, was slower:
-    NOTES.md v20). Returns (p, alpha, m, l_acc, r)."""
-    m_new = gl.maximum(m_i, col_max)
-    m_use = gl.where(m_new - m_i > 0.5 * LAZY_LOG2, m_new, m_i)       # (a head's first valid rows: inf > 4)
-    r_new = gl.maximum(r_i, scale_max)
-    r_use = gl.where(r_new > r_i * gl.exp2(0.5 * LAZY_LOG2), r_new, r_i)
-    m_safe = gl.where(m_use == float("-inf"), 0.0, m_use)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s_t - m_safe[None, :])
-    return p, alpha, m_use, l_acc * alpha[None, :] + p, r_use
+def _o_products_async(lat, p_t0, p_t1, p_t2, p_t3, acc0, acc1, acc2, acc3, keep, A_L: gl.constexpr,
+                      DEPTH: gl.constexpr):
+    """O^T's four chunk products of a dual-consumer step (each chunk rescaled by keep first) issued async, DEPTH (2
+    or 3) in flight, as `_s_products_async`. Returns the four chunks."""
+    v0 = _v_operand(lat, 0, A_L)
+    u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
+    v1 = _v_operand(lat, 1, A_L)
+    u1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
+    if DEPTH == 3:
+        v2 = _v_operand(lat, 2, A_L)
+        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+    acc0, v0 = warpgroup_mma_wait(DEPTH - 1, deps=[u0, v0])
+    if DEPTH == 2:
+        v2 = _v_operand(lat, 2, A_L)
+        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+    else:
+        v3 = _v_operand(lat, 3, A_L)
+        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
+    acc1, v1 = warpgroup_mma_wait(DEPTH - 1, deps=[u1, v1])
+    if DEPTH == 2:
+        v3 = _v_operand(lat, 3, A_L)
+        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
+    acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
+    acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
+    return acc0, acc1, acc2, acc3
 
 
 @gluon.jit
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False):
+                    PIPE: gl.constexpr = 0):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1485,7 +1450,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, LAZY)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1568,8 +1533,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                       LAZY: gl.constexpr = False):
+                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the dual-consumer kernel: steps WG, WG + 2, ... (`_fp8_dual_step`) with a softmax
     state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes (`_state_stage`), and
     warpgroup 0 merges the two and writes the result."""
@@ -1577,7 +1541,7 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, LAZY)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1597,7 +1561,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1629,11 +1593,11 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE, LAZY)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE, LAZY)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -1691,8 +1655,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                             LAZY: gl.constexpr = False):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -1711,8 +1674,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         gl.thread_barrier()
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
-            LAZY)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -1736,7 +1698,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, LAZY: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1773,12 +1735,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE, LAZY)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE, LAZY)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
@@ -1871,6 +1833,13 @@ FP8_DUAL_MIN_TOKENS = 64
 # 512 tokens.
 ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
 FP8_PERSISTENT_MIN_TOKENS = 16
+# ... with three products in flight on both sides (pipe "s3o3", NOTES.md v20: consumers at 224 registers, the loader
+# at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 1-2 (interleaved), us at 16 / 32 / 64 / 128 / 512
+# tokens: 18.8 / 24.4 / 36.5 / 54.1 / 195.2 against "so" 18.5 / 23.6 / 35.3 / 55.2 / 200.3 -- faster once a split
+# is the whole top-k (from 67 tokens, `choose_num_splits`), slower on shorter splits. So from
+# FP8_DEEP_PIPE_MIN_TOKENS tokens.
+ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3"}
+FP8_DEEP_PIPE_MIN_TOKENS = 128
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
@@ -1878,13 +1847,15 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
-    tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS, the 32-row mma.sync tile at
-    1-3 tokens of <= 8 heads (more, shorter splits)."""
+    tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS (three products in flight
+    from FP8_DEEP_PIPE_MIN_TOKENS), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
+        if num_heads <= 8 and num_tokens >= FP8_DEEP_PIPE_MIN_TOKENS:
+            return dict(ROWS_FP8_PERSISTENT_DEEP_CONFIG)
         if num_heads <= 8 and num_tokens >= FP8_PERSISTENT_MIN_TOKENS:
             return dict(ROWS_FP8_PERSISTENT_CONFIG)
         if num_heads > 8 and num_tokens >= FP8_DUAL_MIN_TOKENS:
@@ -1919,8 +1890,9 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
     return _sparse_mla_fp8_sm90_kernel if fp8 else _sparse_mla_16bit_sm90_kernel
 
 
-# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both; the 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "s3o", "so3"), 16: ("", "o")}
+# the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
+# 16-head tile spills with S^T's
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
@@ -1972,7 +1944,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     pipe = cfg.get("pipe", "")
     if pipe not in (PIPES_OF_TILE[cfg["block_h"]] if dual else ("",)):     # (dual: an 8- or 16-head tile, above)
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
-                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o' -- the 8-head tile any of "
+                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20) -- "
+                           "the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
@@ -2016,8 +1989,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["P_SMEM"] = True
     if cfg.get("pipe"):
         extra["PIPE"] = pipe_bits(cfg["pipe"])
-    if cfg.get("_lazy") and "LAZY" in kernel.arg_names:      # (a private A/B switch, NOTES.md v20)
-        extra["LAZY"] = True
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
