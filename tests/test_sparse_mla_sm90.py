@@ -101,7 +101,7 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
                                          ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
-# ... with three products in flight on both sides (the default from 128 tokens since v20)
+# ... with three products in flight on both sides (the default once the top-k is not split, since v20)
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 
 
@@ -598,9 +598,10 @@ def test_gluon_tiles_by_head_count():
         dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2O))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == dual
-        # ... at <= 8 heads with three products in flight from FP8_DEEP_PIPE_MIN_TOKENS (v20)
-        assert sm90.default_config(H, True, 512) == (WS8X2PP3 if H <= 8 else dual)
-        assert sm90.default_config(H, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS - 1) == dual
+        # ... at <= 8 heads with three products in flight once the top-k is not split (v20)
+        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3 if H <= 8 else dual)
+        assert sm90.default_config(H, True, 66) == sm90.default_config(H, True, 64) == dual
+        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3 if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -756,13 +757,15 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
 
 def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_little():
     """The persistent 8-head kernel with three products in flight on both sides (pipe "s3o3", NOTES.md v20, the
-    default from FP8_DEEP_PIPE_MIN_TOKENS): consumers at 224 registers, the loader at 56, 8 of each step's 18 wgmma
+    default once the top-k is not split): consumers at 224 registers, the loader at 56, 8 of each step's 18 wgmma
     waits leave two products outstanding and 4 one; the one spill allowed: consumer 1's 3 LDL + 3 STL a step (at
     208 registers 40 bytes)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
+    from glm5lab.kernels.sparse_mla import choose_num_splits
 
-    assert sm90.default_config(8, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS)["pipe"] == "s3o3"
-    assert sm90.default_config(8, True, sm90.FP8_DEEP_PIPE_MIN_TOKENS - 1)["pipe"] == "so"
+    for tokens in (16, 64, 66, 67, 100, 512):      # (deep: the tokens at which the persistent kernel is not split)
+        deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3"
+        assert deep == (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1), tokens
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
     assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22

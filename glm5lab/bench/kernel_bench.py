@@ -95,7 +95,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... with three products in flight on both sides (pipe "s3o3", the default from 128 tokens since
+                  # ... with three products in flight on both sides (pipe "s3o3", the default unsplit since
                   # v20, consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),

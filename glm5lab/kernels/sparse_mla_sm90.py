@@ -1834,12 +1834,19 @@ FP8_DUAL_MIN_TOKENS = 64
 ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
 FP8_PERSISTENT_MIN_TOKENS = 16
 # ... with three products in flight on both sides (pipe "s3o3", NOTES.md v20: consumers at 224 registers, the loader
-# at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 1-2 (interleaved), us at 16 / 32 / 64 / 128 / 512
-# tokens: 18.8 / 24.4 / 36.5 / 54.1 / 195.2 against "so" 18.5 / 23.6 / 35.3 / 55.2 / 200.3 -- faster once a split
-# is the whole top-k (from 67 tokens, `choose_num_splits`), slower on shorter splits. So from
-# FP8_DEEP_PIPE_MIN_TOKENS tokens.
+# at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 2-3 (interleaved), us at 16 / 32 / 64 / 96 / 128 /
+# 256 / 512 tokens: 18.8 / 24.4 / 36.5-36.6 / 50.4 / 54.1-54.2 / 103.5 / 195.2-198.5 against "so" 18.5 / 23.6 /
+# 35.3-35.6 / 52.9 / 55.2-55.3 / 105.5 / 200.3-202.8 -- faster once nothing is split (a split is the whole top-k:
+# more tokens than half the SMs, `choose_num_splits` at one program a SM), slower on shorter splits, where the loader
+# at 56 registers gathers more slowly (its gathers alone at 64 tokens 32.8 against 32.1 us). So the default from
+# there (`deep_pipe_pays`).
 ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3"}
-FP8_DEEP_PIPE_MIN_TOKENS = 128
+
+
+def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
+    """Whether a <= 8-head fp8_ds_mla call takes ROWS_FP8_PERSISTENT_DEEP_CONFIG: when its top-k is not split (more
+    tokens than half the SMs; NOTES.md v20)."""
+    return 2 * num_tokens > num_sms
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
@@ -1848,13 +1855,14 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
     tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS (three products in flight
-    from FP8_DEEP_PIPE_MIN_TOKENS), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more, shorter splits)."""
+    once the top-k is not split, `deep_pipe_pays`), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more,
+    shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
-        if num_heads <= 8 and num_tokens >= FP8_DEEP_PIPE_MIN_TOKENS:
+        if num_heads <= 8 and deep_pipe_pays(num_tokens, num_sms):
             return dict(ROWS_FP8_PERSISTENT_DEEP_CONFIG)
         if num_heads <= 8 and num_tokens >= FP8_PERSISTENT_MIN_TOKENS:
             return dict(ROWS_FP8_PERSISTENT_CONFIG)
