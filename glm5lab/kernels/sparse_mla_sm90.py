@@ -39,7 +39,9 @@ once q's columns and O's rows are permuted to match) and take every other step, 
 issued two at a time: 0.67-0.70, 1.82-1.84x); at <= 8 heads from 16 tokens the same two consumers on 8-head tiles in
 a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items
 through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
-0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens).
+0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster
+there in interleaved A/B rounds: 0.76 / 0.83, 2.10 / 2.24x in one same-run comparison, 0.76 / 0.80 and 2.12 /
+2.11x in the suite).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
