@@ -98,11 +98,13 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=[
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
-# the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp"])
 # ... with three products in flight on both sides (the default once the top-k is not split, since v20)
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
+# the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
+FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3],
+                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3"])
+# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls)
+PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3], ids=["ws8x2pp", "ws8x2pp3"])
 
 
 @pytest.mark.gpu
@@ -131,32 +133,34 @@ def test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits):
 
 
 @pytest.mark.gpu
+@PERSISTENT_DEFAULTS
 @pytest.mark.parametrize("H", [5, 8])
 @pytest.mark.parametrize("T", [1, 8, 130])
-def test_gpu_gluon_8_head_tiles_real_shapes(H, T):
+def test_gpu_gluon_8_head_tiles_real_shapes(H, T, pcfg):
     """The dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads, rows] and read transposed; persistent):
     real shapes as test_gpu_gluon_real_shapes, within its <= 8 heads."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2PP})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph():
+@PERSISTENT_DEFAULTS
+def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_graph(pcfg):
     q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **WS8X2PP})
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
     q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), WS8X2PP)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), pcfg)
     q16, cache16, slots16, _ = make_case(2, 16, 512, 4096, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 16"):
-        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=WS8X2PP)
+        sparse_mla_attention(q16, cache16, slots16, SCALE, _config=pcfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP], ids=["ws8x2p", "ws8x2pp"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3], ids=["ws8x2p", "ws8x2pp", "ws8x2pp3"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -169,51 +173,18 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["shapes", "splits", "items", "ranges", "skipped", "bytes_invalid_graph", "sorted"])
-def test_gpu_gluon_8_head_tile_three_in_flight(case):
-    """The persistent 8-head tile with three products in flight (pipe "s3o3", NOTES.md v20; its consumer 1 spills)
-    through the cases the 8-head tiles take: real shapes, odd top-k and forced splits, many items a program, q and
-    scale ranges, skipped rows, every byte pattern with an all-invalid token under a CUDA graph, and rows sorted by
-    score (rising: the running max moves every step; falling: only at the first)."""
-    fp8_cfg = WS8X2PP3
-    heads = (5, 8)
-    if case == "shapes":
-        for H in heads:
-            for T in (1, 8, 130):
-                q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda",
-                                                 block_size=64)
-                out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **fp8_cfg})
-                check(out, lse, ref, torch.bfloat16)
-    elif case == "splits":
-        for topk, splits in [(512, 1), (1000, 3), (1000, 1), (77, 5), (2048, 64)]:
-            test_gpu_gluon_odd_topk_and_forced_splits(fp8_cfg, topk, splits)
-    elif case == "items":
-        for T, topk, splits in [(400, 2048, 1), (150, 2000, 3), (97, 77, 5)]:
-            test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, fp8_cfg)
-    elif case == "ranges":
-        for q_mag, scale_range in [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))]:
-            test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range)
-    elif case == "skipped":
-        test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg)
-    elif case == "bytes_invalid_graph":
-        q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
-        out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **fp8_cfg})
-        check(out, lse, ref, torch.bfloat16)
-        q, cache, slots, ref = make_case(5, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-        slots[0] = -1
-        ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
-        _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), fp8_cfg)
-    else:
-        q, cache, slots, _ = make_case(6, heads[-1], 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda",
-                                       block_size=64)
-        kv = dequantize_fp8_ds_mla(cache).view(-1, 576).float()
-        score = torch.einsum("thd,tkd->tk", q.float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])  # (all heads)
-        order = score.argsort(dim=1)
-        rising = torch.gather(slots, 1, order)
-        for s_ in (rising, rising.flip(1)):
-            ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(s_ >= 65536, -1, s_), SCALE)
-            out, lse = run_poisoned(q, cache, s_.contiguous(), _config={**GLUON, **fp8_cfg})
-            check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+@PERSISTENT_DEFAULTS
+def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg):
+    """Each token's rows in order of their score, rising (the running max moves at every step, so O^T is rescaled
+    at every step) and falling (only at the first): both forms of the persistent 8-head tile match the reference."""
+    q, cache, slots, _ = make_case(6, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    kv = dequantize_fp8_ds_mla(cache).view(-1, 576).float()
+    score = torch.einsum("thd,tkd->tk", q.float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])   # (all heads)
+    rising = torch.gather(slots, 1, score.argsort(dim=1))
+    for ordered in (rising, rising.flip(1).contiguous()):
+        ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(ordered >= 65536, -1, ordered), SCALE)
+        out, lse = run_poisoned(q, cache, ordered, _config={**GLUON, **pcfg})
+        check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
 
 @pytest.mark.gpu
