@@ -102,12 +102,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... a trial of v20 (NOTES.md): its loader with 32-bit row offsets (`_offs32`, v18's trial)
-                  ("ws8x2pp3o", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "_offs32": True}),
-                  ("ws8x2p3d3o", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "_offs32": True,
-                                  "_diagnostic": True, "ws_diag": 3}),
                   # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
                   # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -105,16 +105,11 @@ def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDTH: gl.constexpr, DT: gl.constexpr,
-               L: gl.constexpr, OFFS32: gl.constexpr = False):
+               L: gl.constexpr):
     """cp.async WIDTH values of type DT starting OFFSET cache elements into each gathered row, into buf [rows,
-    WIDTH]; rows with slot -1 or past the cache are not read (zero-filled). OFFS32: the cache is < 2^31 elements,
-    so a row's offset is a 32-bit product (fewer instructions a copy than the 64-bit one)."""
-    if OFFS32:      # (slot -1 is 2^32 - 1 unsigned: one comparison)
-        ok = slots.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
-        rows = gl.where(ok, slots, 0)
-    else:
-        ok = (slots >= 0) & (slots < num_slots)
-        rows = gl.where(ok, slots, 0).to(gl.int64)
+    WIDTH]; rows with slot -1 or past the cache are not read (zero-filled)."""
+    ok = (slots >= 0) & (slots < num_slots)
+    rows = gl.where(ok, slots, 0).to(gl.int64)
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
     async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
@@ -122,16 +117,12 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
 
 @gluon.jit
 def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, OFFS32: gl.constexpr = False):
+                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
     """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales."""
-    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT, OFFS32)
-    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L, OFFS32)
-    if OFFS32:
-        ok = sl_scale.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
-        rows = gl.where(ok, sl_scale, 0)
-    else:
-        ok = (sl_scale >= 0) & (sl_scale < num_slots)
-        rows = gl.where(ok, sl_scale, 0).to(gl.int64)
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
+    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L)
+    ok = (sl_scale >= 0) & (sl_scale < num_slots)
+    rows = gl.where(ok, sl_scale, 0).to(gl.int64)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
@@ -165,12 +156,12 @@ def _ring_slots(slot_row, n0, n_end, BLOCK_N: gl.constexpr, LAT: gl.constexpr, R
 @gluon.jit
 def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, rope_buf, scale_buf,
                   sl_lat, sl_rope, sl_scale, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
-                  SCALE_L: gl.constexpr, FP8: gl.constexpr, OFFS32: gl.constexpr = False):
+                  SCALE_L: gl.constexpr, FP8: gl.constexpr):
     """Request one ring slot's rows (their slot indices were loaded a step earlier), then load the slot indices of
     the rows from n_next on for the next request: a step never waits on an address. Returns those indices."""
     if FP8:
         _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                      LAT, ROPE_L, SCALE_L, OFFS32)
+                      LAT, ROPE_L, SCALE_L)
     else:
         _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf, LAT, ROPE_L)
     return _ring_slots(slot_row, n_next, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
@@ -1630,7 +1621,7 @@ def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_
 @gluon.jit
 def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                            rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, DIAG: gl.constexpr, OFFS32: gl.constexpr):
+                           STAGES: gl.constexpr, DIAG: gl.constexpr):
     """The persistent kernel's loader warpgroup: the steps of this program's items one after another into the ring
     (global step g into stage g % STAGES), the next item's first slot indices loaded during the last step of this
     one, so the ring never drains between items."""
@@ -1654,7 +1645,7 @@ def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, f
                                            gl.where(last, n2_start, n_start + (i + 1) * BLOCK_N),
                                            gl.where(last, n2_end, n_end), raw_lat.index(b), raw_rope.index(b),
                                            scale_stages.index(b), sl, sr, ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE,
-                                           True, OFFS32)
+                                           True)
             async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
             g += 1
     async_copy.wait_group(0)
@@ -1709,7 +1700,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, OFFS32: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -1753,8 +1744,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
                                     SPLIT, ST_L, 1, DIAG, PIPE)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
-                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                                  OFFS32)),
+                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); three products in flight need 224
     # (208 spill 40 bytes, NOTES.md v19), the loader fits 56
@@ -2009,9 +1999,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["P_SMEM"] = True
     if cfg.get("pipe"):
         extra["PIPE"] = pipe_bits(cfg["pipe"])
-    if cfg.get("_offs32") and "OFFS32" in kernel.arg_names:    # (a trial, NOTES.md v18): 32-bit row offsets
-        num_slots, kv_row_stride = args[8], args[15]
-        extra["OFFS32"] = num_slots * kv_row_stride < 2**31
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if part_f16:
