@@ -89,7 +89,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                               "resident": 1, "dual_consumers": True, "pipe": ""}),
-                  # ... with both products issued async, two at a time (the default since v19; NOTES.md v18 call 10)
+                  # ... with both products issued async, two at a time (the default since v19, on split calls since v20)
                   ("ws8x2pp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True, "pipe": "so"}),
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
