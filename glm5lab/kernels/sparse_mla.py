@@ -743,11 +743,16 @@ def choose_num_splits(num_tokens: int, head_tiles: int, topk: int, block_n: int,
     a split; none when tokens x head tiles fill half the slots already. With the column-parallel merge a
     split costs little (H200 sweep, NOTES.md v6: 1 token x 8 heads fp8 9.9 us with 64 splits of 32 rows,
     23.2 us with the earlier 16 splits and the one-program merge)."""
-    programs = num_tokens * head_tiles
-    want = (num_sms * resident) // max(programs, 1)
+    want = splits_wanted(num_tokens, head_tiles, num_sms, resident)
     if want < 2:
         return 1
     return int(max(1, min(want, topk // block_n)))
+
+
+def splits_wanted(num_tokens: int, head_tiles: int, num_sms: int, resident: int = 2) -> int:
+    """How many splits of the top-k would fill num_sms x resident program slots (`choose_num_splits`, before the
+    top-k's own bound); under 2: the call is not split."""
+    return (num_sms * resident) // max(num_tokens * head_tiles, 1)
 
 
 def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capability: tuple[int, int] | None,

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, partial_scale_plane
+from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, partial_scale_plane, splits_wanted
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -1846,9 +1846,9 @@ ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3"}
 
 
 def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
-    """Whether a <= 8-head fp8_ds_mla call takes ROWS_FP8_PERSISTENT_DEEP_CONFIG: when its top-k is not split (more
-    tokens than half the SMs; NOTES.md v20)."""
-    return 2 * num_tokens > num_sms
+    """Whether a <= 8-head fp8_ds_mla call takes ROWS_FP8_PERSISTENT_DEEP_CONFIG: when its top-k is not split (at one
+    program a SM: more tokens than half the SMs; NOTES.md v20)."""
+    return splits_wanted(num_tokens, 1, num_sms, ROWS_FP8_PERSISTENT_DEEP_CONFIG["resident"]) < 2
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
