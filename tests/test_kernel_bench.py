@@ -72,3 +72,91 @@ def test_interleave_is_a_gpu_option_that_a_cpu_run_leaves_out(tmp_path):
     assert "time_graph_interleaved" not in set(pd.read_csv(csv).metric)
     with pytest.raises(SystemExit):
         kernel_bench.main(["--out", str(tmp_path / "x.csv"), "--interleave", "-1"])
+
+
+def test_interleaved_rows_take_ratios_and_roofline_round_by_round_so_a_drift_cancels():
+    """kernel_bench.interleaved_rows: the machine slows 3% a round (clock, heat), ours is 2.25x faster than FlashMLA
+    and reaches 0.8 of the copy's bandwidth in every round. Round-by-round ratios give exactly that at p20, p50 and p80;
+    the p50 times still show the drift's middle. FlashMLA gets no ratio to itself, the copy no row of its own but
+    the shape's bandwidth, and without a copy no roofline row is written."""
+    from glm5lab.bench.kernel_bench import COPY, interleaved_rows
+
+    slow = [1.03 ** r for r in range(9)]
+    copy_bytes, min_bytes = 2_000_000_000, {"fp8_ds_mla": 1_000_000_000, "bf16": 1_750_000_000}
+    copy_us = [500.0 * f for f in slow]                      # 4000 GB/s, drifting
+    ours = [c * 1e9 / copy_bytes / 0.8 for c in copy_us]     # 0.8 of the same round's copy
+    fm = [2.25 * t for t in ours]
+    samples = {("glm5lab", "fp8_ds_mla"): ours, ("flashmla", "fp8_ds_mla"): fm, COPY: copy_us}
+    rows, head = interleaved_rows("H8_T512_K2048", samples, min_bytes, copy_bytes)
+    got = {(r["implementation"], r["metric"]): r for r in rows}
+    for metric, want in (("speedup_vs_flashmla_interleaved", 2.25), ("roofline_fraction_interleaved", 0.8)):
+        r = got[("glm5lab", metric)]
+        assert abs(r["p20"] - want) < 1e-9 and abs(r["p50"] - want) < 1e-9 and abs(r["p80"] - want) < 1e-9
+    assert ("flashmla", "speedup_vs_flashmla_interleaved") not in got
+    assert abs(got[("flashmla", "roofline_fraction_interleaved")]["value"] - 0.8 / 2.25) < 1e-9
+    assert abs(got[("copy", "copy_bandwidth_interleaved")]["value"] - copy_bytes / (copy_us[4] * 1e-6) / 1e9) < 1e-6
+    assert got[("glm5lab", "time_graph_interleaved")]["value"] == sorted(ours)[4]
+    assert got[("glm5lab", "time_graph_interleaved")]["p80"] > got[("glm5lab", "time_graph_interleaved")]["p20"]
+    assert head[("glm5lab", "fp8_ds_mla")]["x_fm"] == got[("glm5lab", "speedup_vs_flashmla_interleaved")]["value"]
+    # rounds that disagree: the ratio is the median of the rounds' ratios (2.2), not the ratio of medians (2.18)
+    rows, head = interleaved_rows("s", {("glm5lab", "bf16"): [100.0, 110.0, 120.0],
+                                        ("flashmla", "bf16"): [240.0, 231.0, 264.0]}, min_bytes)
+    assert abs(head[("glm5lab", "bf16")]["x_fm"] - 2.2) < 1e-12
+    rows, head = interleaved_rows("H8_T512_K2048", {("glm5lab", "bf16"): ours}, min_bytes)
+    assert [r["metric"] for r in rows] == ["time_graph_interleaved"]
+    assert head[("glm5lab", "bf16")]["roofline"] != head[("glm5lab", "bf16")]["roofline"]    # NaN: no copy timed
+
+
+def test_paired_quantiles_refuse_series_of_different_rounds():
+    import pytest
+
+    from glm5lab.bench.timing import paired_quantiles
+
+    assert paired_quantiles(lambda a, b: a / b, [2.0, 4.0, 6.0], [1.0, 2.0, 3.0])["p50"] == 2.0
+    with pytest.raises(ValueError, match="equally long"):
+        paired_quantiles(lambda a, b: a / b, [1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_quantiles(lambda a: a, [])
+
+
+def _bench_rows(run: str, values: dict) -> list:
+    """kernel_bench-shaped rows {(implementation, layout, shape, metric): value} of one suite run."""
+    return [{"suite": "sparse_mla_kernel", "implementation": i, "shape": s, "dtype": "bf16", "layout": lay,
+             "metric": m, "value": v, "unit": "-"} for (i, lay, s, m), v in values.items()]
+
+
+def test_targets_table_reads_the_last_run_and_prefers_the_interleaved_rounds(tmp_path):
+    """kernel_plots.targets_table: issue 7's targets against the LAST run of the CSV; a quantity comes from the
+    interleaved rounds where the run has them, else from the CUDA-graph pass (x FlashMLA = FlashMLA's graph time /
+    ours); "at most" and "at least" goals both judged; a target whose shape the run lacks is unmeasured, not failed."""
+    from glm5lab.bench.kernel_plots import ISSUE_TARGETS, targets_table
+    from glm5lab.bench.records import append_rows
+
+    fp8, k = "fp8_ds_mla", "_K2048"
+    csv = tmp_path / "kernels.csv"
+    old = {("glm5lab", fp8, "H8_T1" + k, "time_graph"): 5.0,                 # an earlier run that met it ...
+           ("glm5lab", "bf16", "H16_T128" + k, "roofline_fraction_graph"): 0.9}   # ... and measured a shape
+    append_rows(csv, _bench_rows("a", old), command="glm5lab bench --suite full part=kernels run=20260101T000000Z")
+    new = {("glm5lab", fp8, "H8_T1" + k, "time_graph"): 9.0,
+           ("glm5lab", fp8, "H8_T8" + k, "time_graph"): 7.5,
+           ("glm5lab", fp8, "H8_T512" + k, "roofline_fraction_graph"): 0.80,
+           ("glm5lab", fp8, "H8_T512" + k, "roofline_fraction_interleaved"): 0.86,
+           ("glm5lab", fp8, "H8_T512" + k, "time_graph"): 200.0,
+           ("flashmla", fp8, "H8_T512" + k, "time_graph"): 430.0,                # 2.15x sequentially ...
+           ("glm5lab", fp8, "H8_T512" + k, "speedup_vs_flashmla_interleaved"): 2.3,   # ... 2.3x round by round
+           ("glm5lab", fp8, "H16_T512" + k, "time_graph"): 250.0,
+           ("flashmla", fp8, "H16_T512" + k, "time_graph"): 450.0}
+    append_rows(csv, _bench_rows("b", new), command="glm5lab bench --suite full part=kernels run=20260102T000000Z")
+    t = targets_table(csv)
+    assert len(t) == len(ISSUE_TARGETS)
+    row = {(r.quantity, r.heads, r.tokens, r.layout): r for r in t.itertuples()}
+    assert (row[("us", 8, 1, fp8)].measured, row[("us", 8, 1, fp8)].met) == (9.0, False)     # the last run's value
+    assert (row[("us", 8, 8, fp8)].met, row[("us", 8, 8, fp8)].source) == (True, "graph")
+    r = row[("roofline", 8, 512, fp8)]
+    assert (r.measured, r.met, r.source) == (0.86, True, "interleaved")
+    r = row[("x_fm", 8, 512, fp8)]
+    assert (r.measured, r.met, r.source) == (2.3, True, "interleaved")
+    r = row[("x_fm", 16, 512, fp8)]
+    assert abs(r.measured - 1.8) < 1e-12 and r.met is False and r.source == "graph"
+    r = row[("roofline", 16, 128, "bf16")]
+    assert r.measured != r.measured and r.met is None and r.source == ""

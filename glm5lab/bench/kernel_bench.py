@@ -14,7 +14,9 @@ CPU profile: tiny shapes under the interpreter; exercises the code path, never r
 --fp8-v4 (or GLM5LAB_BENCH_FP8_V4=1) also times the private fp8_ds_mla code paths of NOTES.md "v4" beside the
 default fp8 path, on the same inputs, at H8 T128, H8 T512 and H64 T512 only (FP8_V4_SHAPES).
 --interleave ROUNDS (GPU) times each shape's CUDA graphs once more in interleaved rounds, for A/B differences of a
-few percent (two identical kernels timed one after another differed by up to 6%: NOTES.md v16-v17).
+few percent (two identical kernels timed one after another differed by up to 6%: NOTES.md v16-v17), with a device
+copy in every round: the ratios to FlashMLA and the roofline fractions are then taken round by round
+(`interleaved_rows`), so a drift of the machine cancels. The suite does this for glm5lab and FlashMLA.
 """
 from __future__ import annotations
 
@@ -291,6 +293,53 @@ def graph_timer(calls, replays: int = 10):
     return one_timing
 
 
+COPY = ("copy", "-")    # the device copy's key among a shape's interleaved timers (the roofline's bandwidth)
+
+
+def copy_graph_timer(nbytes: int = 2 << 30):
+    """(a `graph_timer` of one device-to-device copy of nbytes / 2 bytes, the bytes it moves: read + written) -- the
+    copy that `timing.copy_bandwidth_gbps` times once a run, here taken again in every interleaved round."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return graph_timer([lambda: dst.copy_(src)], replays=3), 2 * src.numel()
+
+
+def interleaved_rows(shape: str, samples: dict, min_bytes: dict, copy_bytes: int | None = None) -> tuple[list, dict]:
+    """Rows of one shape's interleaved rounds (`timing.interleaved_samples`: {(implementation, layout): [us a round]},
+    the device copy under COPY if it was timed) and {(implementation, layout): {"us", "roofline", "x_fm"}} (p50s).
+    Per implementation: time_graph_interleaved; with the copy, roofline_fraction_interleaved = min_bytes over the
+    time, over the copy bandwidth OF THE SAME ROUND; for glm5lab's kernels beside FlashMLA in the same layout,
+    speedup_vs_flashmla_interleaved = FlashMLA's time / ours, round by round."""
+    from glm5lab.bench.timing import paired_quantiles, quantiles
+
+    rows, head = [], {}
+    copy_us = samples.get(COPY)
+    if copy_us and copy_bytes:
+        bw = paired_quantiles(lambda c: copy_bytes / (c * 1e-6) / 1e9, copy_us)
+        rows.append({"suite": SUITE, "implementation": "copy", "shape": shape, "dtype": "uint8", "layout": "-",
+                     "metric": "copy_bandwidth_interleaved", "value": bw["p50"], "unit": "GB/s", **bw})
+    for (name, lay), xs in samples.items():
+        if (name, lay) == COPY:
+            continue
+        base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
+        tq = quantiles(xs)
+        rows.append({**base, "metric": "time_graph_interleaved", "value": tq["p50"], "unit": "us", **tq})
+        head[(name, lay)] = {"us": tq["p50"], "roofline": float("nan"), "x_fm": float("nan")}
+        if copy_us and copy_bytes:
+            rq = paired_quantiles(lambda t, c: min_bytes[lay] * c / (t * copy_bytes), xs, copy_us)
+            rows.append({**base, "metric": "roofline_fraction_interleaved", "value": rq["p50"], "unit": "fraction",
+                         **rq})
+            head[(name, lay)]["roofline"] = rq["p50"]
+        fm = samples.get(("flashmla", lay))
+        if name.startswith("glm5lab") and fm:
+            xq = paired_quantiles(lambda t, f: f / t, xs, fm)
+            rows.append({**base, "metric": "speedup_vs_flashmla_interleaved", "value": xq["p50"], "unit": "x", **xq})
+            head[(name, lay)]["x_fm"] = xq["p50"]
+    return rows, head
+
+
 def _errors(out, lse, ref_out, ref_lse, n):
     """(relative Frobenius error of out, max |lse - ref| over finite ref, max |lse/ln2... |) on n tokens."""
     import torch
@@ -332,13 +381,15 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
-        fused_merge: bool = False, gluon: bool = False, interleave: int = 0):
+        fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
     (those named in env GLM5LAB_BENCH_GLUON, default all): 16-head tiles at <= 16 heads, wgmma tiles beyond.
     interleave (GPU only): after a shape's implementations are timed one after another, time their CUDA graphs
-    again in that many interleaved rounds (`timing.interleaved_rounds`; metric "time_graph_interleaved")."""
+    again in that many interleaved rounds, a device copy among them (`interleaved_rows`: metrics
+    time_graph_interleaved, roofline_fraction_interleaved, speedup_vs_flashmla_interleaved); interleave_impls names
+    the implementations taken into the rounds (default: every CUDA-graph-timed one)."""
     import os
 
     import pandas as pd
@@ -346,7 +397,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
 
     from glm5lab.bench import flashmla_anchor
     from glm5lab.bench.records import append_rows
-    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_rounds, pick_profile
+    from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_samples, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config, resident_ctas,
@@ -397,6 +448,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         vbt_attention = None
         log(f"virtual-block-table route skipped: {exc}")
 
+    copy_timer, copy_bytes = copy_graph_timer() if (cuda and interleave) else (None, None)
     rows, summary = [], []
     if bw:
         rows.append({"suite": SUITE, "implementation": "copy", "shape": "2GiB", "dtype": "uint8", "layout": "-",
@@ -472,6 +524,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             flops = sparse_mla_flops(T, H, prof.topk)
             impls = [i for i in impls if i[0] not in skip]
             graph_timers = {}    # (name, layout) -> the graph its time was taken from, for interleaved rounds
+            shape_recs = {}      # ... and its summary record, which takes the rounds' p50s
             for recorded, (name, lay, factory, graphable) in timing_order(impls, cuda):
                 g_warm = g_timer = None      # (the previous implementation's graph goes, unless kept for rounds)
                 try:
@@ -488,8 +541,6 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     continue
                 if not recorded:
                     continue
-                if interleave and g_timer is not None:
-                    graph_timers[(name, lay)] = g_timer     # (kept: the graph is not captured again)
                 us = t["p50"]
                 base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
                 eff = min_bytes[lay] / (us * 1e-6) / 1e9
@@ -498,6 +549,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                        "rel_err": rel, "lse_err_ln": e_ln, "lse_err_log2": e_log2,
                        "min_bytes": min_bytes[lay], "flops": flops}
                 summary.append(rec)
+                if interleave and g_timer is not None and (interleave_impls is None or name in interleave_impls):
+                    graph_timers[(name, lay)] = g_timer     # (kept: the graph is not captured again)
+                    shape_recs[(name, lay)] = rec
                 rows.append({**base, "metric": "time", "value": us, "unit": "us", **t})
                 rows.append({**base, "metric": "effective_bandwidth", "value": eff, "unit": "GB/s"})
                 if bw:
@@ -522,13 +576,16 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     f"roofline {rec['roofline']:.2f}  "
                     f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
             if graph_timers:
-                for (name, lay), tq in interleaved_rounds(graph_timers, interleave).items():
-                    rows.append({"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16",
-                                 "layout": lay, "metric": "time_graph_interleaved", "value": tq["p50"], "unit": "us",
-                                 **tq})
-                    log(f"  {shape:16s} {name:24s} {lay:10s} interleaved graph {tq['p50']:8.1f} us "
-                        f"(p20 {tq['p20']:.1f}, p80 {tq['p80']:.1f}; {interleave} rounds)")
-            del q, slots, impls, sets, graph_timers
+                if copy_timer is not None:
+                    graph_timers[COPY] = copy_timer
+                ilv_rows, head = interleaved_rows(shape, interleaved_samples(graph_timers, interleave), min_bytes,
+                                                  copy_bytes)
+                rows += ilv_rows
+                for key, h in head.items():
+                    shape_recs[key].update({f"ilv_{k}": v for k, v in h.items()})
+                    log(f"  {shape:16s} {key[0]:24s} {key[1]:10s} interleaved graph {h['us']:8.1f} us  "
+                        f"roofline {h['roofline']:.2f}  x FM {h['x_fm']:.2f}  ({interleave} rounds)")
+            del q, slots, impls, sets, graph_timers, shape_recs
             if cuda:
                 torch.cuda.empty_cache()
 
@@ -547,6 +604,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         print_table(df)
         if cuda:
             print_table(df, "graph_us", "CUDA-graph replay (GPU time only, rotating inputs)")
+        if "ilv_us" in df:
+            print_interleaved_table(df, interleave)
         if fp8_v4:
             print_variant_table(df, "glm5lab-fp8-v4", "fp8_ds_mla v4 paths (diag rows: wrong results by design)",
                                 fp8_only=True)
@@ -574,6 +633,27 @@ def print_variant_table(df, prefix: str, title: str, fp8_only: bool = False) -> 
             t = getattr(r, col)
             print(f"  H{H:<3} T{T:<4} {lay:10s} {r.impl:34s} {t:9.1f} us  x def {base / t:5.2f}  "
                   f"roof {r.roofline:.2f}  err {r.rel_err:.1e}")
+
+
+def print_interleaved_table(df, rounds: int) -> None:
+    """glm5lab's default kernel vs FlashMLA from the interleaved rounds: p50 us, and the p50 of the round-by-round
+    roofline fraction and ratio to FlashMLA."""
+    d = df[df.impl.isin(["glm5lab", "flashmla"]) & df["ilv_us"].notna()]
+    if d.empty:
+        return
+    t = {(r.impl, r.layout, r.H, r.T): r for r in d.itertuples()}
+    print(f"\nsparse MLA, CUDA-graph time in {rounds} interleaved rounds (a device copy in each): us; roof and x FM "
+          "taken round by round")
+    print(f"{'H':>4} {'T':>4} | {'g5 bf16':>8} {'roof':>5} {'FM bf16':>8} {'x FM':>5} | "
+          f"{'g5 fp8':>8} {'roof':>5} {'FM fp8':>8} {'x FM':>5}")
+    nan = float("nan")
+    for H, T in sorted({(r.H, r.T) for r in d.itertuples()}):
+        cells = []
+        for lay in ("bf16", "fp8_ds_mla"):
+            g, f = t.get(("glm5lab", lay, H, T)), t.get(("flashmla", lay, H, T))
+            cells.append(f"{g.ilv_us if g else nan:8.1f} {g.ilv_roofline if g else nan:5.2f} "
+                         f"{f.ilv_us if f else nan:8.1f} {g.ilv_x_fm if g else nan:5.2f}")
+        print(f"{H:>4} {T:>4} | {cells[0]} | {cells[1]}")
 
 
 def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flushed, launch overhead included)") -> None:

@@ -89,6 +89,61 @@ def roofline_figure(csv_path, out_png=None, time_metric: str = "time_graph"):
     return fig, w
 
 
+# issue 7's speed targets: (what, heads, tokens, layout, quantity, at least / at most, goal). "x_fm" is FlashMLA's
+# time over glm5lab's (its fp8 decode for fp8_ds_mla, its bf16 sparse prefill for bf16); 128 heads: report only.
+ISSUE_TARGETS = ([("1-8 token latency", 8, 1, "fp8_ds_mla", "us", "<=", 6.0),
+                  ("1-8 token latency", 8, 8, "fp8_ds_mla", "us", "<=", 8.0)]
+                 + [("memory roofline", H, T, lay, "roofline", ">=", 0.85)
+                    for H in (8, 16) for T in (128, 512) for lay in ("bf16", "fp8_ds_mla")]
+                 + [("x FlashMLA fp8 decode at 512 tokens", H, 512, "fp8_ds_mla", "x_fm", ">=", 2.2) for H in (8, 16)]
+                 + [(f"x FlashMLA {'bf16 sparse prefill' if lay == 'bf16' else 'fp8 sparse decode'}", 64, T, lay,
+                     "x_fm", ">=", 0.8 if lay == "bf16" else 1.0)
+                    for lay in ("bf16", "fp8_ds_mla") for T in (1, 8, 32, 128, 512)])
+# where each quantity is read from, best first: the interleaved rounds (round-by-round ratios, the copy timed in the
+# same rounds), the CUDA-graph time of the sequential pass, do_bench
+_SOURCES = {"us": [("interleaved", "time_graph_interleaved"), ("graph", "time_graph"), ("do_bench", "time")],
+            "roofline": [("interleaved", "roofline_fraction_interleaved"), ("graph", "roofline_fraction_graph"),
+                         ("do_bench", "roofline_fraction")],
+            "x_fm": [("interleaved", "speedup_vs_flashmla_interleaved"), ("graph", "time_graph"),
+                     ("do_bench", "time")]}
+
+
+def targets_table(csv_path):
+    """Issue 7's targets against the LAST run of a kernel benchmark CSV (suite or notebook): one row per target with the measured value,
+    where it was read from (`_SOURCES`: interleaved rounds first) and whether it is met; NaN / None where the run
+    lacks the shape or FlashMLA."""
+    import math
+
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    df = df[df.suite == "sparse_mla_kernel"]
+    if len(df):      # the last run: one append of records.append_rows, one timestamp and command
+        df = df[(df.timestamp == df.timestamp.iloc[-1]) & (df.command == df.command.iloc[-1])]
+    df = df[df.implementation.isin(["glm5lab", "flashmla"])]
+    val = {(r.implementation, r.layout, r.shape, r.metric): float(r.value) for r in df.itertuples()}
+    topk = df["shape"].str.extract(r"_K(\d+)")[0].dropna()
+    k = topk.iloc[-1] if len(topk) else "2048"
+    out = []
+    for what, H, T, lay, qty, op, goal in ISSUE_TARGETS:
+        shape, measured, source = f"H{H}_T{T}_K{k}", float("nan"), ""
+        for src, metric in _SOURCES[qty]:
+            ours = val.get(("glm5lab", lay, shape, metric))
+            if ours is None or math.isnan(ours):
+                continue
+            if qty == "x_fm" and src != "interleaved":
+                fm = val.get(("flashmla", lay, shape, metric))
+                if fm is None:
+                    continue
+                ours = fm / ours
+            measured, source = ours, src
+            break
+        met = None if math.isnan(measured) else (measured <= goal if op == "<=" else measured >= goal)
+        out.append({"target": what, "heads": H, "tokens": T, "layout": lay, "quantity": qty,
+                    "goal": f"{op} {goal:g}", "measured": measured, "met": met, "source": source})
+    return pd.DataFrame(out)
+
+
 def _text(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and x != x) or x == "" else str(x)
 

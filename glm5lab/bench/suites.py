@@ -62,10 +62,16 @@ def _log(*a) -> None:
 
 
 # ---------------------------------------------------------------------------------------- parts
+SUITE_INTERLEAVE_ROUNDS = 15
+
+
 def part_kernels(csv: Path, profile: str, cmd: str, budget: float) -> None:
     from glm5lab.bench import kernel_bench
 
-    kw = {"heads": (8,), "tokens": (2,)} if profile == "cpu" else {}
+    # on the GPU the headline pair (glm5lab's default, FlashMLA) is timed again in interleaved rounds with a device
+    # copy, so the suite's ratios and roofline fractions are taken round by round (NOTES.md v21)
+    kw = ({"heads": (8,), "tokens": (2,)} if profile == "cpu" else
+          {"interleave": SUITE_INTERLEAVE_ROUNDS, "interleave_impls": ("glm5lab", "flashmla")})
     kernel_bench.run(str(csv), profile, command=cmd, **kw)
 
 

@@ -47,19 +47,34 @@ def quantiles(xs: list) -> dict:
     return {"p20": q[0], "p50": statistics.median(xs), "p80": q[3]}
 
 
-def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
-    """{name: {"p20", "p50", "p80"}} of `timers` ({name: a no-argument call returning one timing}) taken in rounds:
+def interleaved_samples(timers: dict, rounds: int = 15) -> dict:
+    """{name: [one timing a round]} of `timers` ({name: a no-argument call returning one timing}) taken in rounds:
     each round calls every timer once, in an order rotated by one place a round, so no implementation always runs
-    first or after the same neighbour; the quantiles are over the rounds. Why: timed one after another, two identical
-    kernels in one run differed by up to 6% on the H200 (results/kernels/NOTES.md v16-v17) -- a drift or a position
-    effect that rounds spread over every implementation alike."""
+    first or after the same neighbour. Why: timed one after another, two identical kernels in one run differed by up
+    to 6% on the H200 (results/kernels/NOTES.md v16-v17) -- a drift or a position effect that rounds spread over every
+    implementation alike. The k-th timing of every name comes from the same round, so ratios can be taken round by
+    round (`paired_quantiles`)."""
     names = list(timers)
     samples = {n: [] for n in names}
     for r in range(max(1, rounds)):
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
             samples[name].append(float(timers[name]()))
-    return {name: quantiles(xs) for name, xs in samples.items()}
+    return samples
+
+
+def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
+    """{name: {"p20", "p50", "p80"}} over the rounds of `interleaved_samples`."""
+    return {name: quantiles(xs) for name, xs in interleaved_samples(timers, rounds).items()}
+
+
+def paired_quantiles(f: Callable[..., float], *series: list) -> dict:
+    """{'p20','p50','p80'} of f applied round by round to equally long series of `interleaved_samples` (e.g. the
+    ratio of two implementations' times taken in the same round): a drift between rounds cancels in each pair."""
+    lengths = {len(s) for s in series}
+    if len(lengths) != 1 or not lengths.pop():
+        raise ValueError(f"paired_quantiles needs equally long, non-empty series; got lengths {[len(s) for s in series]}")
+    return quantiles([f(*xs) for xs in zip(*series)])
 
 
 def pick_profile(profiles: dict, profile: str):
