@@ -14,9 +14,9 @@ CPU profile: tiny shapes under the interpreter; exercises the code path, never r
 --fp8-v4 (or GLM5LAB_BENCH_FP8_V4=1) also times the private fp8_ds_mla code paths of NOTES.md "v4" beside the
 default fp8 path, on the same inputs, at H8 T128, H8 T512 and H64 T512 only (FP8_V4_SHAPES).
 --interleave ROUNDS (GPU) times each shape's CUDA graphs once more in interleaved rounds, for A/B differences of a
-few percent (two identical kernels timed one after another differed by up to 6%: NOTES.md v16-v17), with a device
-copy in every round: the ratios to FlashMLA and the roofline fractions are then taken round by round
-(`interleaved_rows`), so a drift of the machine cancels. The suite does this for glm5lab and FlashMLA.
+few percent (two identical kernels timed one after another differed by up to 6%: NOTES.md v16-v17); the ratios to
+FlashMLA are then taken round by round (`interleaved_rows`), so a drift of the machine cancels. The suite does this
+for glm5lab and FlashMLA.
 """
 from __future__ import annotations
 
@@ -293,54 +293,23 @@ def graph_timer(calls, replays: int = 10):
     return one_timing
 
 
-COPY = ("copy", "-")    # the device copy's key among a shape's interleaved timers (the roofline's bandwidth)
-
-
-def copy_timer(nbytes: int = 2 << 30, copies: int = 3):
-    """(a no-argument call timing one device-to-device copy of nbytes / 2 bytes in us, the bytes it moves: read +
-    written) -- the copy that `timing.copy_bandwidth_gbps` times once a run, here taken again in every interleaved
-    round. Eager, between two events, NOT in a CUDA graph: captured, the copy becomes a memcpy node that the copy
-    engines run, at 2.75 TB/s on the H200 against 4.2 eager (NOTES.md v21 call 1)."""
-    import torch
-
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-
-    def one_timing() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(copies):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / copies
-    return one_timing, 2 * src.numel()
-
-
-def interleaved_rows(shape: str, samples: dict, min_bytes: dict, copy_bytes: int | None = None) -> tuple[list, dict]:
-    """Rows of one shape's interleaved rounds (`timing.interleaved_samples`: {(implementation, layout): [us a round]},
-    the device copy under COPY if it was timed) and {(implementation, layout): {"us", "roofline", "x_fm"}} (p50s).
-    Per implementation: time_graph_interleaved; with the copy, roofline_fraction_interleaved = min_bytes over the
-    time, over the copy bandwidth OF THE SAME ROUND; for glm5lab's kernels beside FlashMLA in the same layout,
-    speedup_vs_flashmla_interleaved = FlashMLA's time / ours, round by round."""
+def interleaved_rows(shape: str, samples: dict, min_bytes: dict, bw_gbps: float | None = None) -> tuple[list, dict]:
+    """Rows of one shape's interleaved rounds (`timing.interleaved_samples`: {(implementation, layout): [us a round]})
+    and {(implementation, layout): {"us", "roofline", "x_fm"}} (p50s). Per implementation: time_graph_interleaved;
+    roofline_fraction_interleaved against the run's copy bandwidth `bw_gbps` (the sequential pass's denominator:
+    a copy timed inside the rounds read 3-5% lower, which would flatter every kernel -- NOTES.md v21 call 2); for
+    glm5lab's kernels beside FlashMLA in the same layout, speedup_vs_flashmla_interleaved = FlashMLA's time / ours,
+    taken round by round so a drift of the machine between rounds cancels."""
     from glm5lab.bench.timing import paired_quantiles, quantiles
 
     rows, head = [], {}
-    copy_us = samples.get(COPY)
-    if copy_us and copy_bytes:
-        bw = paired_quantiles(lambda c: copy_bytes / (c * 1e-6) / 1e9, copy_us)
-        rows.append({"suite": SUITE, "implementation": "copy", "shape": shape, "dtype": "uint8", "layout": "-",
-                     "metric": "copy_bandwidth_interleaved", "value": bw["p50"], "unit": "GB/s", **bw})
     for (name, lay), xs in samples.items():
-        if (name, lay) == COPY:
-            continue
         base = {"suite": SUITE, "implementation": name, "shape": shape, "dtype": "bf16", "layout": lay}
         tq = quantiles(xs)
         rows.append({**base, "metric": "time_graph_interleaved", "value": tq["p50"], "unit": "us", **tq})
         head[(name, lay)] = {"us": tq["p50"], "roofline": float("nan"), "x_fm": float("nan")}
-        if copy_us and copy_bytes:
-            rq = paired_quantiles(lambda t, c: min_bytes[lay] * c / (t * copy_bytes), xs, copy_us)
+        if bw_gbps:
+            rq = paired_quantiles(lambda t: min_bytes[lay] / (t * 1e-6) / 1e9 / bw_gbps, xs)
             rows.append({**base, "metric": "roofline_fraction_interleaved", "value": rq["p50"], "unit": "fraction",
                          **rq})
             head[(name, lay)]["roofline"] = rq["p50"]
@@ -399,7 +368,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
     (those named in env GLM5LAB_BENCH_GLUON, default all): 16-head tiles at <= 16 heads, wgmma tiles beyond.
     interleave (GPU only): after a shape's implementations are timed one after another, time their CUDA graphs
-    again in that many interleaved rounds, a device copy among them (`interleaved_rows`: metrics
+    again in that many interleaved rounds (`interleaved_rows`: metrics
     time_graph_interleaved, roofline_fraction_interleaved, speedup_vs_flashmla_interleaved); interleave_impls names
     the implementations taken into the rounds (default: every CUDA-graph-timed one)."""
     import os
@@ -460,7 +429,6 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
         vbt_attention = None
         log(f"virtual-block-table route skipped: {exc}")
 
-    copy_us_timer, copy_bytes = copy_timer() if (cuda and interleave) else (None, None)
     rows, summary = [], []
     if bw:
         rows.append({"suite": SUITE, "implementation": "copy", "shape": "2GiB", "dtype": "uint8", "layout": "-",
@@ -588,10 +556,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     f"roofline {rec['roofline']:.2f}  "
                     f"{rec['tflops']:6.1f} TF/s  err {rel:.1e}  lse {min(e_ln, e_log2):.1e}")
             if graph_timers:
-                if copy_us_timer is not None:
-                    graph_timers[COPY] = copy_us_timer
-                ilv_rows, head = interleaved_rows(shape, interleaved_samples(graph_timers, interleave), min_bytes,
-                                                  copy_bytes)
+                ilv_rows, head = interleaved_rows(shape, interleaved_samples(graph_timers, interleave), min_bytes, bw)
                 rows += ilv_rows
                 for key, h in head.items():
                     shape_recs[key].update({f"ilv_{k}": v for k, v in h.items()})
@@ -654,8 +619,8 @@ def print_interleaved_table(df, rounds: int) -> None:
     if d.empty:
         return
     t = {(r.impl, r.layout, r.H, r.T): r for r in d.itertuples()}
-    print(f"\nsparse MLA, CUDA-graph time in {rounds} interleaved rounds (a device copy in each): us; roof and x FM "
-          "taken round by round")
+    print(f"\nsparse MLA, CUDA-graph time in {rounds} interleaved rounds: us; roof = fraction of the memory roofline "
+          "(the run's copy bandwidth); x FM = FlashMLA time / ours, round by round")
     print(f"{'H':>4} {'T':>4} | {'g5 bf16':>8} {'roof':>5} {'FM bf16':>8} {'x FM':>5} | "
           f"{'g5 fp8':>8} {'roof':>5} {'FM fp8':>8} {'x FM':>5}")
     nan = float("nan")
