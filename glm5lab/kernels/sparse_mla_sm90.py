@@ -41,7 +41,7 @@ a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program 
 through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
 0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster
 there in interleaved A/B rounds: 0.76 / 0.83, 2.10 / 2.24x in one same-run comparison, 0.76 / 0.80 and 2.12 /
-2.11x in the suite).
+2.11x in the suite; v21's suite, in interleaved rounds: 0.75 / 0.84 and 2.10 / 2.24x).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
