@@ -84,7 +84,8 @@ part notebooks ${NOTEBOOKS_S:-360} python3 -m glm5lab notebooks run --profile gp
 # the suite's and notebook 05's kernel CSVs grow ~0.8 MB a run and the tree a call carries is capped: where this call
 # appended to the committed ones (seeded above), every run but the last moves to *_history.csv.gz beside them
 if [ $seed = 1 ]; then
-  archive=$(ls "$stage/results/bench/gpu/kernels.csv" "$stage/results/kernels/kernel_bench_nvidia_h200_notebook.csv" 2>/dev/null)
+  archive=$(ls "$stage/results/bench/gpu/kernels.csv" \
+    "$stage/results/kernels/kernel_bench_nvidia_h200_notebook.csv" 2>/dev/null)
   [ -n "$archive" ] && python3 -m glm5lab.bench.records archive $archive 2>&1 | tee -a "$stage/gpu_run.log"
 fi
 pack

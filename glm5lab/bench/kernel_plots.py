@@ -99,8 +99,8 @@ ISSUE_TARGETS = ([("1-8 token latency", 8, 1, "fp8_ds_mla", "us", "<=", 6.0),
                  + [(f"x FlashMLA {'bf16 sparse prefill' if lay == 'bf16' else 'fp8 sparse decode'}", 64, T, lay,
                      "x_fm", ">=", 0.8 if lay == "bf16" else 1.0)
                     for lay in ("bf16", "fp8_ds_mla") for T in (1, 8, 32, 128, 512)])
-# where each quantity is read from, best first: the interleaved rounds (round-by-round ratios, the copy timed in the
-# same rounds), the CUDA-graph time of the sequential pass, do_bench
+# where each quantity is read from, best first: the interleaved rounds (ratios to FlashMLA taken round by round), the
+# CUDA-graph time of the sequential pass, do_bench
 _SOURCES = {"us": [("interleaved", "time_graph_interleaved"), ("graph", "time_graph"), ("do_bench", "time")],
             "roofline": [("interleaved", "roofline_fraction_interleaved"), ("graph", "roofline_fraction_graph"),
                          ("do_bench", "roofline_fraction")],
@@ -109,9 +109,9 @@ _SOURCES = {"us": [("interleaved", "time_graph_interleaved"), ("graph", "time_gr
 
 
 def targets_table(csv_path):
-    """Issue 7's targets against the LAST run of a kernel benchmark CSV (suite or notebook): one row per target with the measured value,
-    where it was read from (`_SOURCES`: interleaved rounds first) and whether it is met; NaN / None where the run
-    lacks the shape or FlashMLA."""
+    """Issue 7's targets against the LAST run of a kernel benchmark CSV (the suite's or notebook 05's): one row per
+    target with the measured value, where it was read from (`_SOURCES`: interleaved rounds first) and whether it is
+    met; NaN / None where the run lacks the shape or FlashMLA."""
     import math
 
     import pandas as pd

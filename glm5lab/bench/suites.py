@@ -68,8 +68,8 @@ SUITE_INTERLEAVE_ROUNDS = 15
 def part_kernels(csv: Path, profile: str, cmd: str, budget: float) -> None:
     from glm5lab.bench import kernel_bench
 
-    # on the GPU the headline pair (glm5lab's default, FlashMLA) is timed again in interleaved rounds with a device
-    # copy, so the suite's ratios and roofline fractions are taken round by round (NOTES.md v21)
+    # on the GPU the headline pair (glm5lab's default, FlashMLA) is timed again in interleaved rounds, so the suite's
+    # ratios to FlashMLA are taken round by round (NOTES.md v21)
     kw = ({"heads": (8,), "tokens": (2,)} if profile == "cpu" else
           {"interleave": SUITE_INTERLEAVE_ROUNDS, "interleave_impls": ("glm5lab", "flashmla")})
     kernel_bench.run(str(csv), profile, command=cmd, **kw)

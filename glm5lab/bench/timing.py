@@ -73,7 +73,8 @@ def paired_quantiles(f: Callable[..., float], *series: list) -> dict:
     ratio of two implementations' times taken in the same round): a drift between rounds cancels in each pair."""
     lengths = {len(s) for s in series}
     if len(lengths) != 1 or not lengths.pop():
-        raise ValueError(f"paired_quantiles needs equally long, non-empty series; got lengths {[len(s) for s in series]}")
+        raise ValueError("paired_quantiles needs equally long, non-empty series; got lengths "
+                         f"{[len(s) for s in series]}")
     return quantiles([f(*xs) for xs in zip(*series)])
 
 
