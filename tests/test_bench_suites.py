@@ -84,6 +84,27 @@ def test_cli_full_suite_without_gpu_is_a_one_line_error(capsys):
     assert len(err) == 1 and "no GPU" not in err[0] and "GPU" in err[0]
 
 
+def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_why_not(tmp_path, capsys):
+    """`glm5lab bench --suite full --targets` runs nothing: it prints kernel_plots.targets_table of the last kernels
+    run under --results, with how many targets are met; without such a run, or with the cpu suite, one line."""
+    from glm5lab.bench.records import append_rows
+
+    rows = [{"suite": "sparse_mla_kernel", "implementation": "glm5lab", "shape": "H8_T1_K2048", "dtype": "bf16",
+             "layout": "fp8_ds_mla", "metric": "time_graph_interleaved", "value": 5.5, "unit": "us"},
+            {"suite": "sparse_mla_kernel", "implementation": "glm5lab", "shape": "H8_T8_K2048", "dtype": "bf16",
+             "layout": "fp8_ds_mla", "metric": "time_graph", "value": 9.5, "unit": "us"}]
+    append_rows(suites.out_dir(tmp_path, "gpu") / "kernels.csv", rows, command="x part=kernels run=20260101T000000Z")
+    assert main(["bench", "--suite", "full", "--targets", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "met 1 of 22; unmeasured 20" in out and "interleaved" in out and "graph" in out
+    assert not (suites.out_dir(tmp_path, "gpu") / "suite.csv").exists()          # nothing ran
+    for argv in (["--suite", "full", "--targets", "--results", str(tmp_path / "none")],
+                 ["--suite", "cpu", "--targets", "--results", str(tmp_path)]):
+        assert main(["bench", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("no GPU kernel benchmark" in err[0] or "--suite full" in err[0])
+
+
 def test_unknown_part_is_refused(tmp_path):
     from glm5lab.errors import Glm5labError
 

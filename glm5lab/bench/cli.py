@@ -3,20 +3,51 @@
     glm5lab bench --suite full      # on the GPU (H200): ~7 minutes, rows under results/bench/gpu/
     glm5lab bench --suite cpu       # tiny shapes, Triton interpreter: exercises every code path;
                                     # its timings are NOT performance (rows under results/bench/cpu/)
+    glm5lab bench --suite full --targets   # issue 7's speed targets against the last kernels run, met or not
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 
+def print_targets(results: Path) -> None:
+    """Issue 7's targets against the last GPU kernels run under `results` (kernel_plots.targets_table); a clear
+    error, not a traceback, when there is none."""
+    import pandas as pd
+
+    from glm5lab.bench.kernel_plots import targets_table
+    from glm5lab.bench.suites import out_dir
+    from glm5lab.errors import Glm5labError
+
+    csv = out_dir(results, "gpu") / "kernels.csv"
+    if not csv.exists():
+        raise Glm5labError(f"no GPU kernel benchmark at {csv}: run `glm5lab bench --suite full --parts kernels` "
+                           "on a GPU first (the cpu suite's interpreter timings are not judged against targets)")
+    t = targets_table(csv)
+    last = pd.read_csv(csv).iloc[-1]
+    print(f"issue 7's targets, {last.get('gpu')}, commit {last.get('git_sha')}, {last.get('timestamp')} ({csv}):")
+    with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    print(f"met {int(t.met.eq(True).sum())} of {len(t)}; unmeasured {int(t.met.isna().sum())}")
+
+
 def _run(args) -> int:
     from glm5lab.bench.suites import run_suite
 
+    if args.targets:
+        if args.suite != "full":
+            from glm5lab.errors import Glm5labError
+            raise Glm5labError("--targets reads a GPU run: use it with --suite full")
+        print_targets(args.results)
+        return 0
     df = run_suite(args.suite, args.results, parts=args.parts, budget_s=args.budget,
                    isolate=not args.in_process, progress=not args.no_progress)
     failed = df[df["value"] != 1.0]
     for r in failed.itertuples():
         print(f"  part {r.implementation}: {r.unit}")
+    if args.suite == "full" and "kernels" in set(df["implementation"]) and \
+            "kernels" not in set(failed["implementation"]):
+        print_targets(args.results)
     return 0 if failed.empty else 3
 
 
@@ -35,4 +66,6 @@ def add_command(sub) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run parts in this process instead of one child process each (no isolation)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--targets", action="store_true",
+                   help="run nothing: print issue 7's speed targets against the last GPU kernels run, met or not")
     p.set_defaults(func=_run)
