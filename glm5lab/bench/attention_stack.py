@@ -241,7 +241,8 @@ def run_rows(profile: str = "cpu", *, time_budget_s: float = 150.0, log=print, s
                 log(f"  {shape:18s} {impl:8s} step {step:9.1f} us  attention {t_att['p50']:8.1f} us "
                     f"({t_att['p50'] / step:4.0%})  indexer {t_idx['p50']:8.1f} us  "
                     f"78-layer {B / (GLM5_LAYERS * step * 1e-6):9.0f} tok/s")
-            del layer, q_full, qi, wts, slots_k
+            layer = q_full = qi = wts = slots_k = None    # (the shape's tensors go; unbound, not del: the
+            # timed lambdas above name them, and a del reads to pyflakes as a use of unbound names)
             if dev == "cuda":
                 torch.cuda.empty_cache()
     return rows

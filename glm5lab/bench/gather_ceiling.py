@@ -82,7 +82,7 @@ def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 5242
                                              ("fraction_of_copy_bandwidth", read_gbps / copy, "1"))]
         print(f"{layout:11s} rows of {row_bytes:4d} B: {us:8.1f} us, {read_gbps:7.0f} GB/s read = "
               f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
-        del cache, sets, outs
+        cache = sets = outs = None    # (freed; not del: the lambdas above name them)
     rows.append(dict(suite="gather_ceiling", implementation="torch-copy", shape="2GiB", dtype="uint8", layout="-",
                      metric="copy_bandwidth", value=copy, unit="GB/s"))
     append_rows(out_csv, rows, command=command)

@@ -187,7 +187,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
                         "torch_step_us": t_torch["p50"] if t_torch else None,
                         "speedup_vs_torch": (t_torch["p50"] / t_step["p50"]) if t_torch else None,
                         "logits_GBps": gbps, "fraction_of_copy": (gbps / bw) if bw else None})
-        del logits_buf, top_buf, hist_buf, split_buf
+        logits_buf = top_buf = hist_buf = split_buf = None    # (freed; not del: the lambdas above name them)
     append_rows(csv_path, rows, command=command or "glm5lab.bench.indexer_bench.run")
     df = pd.DataFrame(summary)
     log(df.to_string(index=False, float_format=lambda x: f"{x:.3g}"))

@@ -86,7 +86,10 @@ def plugin_problem() -> str | None:
 
 def version_problem() -> str | None:
     """The first ledger patch this run needs that refuses the installed vLLM (one line), or None."""
-    from glm5lab.vllm_plugin import cpu_sparse, ledger, sparse_backend  # noqa: F401  (register entries)
+    import importlib
+
+    from glm5lab.vllm_plugin import cpu_sparse, ledger
+    importlib.import_module("glm5lab.vllm_plugin.sparse_backend")    # (its ledger entries register on import)
 
     needed = ["register TRITON_MLA_SPARSE"] + list(cpu_sparse.CPU_PATCHES)
     for name in needed:
