@@ -98,11 +98,16 @@ def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_w
     out = capsys.readouterr().out
     assert "met 1 of 22; unmeasured 20" in out and "interleaved" in out and "graph" in out
     assert not (suites.out_dir(tmp_path, "gpu") / "suite.csv").exists()          # nothing ran
+    empty = tmp_path / "empty"
+    suites.out_dir(empty, "gpu").mkdir(parents=True)
+    (suites.out_dir(empty, "gpu") / "kernels.csv").write_text(",".join(COLUMNS) + "\n")     # a header, no run
     for argv in (["--suite", "full", "--targets", "--results", str(tmp_path / "none")],
+                 ["--suite", "full", "--targets", "--results", str(empty)],
                  ["--suite", "cpu", "--targets", "--results", str(tmp_path)]):
         assert main(["bench", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and ("no GPU kernel benchmark" in err[0] or "--suite full" in err[0])
+        assert len(err) == 1 and any(m in err[0] for m in ("no GPU kernel benchmark", "no benchmark run",
+                                                            "--suite full"))
 
 
 def test_unknown_part_is_refused(tmp_path):
