@@ -101,13 +101,17 @@ def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_w
     empty = tmp_path / "empty"
     suites.out_dir(empty, "gpu").mkdir(parents=True)
     (suites.out_dir(empty, "gpu") / "kernels.csv").write_text(",".join(COLUMNS) + "\n")     # a header, no run
+    alien = tmp_path / "alien"
+    suites.out_dir(alien, "gpu").mkdir(parents=True)
+    (suites.out_dir(alien, "gpu") / "kernels.csv").write_text("a,b\n1,2\n")                # not a benchmark CSV
     for argv in (["--suite", "full", "--targets", "--results", str(tmp_path / "none")],
                  ["--suite", "full", "--targets", "--results", str(empty)],
+                 ["--suite", "full", "--targets", "--results", str(alien)],
                  ["--suite", "cpu", "--targets", "--results", str(tmp_path)]):
         assert main(["bench", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and any(m in err[0] for m in ("no GPU kernel benchmark", "no benchmark run",
-                                                            "--suite full"))
+                                                            "not a benchmark CSV", "--suite full"))
 
 
 def test_unknown_part_is_refused(tmp_path):

@@ -23,11 +23,10 @@ def print_targets(results: Path) -> None:
     if not csv.exists():
         raise Glm5labError(f"no GPU kernel benchmark at {csv}: run `glm5lab bench --suite full --parts kernels` "
                            "on a GPU first (the cpu suite's interpreter timings are not judged against targets)")
-    rows = pd.read_csv(csv)
-    if rows.empty or "metric" not in rows:
+    t = targets_table(csv)
+    if not t.attrs:
         raise Glm5labError(f"{csv} holds no benchmark run: run `glm5lab bench --suite full --parts kernels` again")
-    t, last = targets_table(csv), rows.iloc[-1]
-    print(f"issue 7's targets, {last.get('gpu')}, commit {last.get('git_sha')}, {last.get('timestamp')} ({csv}):")
+    print(f"issue 7's targets, {t.attrs['gpu']}, commit {t.attrs['git_sha']}, {t.attrs['timestamp']} ({csv}):")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
     print(f"met {int(t.met.eq(True).sum())} of {len(t)}; unmeasured {int(t.met.isna().sum())}")

@@ -111,15 +111,23 @@ _SOURCES = {"us": [("interleaved", "time_graph_interleaved"), ("graph", "time_gr
 def targets_table(csv_path):
     """Issue 7's targets against the LAST run of a kernel benchmark CSV (the suite's or notebook 05's): one row per
     target with the measured value, where it was read from (`_SOURCES`: interleaved rounds first) and whether it is
-    met; NaN / None where the run lacks the shape or FlashMLA."""
+    met; NaN / None where the run lacks the shape or FlashMLA. The run's provenance (gpu, git_sha, timestamp) is in
+    the table's attrs, empty when the CSV holds no run; a file that is not a benchmark CSV is a Glm5labError."""
     import math
 
     import pandas as pd
 
+    from glm5lab.bench.records import COLUMNS
+    from glm5lab.errors import Glm5labError
+
     df = pd.read_csv(csv_path)
+    if not set(COLUMNS) <= set(df.columns):
+        raise Glm5labError(f"{csv_path} is not a benchmark CSV (columns {list(df.columns)[:5]}...)")
     df = df[df.suite == "sparse_mla_kernel"]
+    prov = {}
     if len(df):      # the last run: one append of records.append_rows, one timestamp and command
         df = df[(df.timestamp == df.timestamp.iloc[-1]) & (df.command == df.command.iloc[-1])]
+        prov = {k: df[k].iloc[-1] for k in ("gpu", "git_sha", "timestamp")}
     df = df[df.implementation.isin(["glm5lab", "flashmla"])]
     val = {(r.implementation, r.layout, r.shape, r.metric): float(r.value) for r in df.itertuples()}
     topk = df["shape"].str.extract(r"_K(\d+)")[0].dropna()
@@ -141,7 +149,9 @@ def targets_table(csv_path):
         met = None if math.isnan(measured) else (measured <= goal if op == "<=" else measured >= goal)
         out.append({"target": what, "heads": H, "tokens": T, "layout": lay, "quantity": qty,
                     "goal": f"{op} {goal:g}", "measured": measured, "met": met, "source": source})
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    table.attrs.update(prov)
+    return table
 
 
 def _text(x) -> str:
