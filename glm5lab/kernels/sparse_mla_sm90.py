@@ -1187,14 +1187,14 @@ def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r):
 
 
 @gluon.jit
-def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr):
+def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr, FREES: gl.constexpr = 1):
     """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b: FILLS arrivals)
     and `empty` (the consumer is done with it: one), initialised and made visible before the partitions start."""
     full = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(N):
         mbarrier.init(full.index(j), count=FILLS)
-        mbarrier.init(empty.index(j), count=1)
+        mbarrier.init(empty.index(j), count=FREES)
     fence_async_shared()
     gl.thread_barrier()
     return full, empty
@@ -1322,6 +1322,7 @@ PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
+PIPE_A = gl.constexpr(16)      # each consumer thread arrives on `free` itself: no barrier at a step's end (8-head tile)
 
 
 @gluon.jit
@@ -1453,8 +1454,13 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
                 qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
-        gl.thread_barrier()                   # every warp is done with stage b and with P^T
-        mbarrier.arrive(free.index(b), count=1)
+        if PIPE & PIPE_A:
+            # each thread once its reads of stage b are done (its last wgmma waited): `free` counts 128 arrivals;
+            # P^T's next stores wait for the next step's reduction barrier anyway
+            async_copy.mbarrier_arrive(free.index(b), increment_count=False)
+        else:
+            gl.thread_barrier()               # every warp is done with stage b and with P^T
+            mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
 
 
@@ -1731,7 +1737,8 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(handed, count=1)            # warpgroup 1's state is in merge_acc
     mbarrier.init(taken, count=1)             # warpgroup 0 has read it
-    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
+    # staged[b]: every loader thread's copies have landed; free[b]: the consumer is done (128 of its threads with "a")
+    staged, free = _handover_barriers(STAGES, 4 * 32, 4 * 32 if PIPE & PIPE_A else 1)
     gl.warp_specialize([
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat0, q_rope0, raw_lat, raw_rope, scale_ring,
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
@@ -1902,14 +1909,15 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
 # 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o")}
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "soa", "s3o3a"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
     """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; a 3 after one: that
     side three products at a time, PIPE_S3 / PIPE_O3)."""
     return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
-            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0))
+            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0)
+            | (PIPE_A.value if pipe.endswith("a") else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
