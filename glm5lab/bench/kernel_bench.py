@@ -101,12 +101,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # v20, consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
-                  # ... both forms with each consumer thread arriving on the stage's `free` itself, no barrier at a
-                  # step's end (pipe "...a"; prepared in v21, not yet measured)
-                  ("ws8x2ppa", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                "resident": 1, "dual_consumers": True, "pipe": "soa"}),
-                  ("ws8x2pp3a", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3a"}),
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),

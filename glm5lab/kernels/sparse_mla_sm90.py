@@ -1187,14 +1187,14 @@ def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r):
 
 
 @gluon.jit
-def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr, FREES: gl.constexpr = 1):
+def _handover_barriers(N: gl.constexpr, FILLS: gl.constexpr):
     """The mbarriers of a producer/consumer ring of N slots, `full` (the producer has filled slot b: FILLS arrivals)
     and `empty` (the consumer is done with it: one), initialised and made visible before the partitions start."""
     full = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(N):
         mbarrier.init(full.index(j), count=FILLS)
-        mbarrier.init(empty.index(j), count=FREES)
+        mbarrier.init(empty.index(j), count=1)
     fence_async_shared()
     gl.thread_barrier()
     return full, empty
@@ -1322,7 +1322,6 @@ PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
-PIPE_A = gl.constexpr(16)      # each consumer thread arrives on `free` itself: no barrier at a step's end (8-head tile)
 
 
 @gluon.jit
@@ -1334,7 +1333,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
     warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v20): S^T's (PIPE_S) / O^T's (PIPE_O)
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
-    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_s_products_async`)."""
+    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1347,7 +1346,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
     if PIPE & PIPE_S:
-        c0, c1, c2, c3 = _s_products_async(lat, q_lat, opaque0, zero_s, A_L, 3 if PIPE & PIPE_S3 else 2)
+        c0, c1, c2, c3 = _products_async(lat, (q_lat, opaque0, zero_s), _s_chunk, A_L, 3 if PIPE & PIPE_S3 else 2)
         st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
     else:
         st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
@@ -1368,8 +1367,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     inv_r = 1.0 / r_new
     p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
-        acc0, acc1, acc2, acc3 = _o_products_async(lat, p_t0, p_t1, p_t2, p_t3, acc0, acc1, acc2, acc3, keep, A_L,
-                                                   3 if PIPE & PIPE_O3 else 2)
+        acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
+                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2)
     else:
         acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
         acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
@@ -1379,58 +1378,43 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 
 
 @gluon.jit
-def _s_products_async(lat, q_lat, opaque0, zero_s, A_L: gl.constexpr, DEPTH: gl.constexpr):
-    """S^T's four chunk products of a dual-consumer step issued async, DEPTH (2 or 3) in flight: chunk c + DEPTH's
-    operand is converted from the staged bytes while chunk c's wgmma runs. Returns the four products."""
-    k0 = _k_operand(lat, 0, A_L)
-    t0 = warpgroup_mma(k0, q_lat.index(0 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    k1 = _k_operand(lat, 1, A_L)
-    t1 = warpgroup_mma(k1, q_lat.index(1 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if DEPTH == 3:
-        k2 = _k_operand(lat, 2, A_L)
-        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    c0, k0 = warpgroup_mma_wait(DEPTH - 1, deps=[t0, k0])
-    if DEPTH == 2:
-        k2 = _k_operand(lat, 2, A_L)
-        t2 = warpgroup_mma(k2, q_lat.index(2 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    else:
-        k3 = _k_operand(lat, 3, A_L)
-        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    c1, k1 = warpgroup_mma_wait(DEPTH - 1, deps=[t1, k1])
-    if DEPTH == 2:
-        k3 = _k_operand(lat, 3, A_L)
-        t3 = warpgroup_mma(k3, q_lat.index(3 + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    c2, k2 = warpgroup_mma_wait(1, deps=[t2, k2])
-    c3, k3 = warpgroup_mma_wait(0, deps=[t3, k3])
-    return c0, c1, c2, c3
+def _s_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx):
+    """S^T's product of chunk c issued async (ctx: q's chunk tiles, the opaque 0 that indexes them, S^T's zero
+    accumulator); q's descriptor is built beside its wgmma (v17: kept across the loop, ptxas spilled them)."""
+    q_lat, opaque0, zero_s = ctx
+    k = _k_operand(lat, c, A_L)
+    return warpgroup_mma(k, q_lat.index(c + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True), k
 
 
 @gluon.jit
-def _o_products_async(lat, p_t0, p_t1, p_t2, p_t3, acc0, acc1, acc2, acc3, keep, A_L: gl.constexpr,
-                      DEPTH: gl.constexpr):
-    """O^T's four chunk products of a dual-consumer step (each chunk rescaled by keep first) issued async, DEPTH (2
-    or 3) in flight, as `_s_products_async`. Returns the four chunks."""
-    v0 = _v_operand(lat, 0, A_L)
-    u0 = warpgroup_mma(v0, p_t0, acc0 * keep, is_async=True)
-    v1 = _v_operand(lat, 1, A_L)
-    u1 = warpgroup_mma(v1, p_t1, acc1 * keep, is_async=True)
+def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx):
+    """O^T's product of chunk c issued async (ctx: the four P^T tiles, the four O^T chunks, keep), the chunk rescaled
+    by keep first."""
+    p_ts, accs, keep = ctx
+    v = _v_operand(lat, c, A_L)
+    return warpgroup_mma(v, p_ts[c], accs[c] * keep, is_async=True), v
+
+
+@gluon.jit
+def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr):
+    """One side's four chunk products of a dual-consumer step (`_s_chunk` or `_o_chunk`) issued async, DEPTH (2 or
+    3) in flight: chunk c + DEPTH's operand is converted from the staged bytes while chunk c's wgmma runs. Returns
+    the four results."""
+    t0, a0 = chunk(lat, 0, A_L, ctx)
+    t1, a1 = chunk(lat, 1, A_L, ctx)
     if DEPTH == 3:
-        v2 = _v_operand(lat, 2, A_L)
-        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
-    acc0, v0 = warpgroup_mma_wait(DEPTH - 1, deps=[u0, v0])
+        t2, a2 = chunk(lat, 2, A_L, ctx)
+    r0, a0 = warpgroup_mma_wait(DEPTH - 1, deps=[t0, a0])
     if DEPTH == 2:
-        v2 = _v_operand(lat, 2, A_L)
-        u2 = warpgroup_mma(v2, p_t2, acc2 * keep, is_async=True)
+        t2, a2 = chunk(lat, 2, A_L, ctx)
     else:
-        v3 = _v_operand(lat, 3, A_L)
-        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
-    acc1, v1 = warpgroup_mma_wait(DEPTH - 1, deps=[u1, v1])
+        t3, a3 = chunk(lat, 3, A_L, ctx)
+    r1, a1 = warpgroup_mma_wait(DEPTH - 1, deps=[t1, a1])
     if DEPTH == 2:
-        v3 = _v_operand(lat, 3, A_L)
-        u3 = warpgroup_mma(v3, p_t3, acc3 * keep, is_async=True)
-    acc2, v2 = warpgroup_mma_wait(1, deps=[u2, v2])
-    acc3, v3 = warpgroup_mma_wait(0, deps=[u3, v3])
-    return acc0, acc1, acc2, acc3
+        t3, a3 = chunk(lat, 3, A_L, ctx)
+    r2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
+    r3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
+    return r0, r1, r2, r3
 
 
 @gluon.jit
@@ -1454,13 +1438,8 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
                 qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
-        if PIPE & PIPE_A:
-            # each thread once its reads of stage b are done (its last wgmma waited): `free` counts 128 arrivals;
-            # P^T's next stores wait for the next step's reduction barrier anyway
-            async_copy.mbarrier_arrive(free.index(b), increment_count=False)
-        else:
-            gl.thread_barrier()               # every warp is done with stage b and with P^T
-            mbarrier.arrive(free.index(b), count=1)
+        gl.thread_barrier()                   # every warp is done with stage b and with P^T
+        mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
 
 
@@ -1737,8 +1716,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(handed, count=1)            # warpgroup 1's state is in merge_acc
     mbarrier.init(taken, count=1)             # warpgroup 0 has read it
-    # staged[b]: every loader thread's copies have landed; free[b]: the consumer is done (128 of its threads with "a")
-    staged, free = _handover_barriers(STAGES, 4 * 32, 4 * 32 if PIPE & PIPE_A else 1)
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat0, q_rope0, raw_lat, raw_rope, scale_ring,
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
@@ -1909,15 +1887,14 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
 # 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "soa", "s3o3a"), 16: ("", "o")}
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o")}
 
 
 def pipe_bits(pipe: str) -> int:
     """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; a 3 after one: that
     side three products at a time, PIPE_S3 / PIPE_O3)."""
     return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
-            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0)
-            | (PIPE_A.value if pipe.endswith("a") else 0))
+            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
