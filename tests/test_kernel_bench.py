@@ -44,16 +44,18 @@ def _drifting_clock():
 
 
 def test_interleaved_rounds_give_identical_kernels_equal_times_under_a_drift():
-    """timing.interleaved_rounds (the benchmark's --interleave): every round calls each timer once, the order
+    """timing.interleaved_samples (the benchmark's --interleave): every round calls each timer once, the order
     rotated a place a round; under a drifting clock two identical kernels get medians within the drift of one
     round, where timing one after another puts the whole drift between them."""
-    from glm5lab.bench.timing import interleaved_rounds
+    from glm5lab.bench.timing import interleaved_samples, quantiles
 
     timer, calls = _drifting_clock()
     seq = {n: [timer(n)() for _ in range(15)] for n in ("a", "b", "c")}     # one after another
     seq_gap = sorted(seq["c"])[7] - sorted(seq["a"])[7]
     timer, calls = _drifting_clock()
-    res = interleaved_rounds({n: timer(n) for n in ("a", "b", "c")}, rounds=15)
+    samples = interleaved_samples({n: timer(n) for n in ("a", "b", "c")}, rounds=15)
+    assert all(len(xs) == 15 for xs in samples.values())
+    res = {n: quantiles(xs) for n, xs in samples.items()}
     gap = max(r["p50"] for r in res.values()) - min(r["p50"] for r in res.values())
     assert seq_gap > 25 and gap <= 3                          # 30 us one after another, <= 3 us interleaved
     assert all(r["p20"] <= r["p50"] <= r["p80"] for r in res.values())

@@ -264,7 +264,7 @@ def median_us(timer, repeats: int = 5) -> float:
 def graph_timer(calls, replays: int = 10):
     """`calls` (one call per input set) captured once in a CUDA graph; returns a no-argument call that replays it
     `replays` times between two events and returns the GPU time of one call in us (`median_us` takes the median of
-    a few; interleaved timing, `timing.interleaved_rounds`, calls the timers of a shape's implementations in
+    a few; interleaved timing, `timing.interleaved_samples`, calls the timers of a shape's implementations in
     turn)."""
     import torch
 

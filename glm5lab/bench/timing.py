@@ -63,11 +63,6 @@ def interleaved_samples(timers: dict, rounds: int = 15) -> dict:
     return samples
 
 
-def interleaved_rounds(timers: dict, rounds: int = 15) -> dict:
-    """{name: {"p20", "p50", "p80"}} over the rounds of `interleaved_samples`."""
-    return {name: quantiles(xs) for name, xs in interleaved_samples(timers, rounds).items()}
-
-
 def paired_quantiles(f: Callable[..., float], *series: list) -> dict:
     """{'p20','p50','p80'} of f applied round by round to equally long series of `interleaved_samples` (e.g. the
     ratio of two implementations' times taken in the same round): a drift between rounds cancels in each pair."""
