@@ -441,15 +441,16 @@ def test_gluon_wgmma_ws_sm90_build_writes_fp16_partials(fp8):
     """PART_F16 (_config={"partials": "fp16"}): the warp-specialized 64-head build converts the O tile's 128 values a
     consumer thread to 64 fp16 pairs at the store (64 F2FP more than the fp32-partial build) and, in stored-column
     order, writes them with 32 8-byte stores (the fp32 partial: 64; in true order fp16 would take 64 4-byte ones), with
-    the same wgmma, shared memory and spill slots; the default build does not change (the constexpr defaults to
-    False)."""
+    the same wgmma and shared memory and no more spill slots (the fp8 loader form's one 8-byte slot, outside the step
+    loop, comes and goes with the register allocation); the default build does not change (the constexpr defaults
+    to False)."""
     plain = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, _sass=True)
     half = _sm90_build(ws=True, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, PART_F16=True, _sass=True)
     assert half["F2FP"] == plain["F2FP"] + 64
     wide = [sum(i.startswith("STG.E.64 ") for i in rep["_sass"]) for rep in (plain, half)]
     assert wide == [64, 32]
     assert half["HGMMA"] == plain["HGMMA"] == 40 and half["smem"] == plain["smem"]
-    assert half["stack"] == plain["stack"] and half["regs"] <= 168
+    assert half["stack"] <= plain["stack"] <= 8 and half["regs"] <= 168
 
 
 @pytest.mark.parametrize("fp8,converter", [(False, False), (True, False), (True, True)],
@@ -967,9 +968,12 @@ def test_named_tiles_forced_over_any_default_are_complete():
 def test_benchmark_tiles_name_every_key_of_a_tile():
     """The kernel benchmark's Gluon variants are laid over the call's default tile, which changes with the batch
     and the layout; each names every key that picks a kernel or its launch, so it times the same tile everywhere."""
-    from glm5lab.bench.kernel_bench import GLUON_VARIANTS
+    from glm5lab.bench.kernel_bench import DEFAULT_TILE_SWITCHES, GLUON_VARIANTS
 
     for name, cfg in GLUON_VARIANTS:
+        if name in DEFAULT_TILE_SWITCHES:       # (a private switch laid over the default tile itself, no tile)
+            assert all(k.startswith("_") for k in cfg), name
+            continue
         assert {"rows", "ws", "block_h", "block_n", "num_warps", "stages", "resident", "dual_consumers"} <= set(cfg), name
         if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
             assert {"converter", "p_smem"} <= set(cfg), name
