@@ -139,10 +139,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
 # (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), and a tile laid over it
 # must not inherit any of them
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", **cfg}) for n, cfg in GLUON_VARIANTS]
-# ... and switches laid over the shape's default tile itself: q staged before the first gathers are requested, as
-# until v22 (NOTES.md v23; an A/B of the order)
-DEFAULT_TILE_SWITCHES = {"qearly": {"_q_early": True}}
-GLUON_VARIANTS += list(DEFAULT_TILE_SWITCHES.items())
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
@@ -353,8 +349,6 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
     """Whether the GLUON_VARIANTS tile `name` applies: 16-head tiles at <= 16 heads (8-head ones at <= 8), the 64-head
     wgmma tiles beyond (its fp8_ds_mla form takes 64-row steps only); the tiles of VARIANT_FP8_ONLY to their kind of
     cache."""
-    if name in DEFAULT_TILE_SWITCHES:                 # (the default tile, whatever it is)
-        return True
     cfg = dict(GLUON_VARIANTS)[name]
     if cfg.get("block_h") == 8 and num_heads > 8:     # (8-head tiles: <= 8 heads)
         return False

@@ -323,11 +323,10 @@ def _sparse_mla_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    Q_EARLY: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on mma.sync (the default at 1-3 tokens of <= 8 heads): each step's e4m3 rows
     dequantized once into an fp16 tile, the products in the fp16 domain. q is staged after the first gathers are
-    requested, so its load overlaps theirs (NOTES.md v23; Q_EARLY: before, as until v22 -- an A/B switch)."""
+    requested, so that its load is in flight beside theirs (NOTES.md v23: 9.1 -> 8.6 us at 8 heads x 1 token)."""
     NW: gl.constexpr = gl.num_warps()
     # scores [BLOCK_H, BLOCK_N] and outputs [BLOCK_H, 128]: mma.sync tiles, warps side by side along the columns
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
@@ -355,9 +354,6 @@ def _sparse_mla_fp8_sm90_kernel(
     # ---- q: latent part scaled per head into fp16 range (exact: a power of two), rope part as is (bf16)
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], SWZ2)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], SWZ2)
-    if Q_EARLY:
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
-        q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
 
     # ---- the ring of gathered rows, and the fp16 tile each step's rows are dequantized into
     lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
@@ -369,9 +365,8 @@ def _sparse_mla_fp8_sm90_kernel(
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
         BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, True)
-    if not Q_EARLY:                           # (q's load in flight beside the first gathers)
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
-        q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
+    q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -423,31 +418,14 @@ def _sparse_mla_fp8_sm90_kernel(
 
 
 @gluon.jit
-def _stage_q_chunks(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
-                    QL: gl.constexpr):
-    """The 16-bit mma.sync kernel's q as it is: latent into q_lat [4, BLOCK_H, 128] (chunk-major), rope into q_rope
-    [BLOCK_H, 64]; heads past num_heads zero."""
-    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-    hm_q = heads_q < num_heads
-    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    for c in gl.static_range(4):
-        q_lat.index(c).store(gl.load(q_rows + c * 128 + d128[None, :], mask=hm_q[:, None], other=0.0))
-    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
-                         other=0.0))
-
-
-@gluon.jit
 def _sparse_mla_16bit_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    Q_EARLY: gl.constexpr = False,
 ):
     """The same pipeline for bf16/fp16 caches (q in the cache's dtype): no dequantization -- both products read the
-    ring slot itself through ldmatrix -- and no scales; P enters P.V in the input dtype, as in the Triton kernel.
-    q staged after the first gathers are requested, as in the fp8 kernel (Q_EARLY: before)."""
+    ring slot itself through ldmatrix -- and no scales; P enters P.V in the input dtype, as in the Triton kernel."""
     NW: gl.constexpr = gl.num_warps()
     DT: gl.constexpr = Q.dtype.element_ty
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
@@ -467,8 +445,14 @@ def _sparse_mla_16bit_sm90_kernel(
 
     q_lat = gl.allocate_shared_memory(DT, [4, BLOCK_H, 128], SWZ2)
     q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SWZ2)
-    if Q_EARLY:
-        _stage_q_chunks(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
+    heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+    hm_q = heads_q < num_heads
+    d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
+    for c in gl.static_range(4):
+        q_lat.index(c).store(gl.load(q_rows + c * 128 + d128[None, :], mask=hm_q[:, None], other=0.0))
+    q_rope.store(gl.load(q_rows + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))[None, :], mask=hm_q[:, None],
+                         other=0.0))
 
     lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SWZ2)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SWZ2)
@@ -476,8 +460,6 @@ def _sparse_mla_16bit_sm90_kernel(
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, rope_ring,
         BLOCK_N, STAGES, LAT16, ROPE_L, ROPE_L, False)
-    if not Q_EARLY:                           # (q's load in flight beside the first gathers)
-        _stage_q_chunks(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=P_ROWS)
@@ -758,12 +740,12 @@ def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope
                        num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
                        PART_F16: gl.constexpr = False, p_tile=None, P_SMEM: gl.constexpr = False, Q=None,
-                       stride_qt=0, stride_qh=0, Q_EARLY: gl.constexpr = True):
-    """The two consumer warpgroups: q staged first unless Q_EARLY (while the loader already gathers); wait for ring
-    slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]` back to the
-    loader. (ws_diag 1 / 3: no step; 5: the step without dequantizing.) P_SMEM: P.V's A operand from p_tile
-    (`_heads_step`)."""
-    if not Q_EARLY and DIAG != 3 and DIAG != 1:    # (the diagnostics without a step leave q out)
+                       stride_qt=0, stride_qh=0):
+    """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
+    step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
+    back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
+    from p_tile (`_heads_step`)."""
+    if DIAG != 3 and DIAG != 1:
         _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, HEADS_LAT16, HEADS_ROPE)
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
         gl.thread_barrier()
@@ -809,7 +791,6 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
-    Q_EARLY: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -817,7 +798,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    loader gathers (NOTES.md v23; Q_EARLY: before the partitions start, as until v22)."""
+    loader gathers (NOTES.md v23)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -828,14 +809,14 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, Q_EARLY)
+        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, False)
     p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh, Q_EARLY)),
+                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -907,7 +888,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, Q_EARLY: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -918,7 +899,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
     in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    producer gathers (NOTES.md v23; Q_EARLY: before the partitions start, as until v22)."""
+    producer gathers (NOTES.md v23)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -933,7 +914,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
     q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H,
-                                                                BLOCK_N, STAGES, False, Q_EARLY)
+                                                                BLOCK_N, STAGES, False, False)
     raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
@@ -943,8 +924,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
         (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh,
-                              Q_EARLY)),
+                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4], [WS64_CONVERTER_REGS])
@@ -1003,21 +983,18 @@ ROWS_QL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 @gluon.jit
 def _rows_fp8_start(Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H: gl.constexpr,
-                    BLOCK_N: gl.constexpr, K_ORDER: gl.constexpr = False, Q_EARLY: gl.constexpr = True):
-    """The fp8 rows kernels' start: this program's head tile, token and split (its rows and steps), and q's buffers;
-    q is staged in the fp16 domain (`_q_fp16_domain`) here only with Q_EARLY (before the warp partitions start: the
-    loader's first slot loads then wait for q's; otherwise the consumers stage it, NOTES.md v23). Returns (pid_h, t,
-    s, n_start, n_end, num_steps, q_lat, q_rope, q_mul -- 1.0 when not staged)."""
+                    BLOCK_N: gl.constexpr):
+    """The fp8 rows kernels' start: this program's head tile, token and split (its rows and steps), and q's buffers,
+    which the consumers fill (`_q_fp16_domain`) while the loader already gathers (NOTES.md v23: staged here, before the
+    warp partitions start, q's round trip came before the loader's first slot loads). Returns (pid_h, t, s, n_start,
+    n_end, num_steps, q_lat, q_rope)."""
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], ROWS_SM)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], ROWS_SM)
-    q_mul = 1.0
-    if Q_EARLY:
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, K_ORDER)
-    return pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul
+    return pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope
 
 
 @gluon.jit
@@ -1173,16 +1150,17 @@ def _rows_fp8_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, ST_L: gl.const
 
 
 @gluon.jit
-def _fp8_rows_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts, full,
-                       empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                       Q=None, stride_qt=0, stride_qh=0, Q_EARLY: gl.constexpr = True):
-    """The consumer warpgroup: q staged first unless Q_EARLY (then q_unscale is given), while the loader already
-    gathers; the bf16 rows-as-M kernel's products on the fp16 slot (S^T chunk by chunk, each times its scale; P^T per
-    chunk as p * s_c / r, chunk c into p_ts[c]), then `empty[b]` back to the converter."""
+def _fp8_rows_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv16, rope16, scale_ring, p_ts, full, empty,
+                       slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                       num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
+                       DIAG: gl.constexpr):
+    """The consumer warpgroup: q staged first, while the loader already gathers (NOTES.md v23); the bf16 rows-as-M
+    kernel's products on the fp16 slot (S^T chunk by chunk, each times its scale; P^T per chunk as p * s_c / r, chunk
+    c into p_ts[c]), then `empty[b]` back to the converter."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
-    if not Q_EARLY and DIAG % 2 == 0:         # (ws_diag 1 / 3 run no products: no q)
+    q_unscale = 1.0                           # (ws_diag 1 / 3 run no products: no q)
+    if DIAG % 2 == 0:
         q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL)
         q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
@@ -1261,14 +1239,14 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, Q_EARLY: gl.constexpr = False,
+    DIAG: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized in three warpgroups (NOTES.md v9, v11): a loader issues
     each step's gathers into a two-half staging buffer, a converter turns each staged half's e4m3 rows once into an
     fp16 ring slot, a consumer runs the rows-as-M wgmma products on the slot (as the bf16/fp16 rows kernel does);
     they hand halves and slots over through mbarriers. Same fp16-domain arithmetic as the mma.sync fp8 kernel.
-    218 KB of shared memory: one CTA (12 warps) a SM. The consumer stages q while the loader gathers (NOTES.md v23;
-    Q_EARLY: before the partitions start, as until v22)."""
+    218 KB of shared memory: one CTA (12 warps) a SM. The consumer stages q while the loader gathers (NOTES.md
+    v23)."""
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a converter and a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     HALF: gl.constexpr = BLOCK_N // 2
@@ -1278,11 +1256,8 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     SM8: gl.constexpr = ROWS_SM8
     VEC: gl.constexpr = ROWS_VEC
     RAW: gl.constexpr = ROWS_RAW
-    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul = _rows_fp8_start(
-        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N, False, Q_EARLY)
-    q_unscale = 1.0                           # (the consumer's own, unless q is staged here)
-    if Q_EARLY:
-        q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
+    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
+        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     kv16 = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, 512], SM)
     rope16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], SM)
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)   # stage b: rows 4b .. 4b + 3
@@ -1295,10 +1270,10 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     full, empty = _handover_barriers(STAGES, 1)
     staged, free = _handover_barriers(2, 4 * 32)          # staged[h]: every loader thread's copies have landed
     gl.warp_specialize([
-        (_fp8_rows_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, kv16, rope16, scale_ring, p_ts,
-                              full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, ST_L, DIAG, Q, stride_qt, stride_qh, Q_EARLY)),
+        (_fp8_rows_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv16, rope16, scale_ring, p_ts, full,
+                              empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s,
+                              pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                              BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG)),
         (_fp8_rows_converter, (raw_lat, raw_rope, raw_scale, kv16, rope16, scale_stages, staged, free, full, empty,
                                num_steps, STAGES, BLOCK_N, DIAG)),
         (_fp8_rows_loader, (KV, SLOTS, raw_lat, raw_rope, raw_scale, staged, free, t, n_start, n_end, num_steps,
@@ -1579,13 +1554,13 @@ def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
                        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                        ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                       Q=None, stride_qt=0, stride_qh=0, q_ready=None, Q_EARLY: gl.constexpr = True):
-    """Consumer warpgroup WG of the dual-consumer kernel: unless Q_EARLY, warpgroup 0 stages q (and q_unscale) while
-    the loader already gathers and tells warpgroup 1 through `q_ready`; steps WG, WG + 2, ... (`_fp8_dual_step`) with
-    a softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
+                       Q=None, stride_qt=0, stride_qh=0, q_ready=None):
+    """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
+    gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
+    softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
     (`_state_stage`), and warpgroup 0 merges the two and writes the result."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    if not Q_EARLY and DIAG != 3:             # (ws_diag 3 runs no products: no q)
+    if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
             q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL,
                                    True)
@@ -1618,7 +1593,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, Q_EARLY: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1626,7 +1601,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
     and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18). Consumer 0 stages q while the loader gathers
-    (NOTES.md v23; Q_EARLY: before the partitions start, as until v22)."""
+    (NOTES.md v23)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
@@ -1634,11 +1609,9 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     VEC: gl.constexpr = ROWS_VEC
     RAW: gl.constexpr = ROWS_RAW
-    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope, q_mul = _rows_fp8_start(
-        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N, True, Q_EARLY)
+    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
+        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
-    if Q_EARLY:
-        q_unscale.store(1.0 / q_mul)
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
@@ -1646,10 +1619,8 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     p_b = _p_chunks(BLOCK_N, BLOCK_H)
     merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(merged, count=1)
-    q_ready = merged                          # (a stand-in, never touched, with Q_EARLY)
-    if not Q_EARLY:
-        q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-        mbarrier.init(q_ready, count=1)       # consumer 0 has staged q
+    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    mbarrier.init(q_ready, count=1)           # consumer 0 has staged q
     staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
     gl.warp_specialize([
@@ -1657,12 +1628,12 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
                               p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE, Q, stride_qt,
-                              stride_qh, q_ready, Q_EARLY)),
+                              stride_qh, q_ready)),
         (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
                               num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE, Q, stride_qt,
-                              stride_qh, q_ready, Q_EARLY)),
+                              stride_qh, q_ready)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -2064,8 +2035,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if cfg.get("_q_early") and "Q_EARLY" in kernel.arg_names:   # (a private A/B switch: q staged first, NOTES.md v23)
-        extra["Q_EARLY"] = True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
