@@ -497,11 +497,15 @@ def _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.const
                  LAT16: gl.constexpr, ROPE_L: gl.constexpr):
     """This tile's q as wgmma operands: latent [BLOCK_H, 512] and rope [BLOCK_H, 64] in shared memory (heads past
     num_heads zero)."""
-    DT: gl.constexpr = Q.dtype.element_ty
-    q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
-    q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+    q_lat, q_rope = _q_wgmma_buffers(Q.dtype.element_ty, BLOCK_H, SM)
     _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, LAT16, ROPE_L)
     return q_lat, q_rope
+
+
+@gluon.jit
+def _q_wgmma_buffers(DT: gl.constexpr, BLOCK_H: gl.constexpr, SM: gl.constexpr):
+    """Shared memory for a tile's q as wgmma operands: latent [BLOCK_H, 512] and rope [BLOCK_H, 64] in DT."""
+    return gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM), gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
 
 
 @gluon.jit
@@ -519,23 +523,17 @@ def _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
 
 
 @gluon.jit
-def _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, FP8: gl.constexpr, STAGE_Q: gl.constexpr = True):
-    """The 64-head kernels' shared memory: this tile's q (staged unless STAGE_Q is False: the warp-specialized
-    kernels' consumers stage it themselves), then a ring of STAGES slots of BLOCK_N gathered rows -- fp8_ds_mla: raw
-    e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile they are
-    dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring, never
-    touched). Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
+def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
+    """The 64-head kernels' shared memory: this tile's q (not staged: `_stage_q_wgmma`; the warp-specialized kernels'
+    consumers stage it while the loader gathers), then a ring of STAGES slots of BLOCK_N gathered rows --
+    fp8_ds_mla: raw e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile
+    they are dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring,
+    never touched). Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
     DT: gl.constexpr = Q.dtype.element_ty
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    if STAGE_Q:
-        q_lat, q_rope = _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, SM, HEADS_LAT16,
-                                     HEADS_ROPE)
-    else:
-        q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
-        q_rope = gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+    q_lat, q_rope = _q_wgmma_buffers(DT, BLOCK_H, SM)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     if FP8:
         lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
@@ -654,7 +652,8 @@ def _sparse_mla_wgmma_sm90_kernel(
     s = gl.program_id(2)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8)
+        Q, BLOCK_H, BLOCK_N, STAGES, FP8)
+    _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, HEADS_LAT16, HEADS_ROPE)
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
         BLOCK_N, STAGES, LAT, HEADS_ROPE, SCALE_L, FP8)
@@ -735,12 +734,12 @@ def _wgmma_ws_loader(KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, 
 
 
 @gluon.jit
-def _wgmma_ws_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full, empty,
-                       slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr, DIAG: gl.constexpr = 0,
-                       PART_F16: gl.constexpr = False, p_tile=None, P_SMEM: gl.constexpr = False, Q=None,
-                       stride_qt=0, stride_qh=0):
+def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, full,
+                       empty, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
+                       num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
+                       DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
+                       P_SMEM: gl.constexpr = False):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -809,14 +808,14 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, BLOCK_N, STAGES, FP8, False)
+        Q, BLOCK_H, BLOCK_N, STAGES, FP8)
     p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
-        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
+        (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh)),
+                              t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -913,18 +912,17 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H,
-                                                                BLOCK_N, STAGES, False, False)
+    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, BLOCK_H, BLOCK_N, STAGES, False)
     raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 1)
     gl.warp_specialize([
-        (_wgmma_ws_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+        (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
-                              t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                              STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM, Q, stride_qt, stride_qh)),
+                              t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4], [WS64_CONVERTER_REGS])
@@ -995,6 +993,18 @@ def _rows_fp8_start(Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BL
     q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], ROWS_SM)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], ROWS_SM)
     return pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope
+
+
+@gluon.jit
+def _stage_q_rows(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
+                  ST_L: gl.constexpr, K_ORDER: gl.constexpr):
+    """A rows-as-M fp8 consumer warpgroup stages q itself (`_q_fp16_domain`), made visible to its wgmma (async proxy)
+    and to all its warps. Returns 1 / q's per-head multiplier in SliceLayout(0, ST_L) (the scores' unscale)."""
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, K_ORDER)
+    q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
+    fence_async_shared()                      # (q is read by wgmma through the async proxy)
+    gl.thread_barrier()
+    return q_unscale
 
 
 @gluon.jit
@@ -1161,10 +1171,7 @@ def _fp8_rows_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv16, rope1
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     q_unscale = 1.0                           # (ws_diag 1 / 3 run no products: no q)
     if DIAG % 2 == 0:
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL)
-        q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
-        fence_async_shared()                  # (q is read by wgmma through the async proxy)
-        gl.thread_barrier()
+        q_unscale = _stage_q_rows(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ST_L, False)
     m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     sl_rows = _slots(slot_row, n_start, n_end, BLOCK_N, N_ROWS)
     for i in range(num_steps):
@@ -1549,12 +1556,12 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, bas
 
 
 @gluon.jit
-def _fp8_dual_consumer(OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
-                       merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
-                       num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh, stride_lt,
-                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                       Q=None, stride_qt=0, stride_qh=0, q_ready=None):
+def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
+                       merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end, num_steps,
+                       num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
+                       stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       SPLIT: gl.constexpr, ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr,
+                       PIPE: gl.constexpr = 0):
     """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
@@ -1624,16 +1631,16 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
     gl.warp_specialize([
-        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
-                              p_a, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
-                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0, DIAG, PIPE, Q, stride_qt,
-                              stride_qh, q_ready)),
-        (_fp8_dual_consumer, (OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
-                              p_b, merge_acc, merge_vec, staged, free, merged, slot_row, n_start, n_end, num_steps,
-                              num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1, DIAG, PIPE, Q, stride_qt,
-                              stride_qh, q_ready)),
+        (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
+                              num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
+                              stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0,
+                              DIAG, PIPE)),
+        (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
+                              num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
+                              stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1,
+                              DIAG, PIPE)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -1696,7 +1703,6 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
     warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item."""
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     g = 0
@@ -1704,10 +1710,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     for item in range(pid, num_items, G):
         t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
                                                                SLOTS, stride_st, BLOCK_N)
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
-        q_unscale = gl.convert_layout(1.0 / q_mul, H_COLS)
-        fence_async_shared()                  # (q is read by wgmma through the async proxy)
-        gl.thread_barrier()
+        q_unscale = _stage_q_rows(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ST_L, True)
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
             num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
