@@ -69,7 +69,7 @@ part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu 
 mkdir -p "$stage/results/kernels"
 part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}.csv" \
   --summary "$stage/results/kernels/summary_${KBENCH_TAG:-exp}.csv" ${KERNEL_BENCH_ARGS:-}
-part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_h200.csv"
+part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_h200.csv" ${KCEILING_ARGS:-}
 part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_h200.csv"
 part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
 part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_h200.csv" ${KMERGE_ARGS:-}

@@ -5,8 +5,11 @@ rows a token is not a copy: every row is its own short burst (656 bytes in fp8_d
 kernel that does nothing but that read -- the sparse-MLA access pattern (a token's top-k rows of a 524,288-slot
 cache, random) summed into a few words a program, with tens of thousands of programs so parallelism is never short
 -- beside the copy bandwidth, in one process: the fraction of the roofline a gather of those rows reaches by itself.
+At 1-8 tokens the same kernel is a latency floor instead: one launch, the slot indices' load, the rows' load that
+depends on it, a store -- what any kernel that reads a token's top-k slots from memory pays before it computes
+anything (NOTES.md v24, the small-batch targets).
 
-    python -m glm5lab.bench.gather_ceiling --out results/kernels/gather_ceiling_h200.csv
+    python -m glm5lab.bench.gather_ceiling --out results/kernels/gather_ceiling_h200.csv [--tokens 1 8 512]
 """
 from __future__ import annotations
 
@@ -53,12 +56,12 @@ def gather_sum(cache_words, slots, out=None):
     return out
 
 
-def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
-    """Time the gather of each layout's rows (CUDA-graph replays over rotating slot sets, as the kernel
-    benchmark) beside the copy bandwidth; append long-format rows to out_csv and return them."""
+def run(out_csv: str, tokens=(512,), topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
+    """Time the gather of each layout's rows at each token count of `tokens` (an int or a sequence; CUDA-graph
+    replays over rotating slot sets, as the kernel benchmark) beside the copy bandwidth; append long-format rows to
+    out_csv and return them."""
     import torch
 
-    from glm5lab.bench.kernel_bench import graph_time_us
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import copy_bandwidth_gbps
     from glm5lab.errors import Glm5labError
@@ -70,30 +73,40 @@ def run(out_csv: str, tokens: int = 512, topk: int = 2048, num_slots: int = 5242
     rows = []
     for layout, row_bytes in ROW_BYTES.items():
         cache = torch.randint(0, 1 << 30, (num_slots, row_bytes // 4), dtype=torch.int32, device="cuda", generator=g)
-        sets = [torch.randint(0, num_slots, (tokens, topk), dtype=torch.int32, device="cuda", generator=g)
-                for _ in range(4)]
-        outs = [gather_sum(cache, s) for s in sets]
-        us = graph_time_us([lambda s=s, o=o: gather_sum(cache, s, o) for s, o in zip(sets, outs)])
-        read_gbps = tokens * topk * row_bytes / (us * 1e-6) / 1e9
-        row = dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=f"T{tokens}_K{topk}_S{num_slots}",
-                   dtype="int32", layout=layout)
-        rows += [{**row, "metric": metric, "value": value, "unit": unit}
-                 for metric, value, unit in (("time_graph", us, "us"), ("read_bandwidth", read_gbps, "GB/s"),
-                                             ("fraction_of_copy_bandwidth", read_gbps / copy, "1"))]
-        print(f"{layout:11s} rows of {row_bytes:4d} B: {us:8.1f} us, {read_gbps:7.0f} GB/s read = "
-              f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
-        cache = sets = outs = None    # (freed; not del: the lambdas above name them)
+        for n in ((tokens,) if isinstance(tokens, int) else tuple(tokens)):
+            rows += _time_gather(cache, layout, row_bytes, n, topk, num_slots, copy, g)
+        cache = None
     rows.append(dict(suite="gather_ceiling", implementation="torch-copy", shape="2GiB", dtype="uint8", layout="-",
                      metric="copy_bandwidth", value=copy, unit="GB/s"))
     append_rows(out_csv, rows, command=command)
     return rows
 
 
+def _time_gather(cache, layout: str, row_bytes: int, tokens: int, topk: int, num_slots: int, copy: float, g) -> list:
+    """Rows of one (layout, token count): graph time, the bandwidth it read at, its fraction of the copy's."""
+    import torch
+
+    from glm5lab.bench.kernel_bench import graph_time_us
+
+    sets = [torch.randint(0, num_slots, (tokens, topk), dtype=torch.int32, device="cuda", generator=g)
+            for _ in range(4)]
+    outs = [gather_sum(cache, s) for s in sets]
+    us = graph_time_us([lambda s=s, o=o: gather_sum(cache, s, o) for s, o in zip(sets, outs)])
+    read_gbps = tokens * topk * row_bytes / (us * 1e-6) / 1e9
+    row = dict(suite="gather_ceiling", implementation="triton-gather-sum", shape=f"T{tokens}_K{topk}_S{num_slots}",
+               dtype="int32", layout=layout)
+    print(f"{layout:11s} {tokens:4d} tokens, rows of {row_bytes:4d} B: {us:8.2f} us, {read_gbps:7.0f} GB/s read = "
+          f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
+    return [{**row, "metric": metric, "value": value, "unit": unit}
+            for metric, value, unit in (("time_graph", us, "us"), ("read_bandwidth", read_gbps, "GB/s"),
+                                        ("fraction_of_copy_bandwidth", read_gbps / copy, "1"))]
+
+
 @one_line_errors
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm5lab.bench.gather_ceiling", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
-    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--tokens", type=int, nargs="+", default=[512], help="token counts (each its own shape)")
     p.add_argument("--topk", type=int, default=2048)
     args = p.parse_args(argv)
     run(args.out, args.tokens, args.topk, command=" ".join(sys.argv))
