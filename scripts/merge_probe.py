@@ -1,9 +1,11 @@
 """Time the split merge kernels alone on the GPU (CUDA-graph replay, the partials L2-warm as after the attention
 grid that wrote them): the [splits, MH, DC] column merge against the unrolled one over its tiles, at the split
 counts the policy picks. Probe behind NOTES.md v13; long-format rows to --out. --partials: instead, merge_plan's
-merge of fp32 partials against the same of fp16 partials with their scales (NOTES.md v14).
+merge of fp32 partials against the same of fp16 partials with their scales (NOTES.md v14). --columns: instead, the
+column merge's tile (heads x columns a program, warps) at the 1-8 token calls where it is the plan's (NOTES.md v24:
+at 1 token x 8 heads its 32 programs load 32 KB each from L2).
 
-    PYTHONPATH=. python scripts/merge_probe.py --out results/kernels/merge_probe_h200.csv [--partials]
+    PYTHONPATH=. python scripts/merge_probe.py --out results/kernels/merge_probe_h200.csv [--partials | --columns]
 """
 import argparse
 import itertools
@@ -21,6 +23,8 @@ from glm5lab.kernels import sparse_mla as sm
 
 CASES = {8: [(1, 64), (8, 16), (32, 4)], 16: [(1, 32), (32, 4)], 64: [(1, 32), (8, 16), (32, 4), (64, 2)],
          128: [(4, 16), (16, 4), (32, 2)]}
+# (tokens, splits) of the default policy at 1-8 tokens where merge_plan picks the column merge (fp32 partials)
+COLUMN_CASES = {8: [(1, 64), (2, 64), (8, 16)], 16: [(1, 32), (2, 32), (8, 16)]}
 
 
 @one_line_errors
@@ -29,10 +33,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES), choices=sorted(CASES))
     p.add_argument("--partials", action="store_true", help="time fp32 against fp16 partials (merge_plan's merge)")
+    p.add_argument("--columns", action="store_true", help="time the column merge's tiles at COLUMN_CASES")
     args = p.parse_args(argv)
     need_gpu("the merge probe")
     if args.partials:
         append_rows(args.out, partials_rows(args.heads), command=" ".join(sys.argv))
+        return 0
+    if args.columns:
+        append_rows(args.out, column_rows([h for h in args.heads if h in COLUMN_CASES]), command=" ".join(sys.argv))
         return 0
     rows = []
     jobs = [(h, t, s) for h in args.heads for t, s in CASES[h]]
@@ -72,6 +80,38 @@ def main(argv=None) -> int:
         tqdm.write(f"{'':14s} unrolled best {best[1]}: {best[0]:7.2f} us, matches the column merge: {best[2]}")
     append_rows(args.out, rows, command=" ".join(sys.argv))
     return 0
+
+
+def column_rows(heads) -> list:
+    """The column merge (every split in one load round) over tiles of MH heads x DC columns on 1-4 warps, beside
+    merge_tiles' tile, on the same fp32 partials; a tile whose output differs from the plan's is named _MISMATCH."""
+    rows = []
+    for H, T, S in [(h, t, s) for h in heads for t, s in COLUMN_CASES[h]]:
+        po = torch.randn(T, S, H, 512, device="cuda")
+        pl = torch.randn(T, S, H, device="cuda") * 3
+        sp = triton.next_power_of_2(S)
+        shape, plan = f"H{H}_T{T}_S{S}", sm.merge_tiles(H, S)
+        ref_o, ref_l = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
+        sm.launch_merge(sm._merge_columns_kernel, *plan, po, pl, ref_o, ref_l)
+        tiles = [(mh, dc, nw) for mh, dc, nw in itertools.product((1, 2, 4, 8, 16), (8, 16, 32, 64), (1, 2, 4))
+                 if mh <= H and mh * dc * sp <= 2048 * nw]
+        for MH, DC, nw in tqdm(tiles, desc=f"column merge tiles {shape}"):
+            out, lse = torch.empty_like(ref_o), torch.empty_like(ref_l)
+
+            def merge():
+                sm.launch_merge(sm._merge_columns_kernel, MH, DC, sp, po, pl, out, lse, num_warps=nw)
+            merge()
+            same = bool((out.float() - ref_o.float()).abs().max() < 1e-2 and (lse - ref_l).abs().max() < 1e-5)
+            us = do_bench_cudagraph(merge, rep=20) * 1e3
+            name = (f"columns_mh{MH}_dc{DC}_sc{sp}_w{nw}" + ("_plan" if (MH, DC, sp, nw) == (*plan, 4) else "")
+                    + ("" if same else "_MISMATCH"))
+            rows.append({"suite": "merge_probe", "implementation": name, "shape": shape, "layout": "-",
+                         "dtype": "bf16", "metric": "time_graph", "value": us, "unit": "us"})
+        best = min((r for r in rows if r["shape"] == shape), key=lambda r: r["value"])
+        plan_us = [r["value"] for r in rows if r["shape"] == shape and "_plan" in r["implementation"]]
+        tqdm.write(f"{shape:14s} plan {plan} {plan_us[0] if plan_us else float('nan'):7.2f} us; best "
+                   f"{best['implementation']} {best['value']:7.2f} us")
+    return rows
 
 
 def partials_rows(heads) -> list:
