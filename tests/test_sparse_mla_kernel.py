@@ -96,19 +96,43 @@ def test_matches_reference(device, dtype, layout, splits, merge):
     check(out, lse, ref, dtype)
 
 
-@pytest.mark.parametrize("H,splits", [(12, 37), (3, 64)])
+@pytest.mark.parametrize("H,splits", [(40, 37), (12, 37), (3, 64)])
 def test_column_merge_many_splits(device, H, splits):
-    """The separate (column-parallel) merge with more splits than one load round holds (12 heads -> 16-head
-    tiles: 37 splits padded to 64, 2 rounds of 32) and with 3 heads in a 4-head tile (64 splits, one round);
+    """The separate (column-parallel) merge with more splits than one load round holds (40 heads -> the wide 16-head
+    tile: 37 splits padded to 64, 2 rounds of 32), and its narrow tiles at <= 16 heads (NOTES.md v24: 2 heads a
+    program on one warp, every split in one round; 12 heads in six tiles, 3 heads in two, the second half empty);
     one 16-row step a split, a token with no valid slot, fp8 (the latency path)."""
-    from glm5lab.kernels.sparse_mla import merge_tiles
+    from glm5lab.kernels.sparse_mla import _merge_columns_kernel, merge_tiles, merge_warps
 
     mh, dc, sc = merge_tiles(H, splits)
     assert mh * dc * sc <= 8192 and sc <= next_pow2(splits)
+    assert (sc < next_pow2(splits)) == (H > 16)                     # two rounds on the wide tile, one on the narrow
+    assert merge_warps(_merge_columns_kernel, mh, dc, sc) == (4 if H > 16 else 1)
     q, cache, slots, ref = make_case(2, H, 16 * splits - 5, 700, torch.bfloat16, "fp8_ds_mla", device)
     out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", num_splits=splits, merge="separate",
                             _config={"block_n": 16})
     check(out, lse, ref, torch.bfloat16)
+
+
+def test_narrow_column_merge_tiles_follow_the_probe():
+    """At <= 16 heads the column merge runs 2-head programs of 2048 values a round on one warp (the H200 probe,
+    NOTES.md v24: 1.4-1.9 us less than the 16-head tile at 1-8 tokens); 16-column blocks at least (fp16 partials
+    are stored in them); beyond 16 heads, or with narrow=False, the wide tile of <= 8192 values on four warps."""
+    from glm5lab.kernels import sparse_mla as sm
+
+    for heads in (1, 2, 3, 8, 12, 16):
+        for splits in (9, 16, 17, 32, 37, 64, 128):
+            mh, dc, sc = sm.merge_tiles(heads, splits)
+            assert mh == min(2, next_pow2(heads)) and dc >= 16 and 512 % dc == 0, (heads, splits)
+            assert mh * dc * sc <= sm.MERGE_VALUES_PER_WARP and sm.merge_warps(sm._merge_columns_kernel, mh, dc, sc) == 1
+            wide = sm.merge_tiles(heads, splits, narrow=False)
+            assert wide[0] == min(16, next_pow2(heads)) and wide[0] * wide[1] * wide[2] <= 8192
+    for heads in (17, 64, 128):
+        for splits in (17, 32, 64, 128):
+            mh, dc, sc = sm.merge_tiles(heads, splits)
+            assert (mh, dc, sc) == sm.merge_tiles(heads, splits, narrow=False) and mh == 16
+            assert sm.merge_warps(sm._merge_columns_kernel, mh, dc, sc) == 4
+    assert sm.merge_warps(sm._merge_unrolled_kernel, 8, 64, 4) == 4
 
 
 def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():

@@ -18,12 +18,13 @@ torch profiler (v13: the merge, not the grid, was what four splits cost at 64 he
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import triton
 
 from glm5lab.bench.timing import need_gpu
-from glm5lab.errors import one_line_errors
+from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_latency"
 
@@ -38,11 +39,14 @@ def cases():
     return [(64, 1), (256, 1), (2048, 1), (2048, 8), (2048, 16), (2048, 32), (2048, None)]
 
 
-def sweep_cases(layout: str, policy: bool = False, splits=None):
+def sweep_cases(layout: str, policy: bool = False, splits=None, configs=None):
     """(num_splits or None, merge, _config or None) of the small-batch sweep for one layout. The first sweep
     (v6, run 1) chose the split/merge policy; `policy=True` times the chosen default beside the same with the
     early (PDL) merge launch and beside the fused merge at the same split count; `splits` (counts, 0 = the
-    default) times the default merge at each of those split counts only."""
+    default) times the default merge at each of those split counts only; `configs` (a list of _config dicts)
+    times the default beside the default with each of them."""
+    if configs:
+        return [(None, "auto", None)] + [(None, "auto", dict(c)) for c in configs]
     if splits:
         return [(s or None, "auto", None) for s in splits]
     if policy:
@@ -83,7 +87,7 @@ def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dt
 
 
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
-          splits=None):
+          splits=None, configs=None):
     """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
     import torch
     from tqdm.auto import tqdm
@@ -94,7 +98,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     gen = torch.Generator(device="cuda").manual_seed(11)
     slots_n, topk = 524_288, 2048
     caches = _caches(slots_n, gen)
-    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy, splits)]
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy, splits, configs)]
     rows = []
     for lay, h, t, (n_splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
         us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=n_splits, merge=merge, _config=cfg)
@@ -194,13 +198,23 @@ def main(argv=None) -> int:
                    help="per-kernel GPU time (attention grid, merge) of --sweep-heads x --tokens x --splits instead")
     p.add_argument("--splits", type=int, nargs="*", default=None,
                    help="with --sweep: these split counts only (0 = the default policy's), the default merge")
+    p.add_argument("--configs", nargs="+", default=None, metavar="JSON",
+                   help='with --sweep: the default beside the default with each _config, e.g. \'{"impl": "gluon"}\'')
     args = p.parse_args(argv)
+    configs = None
+    if args.configs:
+        try:
+            configs = [json.loads(c) for c in args.configs]
+        except json.JSONDecodeError as exc:
+            raise Glm5labError(f"--configs takes JSON objects: {exc}") from None
+        if not all(isinstance(c, dict) for c in configs):
+            raise Glm5labError(f"--configs takes JSON objects, got {args.configs}")
     if args.kernels:
         kernel_split(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                      splits=tuple(args.splits or (0, 1, 4)))
     elif args.sweep:
         sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
-              policy=args.policy, splits=args.splits)
+              policy=args.policy, splits=args.splits, configs=configs)
     else:
         run(args.out, args.heads, command=" ".join(sys.argv))
     return 0

@@ -575,14 +575,37 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
                   PART_F16)
 
 
-def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
-    """(MH heads, DC columns, SC splits a round) of the column-parallel merge: at most 8192 fp32 values a
-    round (64 registers a thread at 4 warps), the columns narrowed first so that many splits load at once."""
-    mh = min(16, next_pow2(num_heads))
+# The column merge at <= NARROW_MERGE_MAX_HEADS heads: programs of 2 heads x MERGE_VALUES_PER_WARP values a round on one
+# warp, not one 16-head x 8192-value program on four. Those calls are 1-8 tokens, so the wide tile left most SMs idle
+# (1 token x 8 heads: 32 programs loading 32 KB each). H200, partials L2-warm (NOTES.md v24, merge_probe --columns),
+# us: 8 heads x 1 / 2 / 8 tokens 2.70 / 2.75 / 3.15 -> 1.85 / 1.88 / 1.76; 16 heads 3.71 / 3.72 / 3.86 -> 1.79 /
+# 1.87 / 1.99. Beyond 16 heads (fp16 partials, 1-4 tokens) the wide tile stays: not measured there.
+NARROW_MERGE_MAX_HEADS = 16
+MERGE_VALUES_PER_WARP = 2048
+
+
+def merge_tiles(num_heads: int, num_splits: int, narrow: bool = True) -> tuple[int, int, int]:
+    """(MH heads, DC columns, SC splits a round) of the column-parallel merge, the columns narrowed first so that many
+    splits load at once: at <= NARROW_MERGE_MAX_HEADS heads 2 heads and MERGE_VALUES_PER_WARP fp32 values a round
+    (one warp, `merge_warps`), else at most 8192 values a round (64 registers a thread at 4 warps). DC >= 16: fp16
+    partials are stored in 16-column blocks. narrow=False: the wide tile at any head count (before v24)."""
     s_pad = next_pow2(max(num_splits, 1))
+    if narrow and num_heads <= NARROW_MERGE_MAX_HEADS:
+        mh = min(2, next_pow2(num_heads))
+        dc = max(16, min(64, MERGE_VALUES_PER_WARP // (s_pad * mh)))
+        return mh, dc, max(1, min(s_pad, MERGE_VALUES_PER_WARP // (mh * dc)))
+    mh = min(16, next_pow2(num_heads))
     dc = max(16, min(128, 8192 // (s_pad * mh)))
     sc = max(1, min(s_pad, 8192 // (mh * dc)))
     return mh, dc, sc
+
+
+def merge_warps(kernel, mh: int, dc: int, sc: int) -> int:
+    """Warps of a separate merge program: the column merge one per MERGE_VALUES_PER_WARP values a round (1-4), the
+    unrolled merge 4."""
+    if kernel is _merge_columns_kernel:
+        return max(1, min(4, mh * dc * sc // MERGE_VALUES_PER_WARP))
+    return 4
 
 
 # Which separate merge a call runs. H200, CUDA-graph time with the partials L2-warm (NOTES.md v13,
@@ -600,19 +623,21 @@ UNROLLED_MERGE_MAX_SPLITS = 16
 F16_WIDE_MERGE_MAX_SPLITS = 4
 
 
-def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
-    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials)."""
+def merge_plan(num_heads: int, num_splits: int, fp16: bool = False, narrow: bool = True):
+    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials;
+    narrow: `merge_tiles`)."""
     if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
-        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
+        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits, narrow))
     s_pad = next_pow2(max(num_splits, 1))
     dc = 256 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
     return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), dc, min(s_pad, 4 if s_pad <= 4 else 8)
 
 
 def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
-                 num_warps: int = 4) -> None:
+                 num_warps: int | None = None) -> None:
     """One launch of a separate merge kernel (merge_plan's, or either by name) over partials [T, splits, H, 512] /
-    [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch).
+    [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch);
+    num_warps: `merge_warps` unless given.
     fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
     T, num_splits, H, _ = part_o.shape
     f16 = part_o.dtype == torch.float16
@@ -622,7 +647,8 @@ def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, 
                            f"got {tuple(part_lse.shape)}")
     kernel[(cdiv(H, mh), T, LATENT // dc)](
         part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16, num_warps=num_warps,
+        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16,
+        num_warps=num_warps or merge_warps(kernel, mh, dc, min(sc, next_pow2(num_splits))),
         **({"launch_pdl": True} if pdl else {}))
 
 
@@ -988,7 +1014,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
-        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl)
+        launch_merge(*merge_plan(H, num_splits, part_f16, narrow=cfg.get("_merge_tile") != "wide"), part_o, part_lse,
+                     out, lse, pdl=pdl)
     return out, lse
 
 
