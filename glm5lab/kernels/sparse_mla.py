@@ -579,7 +579,10 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
 # warp, not one 16-head x 8192-value program on four. Those calls are 1-8 tokens, so the wide tile left most SMs idle
 # (1 token x 8 heads: 32 programs loading 32 KB each). H200, partials L2-warm (NOTES.md v24, merge_probe --columns),
 # us: 8 heads x 1 / 2 / 8 tokens 2.70 / 2.75 / 3.15 -> 1.85 / 1.88 / 1.76; 16 heads 3.71 / 3.72 / 3.86 -> 1.79 /
-# 1.87 / 1.99. Beyond 16 heads (fp16 partials, 1-4 tokens) the wide tile stays: not measured there.
+# 1.87 / 1.99. The whole call (v24 call 5, the old tile beside the new in one sweep), fp8_ds_mla at 1 / 2 / 4 / 8
+# tokens: 8 heads 8.42 / 8.99 / 10.77 / 13.40 -> 7.59 / 8.26 / 9.97 / 11.96 us, 16 heads 11.01 / 11.53 / 12.35 / 14.40
+# -> 9.29 / 9.74 / 10.52 / 12.58 (bf16 alike). Beyond 16 heads (fp16 partials, 1-4 tokens) the wide tile stays: not
+# measured there.
 NARROW_MERGE_MAX_HEADS = 16
 MERGE_VALUES_PER_WARP = 2048
 
@@ -623,11 +626,10 @@ UNROLLED_MERGE_MAX_SPLITS = 16
 F16_WIDE_MERGE_MAX_SPLITS = 4
 
 
-def merge_plan(num_heads: int, num_splits: int, fp16: bool = False, narrow: bool = True):
-    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials;
-    narrow: `merge_tiles`)."""
+def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
+    """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials)."""
     if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
-        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits, narrow))
+        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
     s_pad = next_pow2(max(num_splits, 1))
     dc = 256 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
     return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), dc, min(s_pad, 4 if s_pad <= 4 else 8)
@@ -1014,8 +1016,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
-        launch_merge(*merge_plan(H, num_splits, part_f16, narrow=cfg.get("_merge_tile") != "wide"), part_o, part_lse,
-                     out, lse, pdl=pdl)
+        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl)
     return out, lse
 
 
