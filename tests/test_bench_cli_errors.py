@@ -14,10 +14,14 @@ merge_probe = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts"
 CASES = [
     (kernel_bench.main, ["--profile", "nope"], "unknown benchmark profile 'nope'"),
     (tensor_parallel.main, ["--world-size", "0"], "world size must be >= 1, got 0"),
+    (latency_anatomy.main, ["--sweep", "--configs", "[1]"], "--configs takes JSON objects"),
+    (latency_anatomy.main, ["--sweep", "--configs", "{impl: gluon}"], "--configs takes JSON objects"),
+    (gather_ceiling.main, ["--tiles", "32x3"], "--tiles takes ROWSxWARPS pairs"),
 ]
 if not torch.cuda.is_available():
     CASES += [(latency_anatomy.main, [], "needs a GPU"), (latency_anatomy.main, ["--kernels"], "needs a GPU"),
-              (gather_ceiling.main, [], "a GPU measurement"), (merge_probe, [], "needs a GPU")]
+              (gather_ceiling.main, [], "a GPU measurement"), (merge_probe, [], "needs a GPU"),
+              (merge_probe, ["--heads", "8", "--columns"], "needs a GPU")]
 
 
 @pytest.mark.parametrize("main,args,message", CASES, ids=lambda x: getattr(x, "__module__", None) or "")
