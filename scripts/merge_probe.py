@@ -91,6 +91,7 @@ def column_rows(heads) -> list:
         pl = torch.randn(T, S, H, device="cuda") * 3
         sp = triton.next_power_of_2(S)
         shape, plan = f"H{H}_T{T}_S{S}", sm.merge_tiles(H, S)
+        plan_tile = (*plan, sm.merge_warps(sm._merge_columns_kernel, *plan))        # (MH, DC, SC, warps)
         ref_o, ref_l = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
         sm.launch_merge(sm._merge_columns_kernel, *plan, po, pl, ref_o, ref_l)
         tiles = [(mh, dc, nw) for mh, dc, nw in itertools.product((1, 2, 4, 8, 16), (8, 16, 32, 64), (1, 2, 4))
@@ -103,7 +104,7 @@ def column_rows(heads) -> list:
             merge()
             same = bool((out.float() - ref_o.float()).abs().max() < 1e-2 and (lse - ref_l).abs().max() < 1e-5)
             us = do_bench_cudagraph(merge, rep=20) * 1e3
-            name = (f"columns_mh{MH}_dc{DC}_sc{sp}_w{nw}" + ("_plan" if (MH, DC, sp, nw) == (*plan, 4) else "")
+            name = (f"columns_mh{MH}_dc{DC}_sc{sp}_w{nw}" + ("_plan" if (MH, DC, sp, nw) == plan_tile else "")
                     + ("" if same else "_MISMATCH"))
             rows.append({"suite": "merge_probe", "implementation": name, "shape": shape, "layout": "-",
                          "dtype": "bf16", "metric": "time_graph", "value": us, "unit": "us"})

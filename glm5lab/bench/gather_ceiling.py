@@ -99,8 +99,8 @@ def _time_gather(cache, layout: str, row_bytes: int, tokens: int, topk: int, num
     tile = "" if (block_rows, warps) == (BLOCK_ROWS, 4) else f"_R{block_rows}_W{warps}"
     row = dict(suite="gather_ceiling", implementation="triton-gather-sum",
                shape=f"T{tokens}_K{topk}_S{num_slots}{tile}", dtype="int32", layout=layout)
-    print(f"{layout:11s} {tokens:4d} tokens, {block_rows:3d} rows x {warps} warps, rows of {row_bytes:4d} B: {us:8.2f} us, {read_gbps:7.0f} GB/s read = "
-          f"{read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
+    print(f"{layout:11s} {tokens:4d} tokens, {block_rows:3d} rows x {warps} warps, rows of {row_bytes:4d} B: "
+          f"{us:8.2f} us, {read_gbps:7.0f} GB/s read = {read_gbps / copy:.2f} of the copy bandwidth ({copy:.0f} GB/s)")
     return [{**row, "metric": metric, "value": value, "unit": unit}
             for metric, value, unit in (("time_graph", us, "us"), ("read_bandwidth", read_gbps, "GB/s"),
                                         ("fraction_of_copy_bandwidth", read_gbps / copy, "1"))]

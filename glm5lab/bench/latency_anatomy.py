@@ -98,7 +98,8 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     gen = torch.Generator(device="cuda").manual_seed(11)
     slots_n, topk = 524_288, 2048
     caches = _caches(slots_n, gen)
-    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in sweep_cases(lay, policy, splits, configs)]
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens
+            for c in sweep_cases(lay, policy, splits, configs)]
     rows = []
     for lay, h, t, (n_splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
         us = _graph_us(caches[lay], t, h, topk, slots_n, 32, gen, num_splits=n_splits, merge=merge, _config=cfg)

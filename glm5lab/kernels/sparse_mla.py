@@ -587,13 +587,13 @@ NARROW_MERGE_MAX_HEADS = 16
 MERGE_VALUES_PER_WARP = 2048
 
 
-def merge_tiles(num_heads: int, num_splits: int, narrow: bool = True) -> tuple[int, int, int]:
+def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
     """(MH heads, DC columns, SC splits a round) of the column-parallel merge, the columns narrowed first so that many
     splits load at once: at <= NARROW_MERGE_MAX_HEADS heads 2 heads and MERGE_VALUES_PER_WARP fp32 values a round
     (one warp, `merge_warps`), else at most 8192 values a round (64 registers a thread at 4 warps). DC >= 16: fp16
-    partials are stored in 16-column blocks. narrow=False: the wide tile at any head count (before v24)."""
+    partials are stored in 16-column blocks."""
     s_pad = next_pow2(max(num_splits, 1))
-    if narrow and num_heads <= NARROW_MERGE_MAX_HEADS:
+    if num_heads <= NARROW_MERGE_MAX_HEADS:
         mh = min(2, next_pow2(num_heads))
         dc = max(16, min(64, MERGE_VALUES_PER_WARP // (s_pad * mh)))
         return mh, dc, max(1, min(s_pad, MERGE_VALUES_PER_WARP // (mh * dc)))
