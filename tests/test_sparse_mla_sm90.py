@@ -90,6 +90,23 @@ def test_gluon_fp8_sm90_build_requests_the_first_rows_before_staging_q():
     assert first("LDG.E.128") < first("SHFL.BFLY")            # (q's latent loads, 16 bytes a thread)
 
 
+@pytest.mark.parametrize("kernel", [{}, {"FP8": False}, {"rows": True, "BLOCK_N": 64},
+                                    {"rows": True, "BLOCK_N": 64, "FP8": False}],
+                         ids=["fp8_mma_sync", "16bit_mma_sync", "fp8_rows", "16bit_rows"])
+def test_gluon_small_batch_builds_let_the_merge_launch_from_their_start_only_with_pdl(kernel):
+    """PDL=True (the merge launched early): the kernel lets the dependent grid launch (griddepcontrol.launch_dependents
+    = SASS PREEXIT) once, at its start: no global load and no barrier on the straight-line code that leads to it (the
+    rows-as-M fp8 kernel is warp-specialized: its consumer warps branch to their own code first, and it is there),
+    so the merge's programs can be resident and waiting while the attention runs. Without PDL there is none."""
+    ins = [x.strip() for x in _sm90_build(_sass=True, PDL=True, **kernel)["_sass"]]
+    assert ins.count("PREEXIT") == 1
+    at = ins.index("PREEXIT")
+    start = max((i + 1 for i in range(at) if ins[i].startswith(("BRA", "EXIT")) or " BRA " in f" {ins[i]}"),
+                default=0)
+    assert not [x for x in ins[start:at] if x.startswith(("LDG", "LDGSTS", "BAR"))], ins[start:at]
+    assert "PREEXIT" not in [x.strip() for x in _sm90_build(_sass=True, **kernel)["_sass"]]
+
+
 def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
     """The bf16-cache kernel: no dequantization (no e4m3 conversion, 8 F2FP at most: P's packing), both products
     through ldmatrix, cp.async in the loop, no spill, <= 3 barriers a step, two CTAs a SM."""
@@ -104,9 +121,11 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
+# ... the mma.sync tile on 16-row steps and two warps (twice the programs at 1-3 tokens; NOTES.md v25)
+N16 = {**sparse_mla_sm90.DEFAULT_CONFIG, "block_n": 16, "num_warps": 2}
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
+                WS8X2, WS8X2O, N16]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "n16"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
@@ -314,7 +333,7 @@ def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
 # ------------------------------------------------------------- the bf16/fp16-cache kernel (NOTES.md v7, run 8)
 
 MMA_SYNC_16BIT = dict(sparse_mla_sm90.DEFAULT_CONFIG)   # the 32-row mma.sync tile (two CTAs a SM), forced
-CFGS_16BIT = pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
+CFGS_16BIT = pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT, N16], ids=["default", "mma_sync", "n16"])
 
 
 @pytest.mark.gpu

@@ -97,6 +97,17 @@ HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
+def _let_merge_launch(PDL: gl.constexpr):
+    """PDL (programmatic dependent launch, sm90): let the merge grid launch now -- its programs take idle SMs and wait
+    in griddepcontrol.wait until this grid has finished and its stores are visible, so the merge's launch is off the
+    critical path. Only where the whole grid is resident at once (sparse_mla: `pdl_pays`), so no early merge
+    program can hold an SM an attention program still needs."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
     """Slot indices of rows [n0, n0 + BLOCK_N) of this split in `layout` (-1 past the split's end)."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=layout)
@@ -323,10 +334,12 @@ def _sparse_mla_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on mma.sync (the default at 1-3 tokens of <= 8 heads): each step's e4m3 rows
     dequantized once into an fp16 tile, the products in the fp16 domain. q is staged after the first gathers are
     requested, so that its load is in flight beside theirs (NOTES.md v23: 9.1 -> 8.6 us at 8 heads x 1 token)."""
+    _let_merge_launch(PDL)
     NW: gl.constexpr = gl.num_warps()
     # scores [BLOCK_H, BLOCK_N] and outputs [BLOCK_H, 128]: mma.sync tiles, warps side by side along the columns
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
@@ -423,9 +436,11 @@ def _sparse_mla_16bit_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     """The same pipeline for bf16/fp16 caches (q in the cache's dtype): no dequantization -- both products read the
     ring slot itself through ldmatrix -- and no scales; P enters P.V in the input dtype, as in the Triton kernel."""
+    _let_merge_launch(PDL)
     NW: gl.constexpr = gl.num_warps()
     DT: gl.constexpr = Q.dtype.element_ty
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
@@ -1013,11 +1028,13 @@ def _sparse_mla_rows_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     """<= 16 heads of a bf16/fp16 cache with wgmma, the gathered rows as M (a wgmma's M is 64, the heads are
     only its N): S^T = K.q^T and O^T = V^T.P^T on one warpgroup, both products reading the ring slot straight from
     shared memory (no ldmatrix, far fewer instructions a row than mma.sync), P^T through a 2 KB shared tile. 64-row
     steps and 168 KB of shared memory: one CTA a SM, so it is the default only at small batches (ROWS_CONFIG)."""
+    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     DT: gl.constexpr = Q.dtype.element_ty
     NW: gl.constexpr = gl.num_warps()
@@ -1246,7 +1263,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PDL: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache, warp-specialized in three warpgroups (NOTES.md v9, v11): a loader issues
     each step's gathers into a two-half staging buffer, a converter turns each staged half's e4m3 rows once into an
@@ -1254,6 +1271,7 @@ def _sparse_mla_rows_fp8_sm90_kernel(
     they hand halves and slots over through mbarriers. Same fp16-domain arithmetic as the mma.sync fp8 kernel.
     218 KB of shared memory: one CTA (12 warps) a SM. The consumer stages q while the loader gathers (NOTES.md
     v23)."""
+    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a converter and a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     HALF: gl.constexpr = BLOCK_N // 2
@@ -2018,10 +2036,11 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
-           num_sms: int = 132) -> None:
+           num_sms: int = 132, pdl: bool = False) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
     split's partials in fp16 (the 64-head kernels only); num_heads: the call's, for `check_tile`; num_sms: the GPU's
-    (a persistent kernel's programs)."""
+    (a persistent kernel's programs); pdl: the merge is launched early (programmatic dependent launch), and the
+    kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
                        cfg.get("dual_consumers", False))
@@ -2038,6 +2057,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
+    if pdl and "PDL" in kernel.arg_names and cfg.get("_pdl_trigger", True):
+        extra["PDL"] = True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
