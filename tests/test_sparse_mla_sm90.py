@@ -121,11 +121,9 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-# ... the mma.sync tile on 16-row steps and two warps (twice the programs at 1-3 tokens; NOTES.md v25)
-N16 = {**sparse_mla_sm90.DEFAULT_CONFIG, "block_n": 16, "num_warps": 2}
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O, N16]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "n16"]
+                WS8X2, WS8X2O]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
@@ -297,6 +295,23 @@ def test_gpu_gluon_all_invalid_tokens_and_cuda_graph(fp8_cfg):
     _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), fp8_cfg)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T", [(8, 1), (16, 2), (5, 1)])
+def test_gpu_gluon_default_early_merge_replays_in_cuda_graph(H, T):
+    """The calls whose merge is launched early by default (`pdl_pays`: its programs wait in griddepcontrol.wait while
+    the attention runs) replay correctly in a CUDA graph (make_case: -1 padding, duplicates, slots past the cache and,
+    at 2 tokens, one token with no valid slot)."""
+    from glm5lab.kernels.sparse_mla import choose_num_splits
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = sparse_mla_sm90.default_config(H, True, T, sms)
+    programs = T * choose_num_splits(T, 1, 2048, cfg["block_n"], sms, cfg.get("resident", 2))
+    assert sparse_mla_sm90.pdl_pays(cfg, True, programs, sms)
+    q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), None)
+
+
 def _check_cuda_graph_replay(q, cache, slots, ref, config):
     """Compile outside the capture, capture one call into NaN-poisoned outputs, replay, compare with ref."""
     T, H, _ = q.shape
@@ -333,7 +348,7 @@ def test_cpu_and_interpreter_never_pick_the_gluon_kernel_by_itself(device):
 # ------------------------------------------------------------- the bf16/fp16-cache kernel (NOTES.md v7, run 8)
 
 MMA_SYNC_16BIT = dict(sparse_mla_sm90.DEFAULT_CONFIG)   # the 32-row mma.sync tile (two CTAs a SM), forced
-CFGS_16BIT = pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT, N16], ids=["default", "mma_sync", "n16"])
+CFGS_16BIT = pytest.mark.parametrize("cfg", [GLUON, MMA_SYNC_16BIT], ids=["default", "mma_sync"])
 
 
 @pytest.mark.gpu
@@ -364,6 +379,32 @@ def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(cfg, topk, splits):
     cache.view(-1, 576)[0] = float("nan")
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+def test_early_merge_by_default_only_for_fp8_grids_that_leave_half_the_sms_idle():
+    """`pdl_pays` (NOTES.md v25): the merge launches early by default for fp8_ds_mla calls of the kernels that signal it
+    (mma.sync, one-consumer rows-as-M) with at most half the SMs' worth of programs -- 8 heads x 1 token (64 programs
+    on 132 SMs) and 16 heads x 1-2 tokens (32 / 64), not 8 heads x 2 tokens (128) nor 16 heads x 4; never for bf16
+    caches, the dual-consumer / persistent kernels or the 64-head ones."""
+    from glm5lab.kernels.sparse_mla import choose_num_splits, resident_ctas
+
+    def programs(H, T, cfg):
+        resident = cfg.get("resident", resident_ctas(cfg["block_h"]))
+        return T * choose_num_splits(T, 1, 2048, cfg["block_n"], 132, resident)
+
+    def default_pays(H, T, fp8=True):
+        cfg = sparse_mla_sm90.default_config(H, fp8, T, 132)
+        return sparse_mla_sm90.pdl_pays(cfg, fp8, programs(H, T, cfg), 132)
+
+    assert programs(8, 1, sparse_mla_sm90.default_config(8, True, 1, 132)) == 64
+    assert default_pays(8, 1) and default_pays(16, 1) and default_pays(16, 2)
+    assert not default_pays(8, 2) and not default_pays(8, 4) and not default_pays(16, 4)
+    assert not default_pays(8, 1, fp8=False) and not default_pays(16, 2, fp8=False)
+    for cfg in (sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG, sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG,
+                sparse_mla_sm90.WGMMA_WS_CONFIG, sparse_mla_sm90.WGMMA_CONFIG):
+        assert not sparse_mla_sm90.pdl_pays(cfg, True, 8, 132)
+    assert sparse_mla_sm90.pdl_pays(sparse_mla_sm90.DEFAULT_CONFIG, True, 66, 132)
+    assert not sparse_mla_sm90.pdl_pays(sparse_mla_sm90.DEFAULT_CONFIG, True, 67, 132)
 
 
 def test_kernel_choice_by_capability_heads_layout_and_call():

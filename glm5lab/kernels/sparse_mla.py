@@ -895,7 +895,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     >= 1024 rows runs the converter form (a producer warpgroup dequantizes; sparse_mla_sm90.converter_pays, NOTES.md
     v15); _config={"impl": "gluon", "converter": True | False} overrides (a _config without "impl" picks Triton).
     Their consumers pass P through shared memory instead of exchanging the scores (NOTES.md v16; "p_smem": False
-    restores the exchange).
+    restores the exchange). The merge of an fp8_ds_mla call whose Gluon grid leaves half the SMs idle (1-2 tokens) is
+    launched early, while the attention runs (programmatic dependent launch; sparse_mla_sm90.pdl_pays, NOTES.md v25);
+    _config={"impl": "gluon", "pdl": False | True} decides.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
@@ -992,10 +994,13 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         raise Glm5labError("fp16 partials need the separate merge (merge='separate' or 'auto'); the fused merge "
                            "reads fp32 partials")
     part_f16 = wants_f16 and split
-    # PDL off by default: on the H200 it saved 0.3-0.7 us at 1 token x 8-16 heads but cost up to 30% at 4-32
-    # tokens in fp8 (NOTES.md v6); with the Gluon kernels it saves 0.2 us once (fp8 8 heads x 1 token) and costs up
-    # to 2.4x (64 heads x 32 tokens; v14 run 8, small_batch_sweep_h200.csv); _config={"pdl": True} turns it on
-    pdl = split and merge == "separate" and cfg.get("pdl", False) and _has_pdl(q.device)
+    # PDL (the merge launched early): off by default for the Triton kernel -- on the H200 it saved 0.3-0.7 us at 1
+    # token x 8-16 heads but cost up to 30% at 4-32 tokens in fp8 (NOTES.md v6); the Gluon kernels by
+    # `sparse_mla_sm90.pdl_pays` (fp8_ds_mla grids of at most half the SMs, whose kernel lets the merge launch from
+    # its start: v25, 0.5-0.7 us less at 1-2 tokens; elsewhere it cost up to 2.4x, v14 run 8); _config={"pdl": ...}
+    # decides
+    pdl_default = gluon and sparse_mla_sm90.pdl_pays(cfg, fp8, head_tiles * T * num_splits, _num_sms(q.device))
+    pdl = split and merge == "separate" and cfg.get("pdl", pdl_default) and _has_pdl(q.device)
 
     if split:
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float16 if part_f16 else torch.float32,

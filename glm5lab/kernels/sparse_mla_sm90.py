@@ -100,8 +100,7 @@ HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
 def _let_merge_launch(PDL: gl.constexpr):
     """PDL (programmatic dependent launch, sm90): let the merge grid launch now -- its programs take idle SMs and wait
     in griddepcontrol.wait until this grid has finished and its stores are visible, so the merge's launch is off the
-    critical path. Only where the whole grid is resident at once (sparse_mla: `pdl_pays`), so no early merge
-    program can hold an SM an attention program still needs."""
+    critical path. By default only where the grid leaves half the SMs idle (`pdl_pays`)."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -1906,6 +1905,23 @@ def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
     return splits_wanted(num_tokens, 1, num_sms, ROWS_FP8_PERSISTENT_DEEP_CONFIG["resident"]) < 2
 
 
+# The merge launched early (PDL) and let launch from the attention kernel's start (`_let_merge_launch`), by default
+# only for fp8_ds_mla calls of the small-batch kernels (mma.sync, rows-as-M) whose grid holds at most half the SMs.
+# H200, NOTES.md v25 call 1 (each call timed twice in one process, CUDA-graph time), us, default -> early merge: fp8
+# 8 heads x 1 token (64 programs) 7.55 -> 7.04, 16 heads x 1 / 2 tokens (32 / 64 programs) 9.19 / 9.72 -> 8.57 /
+# 9.03; at 128 programs (8 heads x 2-8 tokens, 16 heads x 4-8) it cost 0.3-0.95 us, and bf16 calls gained <= 0.3
+# us at 8 tokens but lost up to 0.85 at 1-4 (the early launch without the kernel's signal: +0.1-0.2 everywhere).
+PDL_MAX_SM_FRACTION = 0.5
+
+
+def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
+    """Whether a Gluon call launches its merge early by default (PDL_MAX_SM_FRACTION): an fp8_ds_mla call of a kernel
+    that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
+    least half the SMs idle, so the merge's programs wait there."""
+    signals = not (cfg.get("ws") or cfg.get("dual_consumers") or cfg["block_h"] == 64)
+    return fp8 and signals and programs <= num_sms * PDL_MAX_SM_FRACTION
+
+
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
@@ -2057,7 +2073,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if pdl and "PDL" in kernel.arg_names and cfg.get("_pdl_trigger", True):
+    if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
