@@ -1918,8 +1918,9 @@ def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     """Whether a Gluon call launches its merge early by default (PDL_MAX_SM_FRACTION): an fp8_ds_mla call of a kernel
     that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
     least half the SMs idle, so the merge's programs wait there."""
-    signals = not (cfg.get("ws") or cfg.get("dual_consumers") or cfg["block_h"] == 64)
-    return fp8 and signals and programs <= num_sms * PDL_MAX_SM_FRACTION
+    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
+                       cfg.get("dual_consumers", False))
+    return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
 
 
 def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = None, num_sms: int = 132) -> dict:
