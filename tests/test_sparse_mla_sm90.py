@@ -312,6 +312,20 @@ def test_gpu_gluon_default_early_merge_replays_in_cuda_graph(H, T):
     _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), None)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T,layout,pdl", [(8, 1, "fp8_ds_mla", True), (8, 3, "fp8_ds_mla", True),
+                                            (16, 2, "native", True), (8, 2, "fp8_ds_mla", False)])
+def test_gpu_gluon_flagged_merge_matches_reference_and_replays(H, T, layout, pdl):
+    """_merge_wait "flags" (private, NOTES.md v25 Next) after the mma.sync kernels: the merge's programs wait on
+    their token's flags, launched early or in stream order; right against the reference, again in a CUDA graph
+    (the flags must be back at zero for the replay)."""
+    cfg = {**sparse_mla_sm90.DEFAULT_CONFIG, "pdl": pdl, "_merge_wait": "flags"}
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, _config=cfg)
+    check(out, lse, ref, torch.bfloat16)
+    _check_cuda_graph_replay(q, cache, slots, ref, cfg)
+
+
 def _check_cuda_graph_replay(q, cache, slots, ref, config):
     """Compile outside the capture, capture one call into NaN-poisoned outputs, replay, compare with ref."""
     T, H, _ = q.shape
