@@ -759,9 +759,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge; every launch leaves them zero again, so one buffer per
-    device is reused (not safe for concurrent launches on two streams of one device). A buffer that is
-    outgrown is kept alive, never freed: a CUDA graph captured earlier still points at it."""
+    """Zeroed int32 counters for the fused merge and the merge's flags (_merge_wait "flags"); every launch leaves them
+    zero again, so one buffer per device is reused (not safe for concurrent launches on two streams of one device). A
+    buffer that is outgrown is kept alive, never freed: a CUDA graph captured earlier still points at it."""
     key = str(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
@@ -1049,17 +1049,18 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float16 if part_f16 else torch.float32,
                              device=q.device)
         part_lse = torch.empty(*((2,) if part_f16 else ()), T, num_splits, H, dtype=torch.float32, device=q.device)
-        counter = (_counter(q.device, T * head_tiles) if merge == "fused"
-                   else _counter(q.device, 2 * T) if flags else part_lse)
+        flag_buf = _counter(q.device, 2 * T) if flags else None
+        counter = _counter(q.device, T * head_tiles) if merge == "fused" else flag_buf if flags else part_lse
     else:
         part_o = part_lse = counter = lse   # unused placeholders
+        flag_buf = None
     grid = (head_tiles, T, num_splits)
     args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if gluon:
         sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, _num_sms(q.device), pdl,
-                               counter if flags else None)
+                               flag_buf)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
                words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16, flags)
@@ -1067,7 +1068,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
                        f16, cvt, num_splits, pdl, part_f16, flags)
     if split and merge == "separate":
         launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl,
-                     flags=counter if flags else None, arrivals=num_splits * head_tiles)
+                     flags=flag_buf, arrivals=num_splits * head_tiles)
     return out, lse
 
 
