@@ -527,22 +527,6 @@ def test_gpu_early_launched_merge_matches_reference(impl, H, T, splits, layout):
     check(out, lse, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("layout,H,T,splits", [("fp8_ds_mla", 8, 3, 5), ("native", 20, 2, 7)])
-def test_flagged_merge_matches_reference_and_leaves_its_flags_at_zero(device, layout, H, T, splits):
-    """_merge_wait "flags" (private, NOTES.md v25 Next): the attention programs raise a per-token flag after their
-    partials and the merge's programs wait on it instead of on the whole grid. Its result is the reference's, twice in
-    a row (the last reader resets the flags: a CUDA-graph replay needs them at zero), two 16-head tiles a token at 20
-    heads (twice the arrivals)."""
-    from glm5lab.kernels import sparse_mla as sm
-
-    q, cache, slots, ref = make_case(T, H, 300, 4096, torch.bfloat16, layout, device)
-    cfg = {"impl": "triton", "_merge_wait": "flags", "block_h": 16}
-    for _ in range(2):
-        out, lse = run_poisoned(q, cache, slots, num_splits=splits, merge="separate", _config=cfg)
-        check(out, lse, ref, torch.bfloat16)
-        assert int(sm._counter(q.device, 2 * T)[:2 * T].abs().sum()) == 0
-
-
 @pytest.mark.gpu
 def test_gpu_fp8_every_byte_pattern():
     """Every e4m3 byte pattern through the compiled fp8 -> bf16 path at a real top-k. (A PTX conversion

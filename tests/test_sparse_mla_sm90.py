@@ -107,20 +107,6 @@ def test_gluon_small_batch_builds_let_the_merge_launch_from_their_start_only_wit
     assert "PREEXIT" not in [x.strip() for x in _sm90_build(_sass=True, **kernel)["_sass"]]
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "16bit"])
-def test_gluon_mma_sync_builds_raise_the_merge_flag_once_after_their_partials(fp8):
-    """FLAGS=True (the private _merge_wait "flags"): after the partial's stores, a CTA barrier, then one thread's
-    release at GPU scope (MEMBAR.GPU) and one atomic add to the token's flag; without FLAGS no atomic at all."""
-    ins = [x.strip() for x in _sm90_build(_sass=True, FLAGS=True, FP8=fp8)["_sass"]]
-    adds = [i for i, x in enumerate(ins) if x.startswith(("RED", "ATOMG")) and ".ADD" in x]
-    assert len(adds) == 1
-    last_store = max(i for i, x in enumerate(ins) if x.startswith("STG"))
-    fence = max(i for i in range(adds[0]) if ins[i].startswith("MEMBAR") and "GPU" in ins[i])
-    bar = max(i for i in range(fence) if ins[i].startswith("BAR.SYNC"))
-    assert last_store < bar < fence < adds[0]
-    assert not [x for x in _sm90_build(_sass=True, FP8=fp8)["_sass"] if x.strip().startswith(("RED", "ATOMG"))]
-
-
 def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
     """The bf16-cache kernel: no dequantization (no e4m3 conversion, 8 F2FP at most: P's packing), both products
     through ldmatrix, cp.async in the loop, no spill, <= 3 barriers a step, two CTAs a SM."""
@@ -324,20 +310,6 @@ def test_gpu_gluon_default_early_merge_replays_in_cuda_graph(H, T):
     q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
     _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H,T,layout,pdl", [(8, 1, "fp8_ds_mla", True), (8, 3, "fp8_ds_mla", True),
-                                            (16, 2, "native", True), (8, 2, "fp8_ds_mla", False)])
-def test_gpu_gluon_flagged_merge_matches_reference_and_replays(H, T, layout, pdl):
-    """_merge_wait "flags" (private, NOTES.md v25 Next) after the mma.sync kernels: the merge's programs wait on
-    their token's flags, launched early or in stream order; right against the reference, again in a CUDA graph
-    (the flags must be back at zero for the replay)."""
-    cfg = {**sparse_mla_sm90.DEFAULT_CONFIG, "pdl": pdl, "_merge_wait": "flags"}
-    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, _config=cfg)
-    check(out, lse, ref, torch.bfloat16)
-    _check_cuda_graph_replay(q, cache, slots, ref, cfg)
 
 
 def _check_cuda_graph_replay(q, cache, slots, ref, config):

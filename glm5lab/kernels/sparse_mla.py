@@ -230,7 +230,6 @@ def _sparse_mla_fwd_kernel(
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
     CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False, PART_F16: tl.constexpr = False,
-    FLAGS: tl.constexpr = False,
 ):
     if PDL:
         # programmatic dependent launch (sm90+): the merge kernel may start its launch now; it waits in
@@ -379,8 +378,6 @@ def _sparse_mla_fwd_kernel(
         tl.store(po + 256, (acc2 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
         tl.store(po + 384, (acc3 * inv_l[:, None]).to(PART_O.dtype.element_ty), mask=hmask[:, None])
         tl.store(PART_LSE + part * num_heads + heads, lse2, mask=hmask)
-        if FLAGS:
-            _raise_split_flag(COUNTER, t)
         if FUSED_MERGE:
             # The last program of this (token, head tile) to finish merges all partials: the barrier makes
             # every thread's stores precede the counter's release, the acq_rel atomic orders the loads.
@@ -480,45 +477,12 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 
 @triton.jit
-def _raise_split_flag(COUNTER, t):
-    """The merge's flag (merge_wait "flags"): one more of token t's attention programs has stored its partial. The
-    barrier puts every thread's stores before the release."""
-    tl.debug_barrier()
-    tl.atomic_add(COUNTER + t, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait_for_splits(COUNTER, t, arrivals):
-    """A merge program of token t waits until all `arrivals` of its attention programs have raised the flag (acquire:
-    their partials are visible after it). Safe to spin: launched early, the merge's programs become resident only
-    after every attention program has signalled (griddepcontrol.launch_dependents), so those already hold SMs;
-    launched in stream order, the flags are all up before it starts."""
-    while tl.atomic_add(COUNTER + t, 0, sem="acquire", scope="gpu") < arrivals:
-        pass
-
-
-@triton.jit
-def _lower_split_flags(COUNTER, t):
-    """The last merge program of token t to get past `_wait_for_splits` resets its flag and the readers' count, so the
-    next launch (and a CUDA-graph replay) finds them at zero. Readers count at COUNTER[T + t]."""
-    readers = COUNTER + tl.num_programs(1) + t
-    if tl.atomic_add(readers, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(2) - 1:
-        tl.atomic_xchg(COUNTER + t, 0)
-        tl.atomic_xchg(readers, 0)
-
-
-@triton.jit
-def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr, COUNTER, arrivals,
-                   FLAGS: tl.constexpr):
+def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
     """What a separate-merge program (head tile, token, column block) covers: (token, column block, its heads, their
-    mask, its columns, the token's first partial). FLAGS: it waits on its token's flags (`_wait_for_splits`), not on
-    the whole attention grid."""
-    t = tl.program_id(1).to(tl.int64)
-    if FLAGS:
-        _wait_for_splits(COUNTER, t, arrivals)
-        _lower_split_flags(COUNTER, t)
-    elif PDL:
+    mask, its columns, the token's first partial)."""
+    if PDL:
         gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
+    t = tl.program_id(1).to(tl.int64)
     pid_d = tl.program_id(2)
     heads = tl.program_id(0) * MH + tl.arange(0, MH)
     return t, pid_d, heads, heads < num_heads, pid_d * DC + tl.arange(0, DC), t * num_splits
@@ -552,14 +516,13 @@ def _times_partial_scale(w, PART_LSE, rows, mask, num_splits, num_heads, PART_F1
 @triton.jit
 def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                           MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                          PDL: tl.constexpr = False, PART_F16: tl.constexpr = False, COUNTER=None, arrivals=0,
-                          FLAGS: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
     """The separate merge, parallel over columns: program (head tile, token, column block) merges DC of the
     512 output columns of MH heads, reading SC splits' partials in ONE load each round (all in flight at
     once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
     at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v6). When one round
     holds every split, the partials and the lse are loaded together: a single memory round trip."""
-    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL, COUNTER, arrivals, FLAGS)
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
     if SC >= S_PAD:
         sidx = tl.arange(0, S_PAD)
         smask = (sidx[:, None] < num_splits) & hmask[None, :]                             # [S_PAD, MH]
@@ -593,12 +556,11 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
 @triton.jit
 def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                            MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                           PDL: tl.constexpr = False, PART_F16: tl.constexpr = False, COUNTER=None, arrivals=0,
-                           FLAGS: tl.constexpr = False):
+                           PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
     """The column-parallel merge with the splits unrolled: each round issues SC [MH, DC] loads (all in flight at
     once) and every thread sums its own elements over the splits -- no reduction across threads, so no shared
     memory round trip (the [splits, MH, DC] form reduces over a dimension spread across threads)."""
-    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL, COUNTER, arrivals, FLAGS)
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
     m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
     acc = tl.zeros([MH, DC], tl.float32)
     for s0 in range(0, num_splits, SC):
@@ -674,11 +636,10 @@ def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
 
 
 def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
-                 num_warps: int | None = None, flags: torch.Tensor | None = None, arrivals: int = 0) -> None:
+                 num_warps: int | None = None) -> None:
     """One launch of a separate merge kernel (merge_plan's, or either by name) over partials [T, splits, H, 512] /
     [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch);
-    num_warps: `merge_warps` unless given; flags: the per-token flags [2 T] int32 its programs wait on instead of the
-    whole attention grid (`_wait_for_splits`: `arrivals` attention programs a token raise them).
+    num_warps: `merge_warps` unless given.
     fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
     T, num_splits, H, _ = part_o.shape
     f16 = part_o.dtype == torch.float16
@@ -689,7 +650,6 @@ def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, 
     kernel[(cdiv(H, mh), T, LATENT // dc)](
         part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
         MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16,
-        **({"COUNTER": flags, "arrivals": arrivals, "FLAGS": True} if flags is not None else {}),
         num_warps=num_warps or merge_warps(kernel, mh, dc, min(sc, next_pow2(num_splits))),
         **({"launch_pdl": True} if pdl else {}))
 
@@ -759,9 +719,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge and the merge's flags (_merge_wait "flags"); every launch leaves them
-    zero again, so one buffer per device is reused (not safe for concurrent launches on two streams of one device). A
-    buffer that is outgrown is kept alive, never freed: a CUDA graph captured earlier still points at it."""
+    """Zeroed int32 counters for the fused merge; every launch leaves them zero again, so one buffer per
+    device is reused (not safe for concurrent launches on two streams of one device). A buffer that is
+    outgrown is kept alive, never freed: a CUDA graph captured earlier still points at it."""
     key = str(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
@@ -1041,34 +1001,27 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     # decides
     pdl_default = gluon and sparse_mla_sm90.pdl_pays(cfg, fp8, head_tiles * T * num_splits, _num_sms(q.device))
     pdl = split and merge == "separate" and cfg.get("pdl", pdl_default) and _has_pdl(q.device)
-    # merge_wait "flags" (private, to be measured: NOTES.md v25 Next): the merge's programs wait on per-token flags the
-    # attention programs raise, not on the whole grid
-    flags = split and merge == "separate" and cfg.get("_merge_wait", "grid") == "flags"
 
     if split:
         part_o = torch.empty(T, num_splits, H, LATENT, dtype=torch.float16 if part_f16 else torch.float32,
                              device=q.device)
         part_lse = torch.empty(*((2,) if part_f16 else ()), T, num_splits, H, dtype=torch.float32, device=q.device)
-        flag_buf = _counter(q.device, 2 * T) if flags else None
-        counter = _counter(q.device, T * head_tiles) if merge == "fused" else flag_buf if flags else part_lse
+        counter = _counter(q.device, T * head_tiles) if merge == "fused" else part_lse
     else:
         part_o = part_lse = counter = lse   # unused placeholders
-        flag_buf = None
     grid = (head_tiles, T, num_splits)
     args = (q, kv_cache, slots, out, lse, part_o, part_lse, counter,
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if gluon:
-        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, _num_sms(q.device), pdl,
-                               flag_buf)
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, _num_sms(q.device), pdl)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
-               words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16, flags)
+               words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16)
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
-                       f16, cvt, num_splits, pdl, part_f16, flags)
+                       f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
-        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl,
-                     flags=flag_buf, arrivals=num_splits * head_tiles)
+        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl)
     return out, lse
 
 
@@ -1084,7 +1037,7 @@ def _partials_f16(cfg: dict, gluon: bool) -> bool:
 
 
 def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_dtype, reload, fp8_diag, words, f16,
-                   cvt, num_splits, pdl, part_f16, flags=False) -> None:
+                   cvt, num_splits, pdl, part_f16) -> None:
     """Launch the Triton kernel at the deepest pipeline that fits this GPU's shared memory (remembered per key)."""
     for stages in _stage_ladder(key, cfg["num_stages"]):
         try:
@@ -1092,7 +1045,7 @@ def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q_dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
                 WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
-                PART_F16=part_f16, FLAGS=flags, num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
+                PART_F16=part_f16, num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             return
         except OutOfResources:

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, _raise_split_flag, partial_scale_plane, splits_wanted
+from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, partial_scale_plane, splits_wanted
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -267,10 +267,9 @@ def _online_softmax_step(qk, slot_cols, num_slots, qk_scale_log2, m_i, l_acc, A_
 @gluon.jit
 def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, m_i, t, s, pid_h, num_heads,
                   num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                  MMA: gl.constexpr, P_ROWS: gl.constexpr, COUNTER, FLAGS: gl.constexpr):
+                  MMA: gl.constexpr, P_ROWS: gl.constexpr):
     """out = acc * r / l (or the split's normalized partial) and lse; a head with no valid slot gets 0 and -inf.
-    r: the unit the accumulators are kept in (the fp8 kernel's running largest scale; 1 otherwise). FLAGS: then the
-    token's merge flag is raised (sparse_mla._raise_split_flag)."""
+    r: the unit the accumulators are kept in (the fp8 kernel's running largest scale; 1 otherwise)."""
     O_ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
     inv_l = gl.convert_layout(inv_l, O_ROWS)[:, None]
@@ -286,8 +285,6 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
         gl.store(po + 256, acc2 * inv_l, mask=hm[:, None])
         gl.store(po + 384, acc3 * inv_l, mask=hm[:, None])
         gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
-        if FLAGS:
-            _raise_split_flag(COUNTER, t)
     else:
         o = OUT + t * stride_ot + heads[:, None] * stride_oh + dcol[None, :]
         gl.store(o, (acc0 * inv_l).to(OUT.dtype.element_ty), mask=hm[:, None])
@@ -336,7 +333,7 @@ def _sparse_mla_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    PDL: gl.constexpr = False, COUNTER=None, FLAGS: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on mma.sync (the default at 1-3 tokens of <= 8 heads): each step's e4m3 rows
     dequantized once into an fp16 tile, the products in the fp16 domain. q is staged after the first gathers are
@@ -429,8 +426,7 @@ def _sparse_mla_fp8_sm90_kernel(
 
     async_copy.wait_group(0)
     _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
-                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS, COUNTER,
-                  FLAGS)
+                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
 
 
 @gluon.jit
@@ -439,7 +435,7 @@ def _sparse_mla_16bit_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    PDL: gl.constexpr = False, COUNTER=None, FLAGS: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """The same pipeline for bf16/fp16 caches (q in the cache's dtype): no dequantization -- both products read the
     ring slot itself through ldmatrix -- and no scales; P enters P.V in the input dtype, as in the Triton kernel."""
@@ -507,8 +503,7 @@ def _sparse_mla_16bit_sm90_kernel(
 
     async_copy.wait_group(0)
     _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), 1.0, m_i, t, s, pid_h,
-                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS, COUNTER,
-                  FLAGS)
+                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
 
 
 @gluon.jit
@@ -2058,12 +2053,11 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
-           num_sms: int = 132, pdl: bool = False, flags=None) -> None:
+           num_sms: int = 132, pdl: bool = False) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
     split's partials in fp16 (the 64-head kernels only); num_heads: the call's, for `check_tile`; num_sms: the GPU's
     (a persistent kernel's programs); pdl: the merge is launched early (programmatic dependent launch), and the
-    kernels that can (`_let_merge_launch`) let it launch from their start; flags: the merge's per-token flags, which
-    the mma.sync kernels raise after their partials (sparse_mla's private _merge_wait "flags")."""
+    kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
                        cfg.get("dual_consumers", False))
@@ -2082,11 +2076,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
-    if flags is not None:
-        if "FLAGS" not in kernel.arg_names:
-            raise Glm5labError(f"_merge_wait 'flags': only the mma.sync Gluon kernels raise the merge's flags, not "
-                               f"{kernel.fn.__name__}")
-        extra["COUNTER"], extra["FLAGS"] = flags, True
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
