@@ -90,20 +90,14 @@ def test_gluon_fp8_sm90_build_requests_the_first_rows_before_staging_q():
     assert first("LDG.E.128") < first("SHFL.BFLY")            # (q's latent loads, 16 bytes a thread)
 
 
-WS64 = {"ws": True, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "P_SMEM": True}
-
-
 @pytest.mark.parametrize("kernel", [{}, {"FP8": False}, {"rows": True, "BLOCK_N": 64},
-                                    {"rows": True, "BLOCK_N": 64, "FP8": False},
-                                    WS64, {**WS64, "FP8": False}, {**WS64, "converter": True}],
-                         ids=["fp8_mma_sync", "16bit_mma_sync", "fp8_rows", "16bit_rows",
-                              "fp8_ws64", "16bit_ws64", "fp8_cv64"])
+                                    {"rows": True, "BLOCK_N": 64, "FP8": False}],
+                         ids=["fp8_mma_sync", "16bit_mma_sync", "fp8_rows", "16bit_rows"])
 def test_gluon_small_batch_builds_let_the_merge_launch_from_their_start_only_with_pdl(kernel):
     """PDL=True (the merge launched early): the kernel lets the dependent grid launch (griddepcontrol.launch_dependents
     = SASS PREEXIT) once, at its start: no global load and no barrier on the straight-line code that leads to it (the
-    warp-specialized kernels -- rows-as-M fp8, the 64-head ones -- branch to their consumer warps' code first, and it
-    is there), so the merge's programs can be resident and waiting while the attention runs. Without PDL there is
-    none."""
+    rows-as-M fp8 kernel is warp-specialized: its consumer warps branch to their own code first, and it is there),
+    so the merge's programs can be resident and waiting while the attention runs. Without PDL there is none."""
     ins = [x.strip() for x in _sm90_build(_sass=True, PDL=True, **kernel)["_sass"]]
     assert ins.count("PREEXIT") == 1
     at = ins.index("PREEXIT")
@@ -302,7 +296,7 @@ def test_gpu_gluon_all_invalid_tokens_and_cuda_graph(fp8_cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,T", [(8, 1), (16, 2), (5, 1), (64, 1), (64, 2)])
+@pytest.mark.parametrize("H,T", [(8, 1), (16, 2), (5, 1)])
 def test_gpu_gluon_default_early_merge_replays_in_cuda_graph(H, T):
     """The calls whose merge is launched early by default (`pdl_pays`: its programs wait in griddepcontrol.wait while
     the attention runs) replay correctly in a CUDA graph (make_case: -1 padding, duplicates, slots past the cache and,
@@ -314,12 +308,8 @@ def test_gpu_gluon_default_early_merge_replays_in_cuda_graph(H, T):
     programs = T * choose_num_splits(T, 1, 2048, cfg["block_n"], sms, cfg.get("resident", 2))
     assert sparse_mla_sm90.pdl_pays(cfg, True, programs, sms)
     q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    if H > 16:                                          # the 64-head kernels round the dequantized rows to bf16
-        ref = _bf16_dequantized_ref(q, cache, slots)
-    else:
-        ref = tuple(x.cpu() for x in sparse_mla_reference(q, dequantize_fp8_ds_mla(cache),
-                                                          torch.where(slots >= 65536, -1, slots), SCALE))
-    _check_cuda_graph_replay(q, cache, slots, ref, None)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(slots >= 65536, -1, slots), SCALE)
+    _check_cuda_graph_replay(q, cache, slots, tuple(x.cpu() for x in ref), None)
 
 
 def _check_cuda_graph_replay(q, cache, slots, ref, config):
@@ -393,10 +383,9 @@ def test_gpu_gluon_16bit_odd_topk_splits_and_skipped_rows(cfg, topk, splits):
 
 def test_early_merge_by_default_only_for_fp8_grids_that_leave_half_the_sms_idle():
     """`pdl_pays` (NOTES.md v25): the merge launches early by default for fp8_ds_mla calls of the kernels that signal it
-    (mma.sync, one-consumer rows-as-M, the 64-head ones) with at most half the SMs' worth of programs -- 8 heads x 1
-    token (64 programs on 132 SMs), 16 heads x 1-2 tokens (32 / 64) and 64 heads x 1-2 tokens (32 / 64), not 8 heads
-    x 2 tokens (128) nor 16 or 64 heads x 4; never for bf16 caches or the dual-consumer / persistent kernels
-    (NOTES.md v26 for the 64-head ones)."""
+    (mma.sync, one-consumer rows-as-M) with at most half the SMs' worth of programs -- 8 heads x 1 token (64 programs
+    on 132 SMs) and 16 heads x 1-2 tokens (32 / 64), not 8 heads x 2 tokens (128) nor 16 heads x 4; never for bf16
+    caches, the dual-consumer / persistent kernels or the 64-head ones."""
     from glm5lab.kernels.sparse_mla import choose_num_splits, resident_ctas
 
     def programs(H, T, cfg):
@@ -410,10 +399,9 @@ def test_early_merge_by_default_only_for_fp8_grids_that_leave_half_the_sms_idle(
     assert programs(8, 1, sparse_mla_sm90.default_config(8, True, 1, 132)) == 64
     assert default_pays(8, 1) and default_pays(16, 1) and default_pays(16, 2)
     assert not default_pays(8, 2) and not default_pays(8, 4) and not default_pays(16, 4)
-    assert programs(64, 2, sparse_mla_sm90.default_config(64, True, 2, 132)) == 64
-    assert default_pays(64, 1) and default_pays(64, 2) and not default_pays(64, 3) and not default_pays(64, 4)
-    assert not default_pays(8, 1, fp8=False) and not default_pays(16, 2, fp8=False) and not default_pays(64, 1, False)
-    for cfg in (sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG, sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG):
+    assert not default_pays(8, 1, fp8=False) and not default_pays(16, 2, fp8=False)
+    for cfg in (sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG, sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG,
+                sparse_mla_sm90.WGMMA_WS_CONFIG, sparse_mla_sm90.WGMMA_CONFIG):
         assert not sparse_mla_sm90.pdl_pays(cfg, True, 8, 132)
     assert sparse_mla_sm90.pdl_pays(sparse_mla_sm90.DEFAULT_CONFIG, True, 66, 132)
     assert not sparse_mla_sm90.pdl_pays(sparse_mla_sm90.DEFAULT_CONFIG, True, 67, 132)

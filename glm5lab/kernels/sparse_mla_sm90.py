@@ -644,7 +644,7 @@ def _sparse_mla_wgmma_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    PART_F16: gl.constexpr = False, PDL: gl.constexpr = False,
+    PART_F16: gl.constexpr = False,
 ):
     """64-head tiles (17-128 heads) on two warpgroups with wgmma: q and the step's rows in 128-byte-swizzled shared
     memory feed the tensor cores directly (no ldmatrix, no register copy of K/V); S = q.K^T is split by rows
@@ -652,7 +652,6 @@ def _sparse_mla_wgmma_sm90_kernel(
     split by columns. Same ring of cp.async gathers as the 16-head kernels. fp8_ds_mla: each step's e4m3 chunks
     are dequantized WITH their scale into a bf16 tile (as FlashMLA does; one more bf16 rounding of K/V than the
     16-head kernel's fp16 domain), then the same bf16 products."""
-    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     NW: gl.constexpr = gl.num_warps()
@@ -804,7 +803,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False, PDL: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -813,7 +812,6 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
     loader gathers (NOTES.md v23)."""
-    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -903,7 +901,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, PDL: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -915,7 +913,6 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
     producer gathers (NOTES.md v23)."""
-    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1919,8 +1916,8 @@ PDL_MAX_SM_FRACTION = 0.5
 
 def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     """Whether a Gluon call launches its merge early by default (PDL_MAX_SM_FRACTION): an fp8_ds_mla call of a kernel
-    that signals it (`_let_merge_launch`: the mma.sync, the one-consumer rows-as-M and the 64-head kernels) whose grid
-    leaves at least half the SMs idle, so the merge's programs wait there."""
+    that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
+    least half the SMs idle, so the merge's programs wait there."""
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
                        cfg.get("dual_consumers", False))
     return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
