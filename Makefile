@@ -14,5 +14,9 @@ reproduce: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# on a CUDA machine: the whole GPU measurement in one call (scripts/gpu_run.sh; PARTS="tests bench" for some parts)
+gpu-run:
+	bash scripts/gpu_run.sh $(PARTS)
+
 clean-venv:
 	rm -rf $(VENV)
