@@ -86,7 +86,8 @@ def test_cli_full_suite_without_gpu_is_a_one_line_error(capsys):
 
 def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_why_not(tmp_path, capsys):
     """`glm5lab bench --suite full --targets` runs nothing: it prints kernel_plots.targets_table of the last kernels
-    run under --results, with how many targets are met; without such a run, or with the cpu suite, one line."""
+    run under --results, with how many targets are met; `--headline` prints the README's kernel table of the same
+    run; without such a run, or with the cpu suite, one line."""
     from glm5lab.bench.records import append_rows
 
     rows = [{"suite": "sparse_mla_kernel", "implementation": "glm5lab", "shape": "H8_T1_K2048", "dtype": "bf16",
@@ -98,16 +99,20 @@ def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_w
     out = capsys.readouterr().out
     assert "met 1 of 22; unmeasured 20" in out and "interleaved" in out and "graph" in out
     assert not (suites.out_dir(tmp_path, "gpu") / "suite.csv").exists()          # nothing ran
+    assert main(["bench", "--suite", "full", "--headline", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| cache, heads |") and out[6].startswith("| fp8_ds_mla, 8 | 5.5 µs | 9.5 µs | n/a")
     empty = tmp_path / "empty"
     suites.out_dir(empty, "gpu").mkdir(parents=True)
     (suites.out_dir(empty, "gpu") / "kernels.csv").write_text(",".join(COLUMNS) + "\n")     # a header, no run
     alien = tmp_path / "alien"
     suites.out_dir(alien, "gpu").mkdir(parents=True)
     (suites.out_dir(alien, "gpu") / "kernels.csv").write_text("a,b\n1,2\n")                # not a benchmark CSV
-    for argv in (["--suite", "full", "--targets", "--results", str(tmp_path / "none")],
-                 ["--suite", "full", "--targets", "--results", str(empty)],
-                 ["--suite", "full", "--targets", "--results", str(alien)],
-                 ["--suite", "cpu", "--targets", "--results", str(tmp_path)]):
+    for argv in [[*ask, *case] for ask in (["--targets"], ["--headline"])
+                 for case in (["--suite", "full", "--results", str(tmp_path / "none")],
+                              ["--suite", "full", "--results", str(empty)],
+                              ["--suite", "full", "--results", str(alien)],
+                              ["--suite", "cpu", "--results", str(tmp_path)])]:
         assert main(["bench", *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and any(m in err[0] for m in ("no GPU kernel benchmark", "no benchmark run",

@@ -124,6 +124,58 @@ def _bench_rows(run: str, values: dict) -> list:
              "metric": m, "value": v, "unit": "-"} for (i, lay, s, m), v in values.items()]
 
 
+def test_headline_table_reads_the_last_run_cell_by_cell(tmp_path):
+    """kernel_plots.headline_table (the README's kernel table): the LAST run only; each cell's time, x FlashMLA and
+    (from 128 tokens) roofline read as targets_table reads them -- interleaved rounds first, else the CUDA-graph
+    pass with x = FlashMLA's time / ours, else do_bench; no x without FlashMLA; "n/a" for a shape the run lacks."""
+    from glm5lab.bench.kernel_plots import HEADLINE_HEADS, HEADLINE_TOKENS, headline_table
+    from glm5lab.bench.records import append_rows
+
+    fp8, k = "fp8_ds_mla", "_K2048"
+    csv = tmp_path / "kernels.csv"
+    append_rows(csv, _bench_rows("a", {("glm5lab", fp8, "H16_T1" + k, "time_graph"): 9.0}),
+                command="glm5lab bench --suite full part=kernels run=20260101T000000Z")
+    new = {("glm5lab", fp8, "H8_T1" + k, "time_graph_interleaved"): 7.14,
+           ("glm5lab", fp8, "H8_T1" + k, "speedup_vs_flashmla_interleaved"): 2.79,
+           ("glm5lab", fp8, "H8_T1" + k, "time_graph"): 7.5,                         # not read: interleaved first
+           ("glm5lab", fp8, "H8_T128" + k, "time_graph"): 55.0,
+           ("flashmla", fp8, "H8_T128" + k, "time_graph"): 110.0,
+           ("glm5lab", fp8, "H8_T128" + k, "roofline_fraction_graph"): 0.761,
+           ("glm5lab", "bf16", "H8_T512" + k, "time"): 304.4,
+           ("glm5lab", "bf16", "H8_T512" + k, "roofline_fraction"): 0.953,
+           ("glm5lab", "bf16", "H8_T8" + k, "time_graph"): 12.14,
+           ("glm5lab", "bf16", "H8_T8" + k, "roofline_fraction_graph"): 0.37}   # not shown below 128 tokens
+    append_rows(csv, _bench_rows("b", new), command="glm5lab bench --suite full part=kernels run=20260102T000000Z")
+    lines = headline_table(csv).splitlines()
+    assert len(lines) == 2 + 2 * len(HEADLINE_HEADS)
+    cells = {}
+    for line in lines[2:]:
+        name, *row = [c.strip() for c in line.strip("|").split("|")]
+        cells.update({(name, T): c for T, c in zip(HEADLINE_TOKENS, row)})
+    assert cells[("fp8_ds_mla, 8", 1)] == "7.1 µs, 2.79×"
+    assert cells[("fp8_ds_mla, 8", 128)] == "55.0 µs, 2.00×, 0.76"
+    assert cells[("bf16, 8", 512)] == "304 µs, 0.95"
+    assert cells[("bf16, 8", 8)] == "12.1 µs"
+    assert cells[("fp8_ds_mla, 16", 1)] == "n/a"                       # only the earlier run measured it
+    assert sum(c == "n/a" for c in cells.values()) == len(cells) - 4
+
+
+def test_readme_kernel_table_is_the_committed_suite_run():
+    """The README's kernel table is headline_table of the committed GPU suite run, not numbers typed by hand: a
+    new suite run must come with the regenerated table (`glm5lab bench --suite full --headline`)."""
+    from pathlib import Path
+
+    from glm5lab.bench.kernel_plots import headline_table
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text().splitlines()
+    start = next(i for i, x in enumerate(readme) if x.strip().startswith("| cache, heads |"))
+    end = next(i for i in range(start, len(readme)) if not readme[i].strip().startswith("|"))
+    table = "\n".join(x.strip() for x in readme[start:end])
+    assert table == headline_table(root / "results" / "bench" / "gpu" / "kernels.csv"), (
+        "README.md's kernel table is not the committed suite run's: paste `glm5lab bench --suite full --headline`")
+
+
 def test_targets_table_reads_the_last_run_and_prefers_the_interleaved_rounds(tmp_path):
     """kernel_plots.targets_table: issue 7's targets against the LAST run of the CSV; a quantity comes from the
     interleaved rounds where the run has them, else from the CUDA-graph pass (x FlashMLA = FlashMLA's graph time /

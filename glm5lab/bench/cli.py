@@ -4,18 +4,15 @@
     glm5lab bench --suite cpu       # tiny shapes, Triton interpreter: exercises every code path;
                                     # its timings are NOT performance (rows under results/bench/cpu/)
     glm5lab bench --suite full --targets   # issue 7's speed targets against the last kernels run, met or not
+    glm5lab bench --suite full --headline  # the README's kernel table, from the same run
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def print_targets(results: Path) -> None:
-    """Issue 7's targets against the last GPU kernels run under `results` (kernel_plots.targets_table); a clear
-    error, not a traceback, when there is none."""
-    import pandas as pd
-
-    from glm5lab.bench.kernel_plots import targets_table
+def _gpu_kernels_csv(results: Path) -> Path:
+    """The GPU kernel benchmark CSV under `results`; a clear error, not a traceback, when there is none."""
     from glm5lab.bench.suites import out_dir
     from glm5lab.errors import Glm5labError
 
@@ -23,6 +20,17 @@ def print_targets(results: Path) -> None:
     if not csv.exists():
         raise Glm5labError(f"no GPU kernel benchmark at {csv}: run `glm5lab bench --suite full --parts kernels` "
                            "on a GPU first (the cpu suite's interpreter timings are not judged against targets)")
+    return csv
+
+
+def print_targets(results: Path) -> None:
+    """Issue 7's targets against the last GPU kernels run under `results` (kernel_plots.targets_table)."""
+    import pandas as pd
+
+    from glm5lab.bench.kernel_plots import targets_table
+    from glm5lab.errors import Glm5labError
+
+    csv = _gpu_kernels_csv(results)
     t = targets_table(csv)
     if not t.attrs:
         raise Glm5labError(f"{csv} holds no benchmark run: run `glm5lab bench --suite full --parts kernels` again")
@@ -32,14 +40,26 @@ def print_targets(results: Path) -> None:
     print(f"met {int(t.met.eq(True).sum())} of {len(t)}; unmeasured {int(t.met.isna().sum())}")
 
 
+def print_headline(results: Path) -> None:
+    """The README's kernel table (kernel_plots.headline_table) of the last GPU kernels run under `results`."""
+    from glm5lab.bench.kernel_plots import headline_table, last_run
+    from glm5lab.errors import Glm5labError
+
+    csv = _gpu_kernels_csv(results)
+    if not last_run(csv)[1]:
+        raise Glm5labError(f"{csv} holds no benchmark run: run `glm5lab bench --suite full --parts kernels` again")
+    print(headline_table(csv))
+
+
 def _run(args) -> int:
     from glm5lab.bench.suites import run_suite
 
-    if args.targets:
+    if args.targets or args.headline:
         if args.suite != "full":
             from glm5lab.errors import Glm5labError
-            raise Glm5labError("--targets reads a GPU run: use it with --suite full")
-        print_targets(args.results)
+            raise Glm5labError(f"--{'targets' if args.targets else 'headline'} reads a GPU run: use it with "
+                               "--suite full")
+        (print_targets if args.targets else print_headline)(args.results)
         return 0
     df = run_suite(args.suite, args.results, parts=args.parts, budget_s=args.budget,
                    isolate=not args.in_process, progress=not args.no_progress)
@@ -69,4 +89,6 @@ def add_command(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--targets", action="store_true",
                    help="run nothing: print issue 7's speed targets against the last GPU kernels run, met or not")
+    p.add_argument("--headline", action="store_true",
+                   help="run nothing: print the README's kernel table (markdown) from the last GPU kernels run")
     p.set_defaults(func=_run)

@@ -108,13 +108,10 @@ _SOURCES = {"us": [("interleaved", "time_graph_interleaved"), ("graph", "time_gr
                      ("do_bench", "time")]}
 
 
-def targets_table(csv_path):
-    """Issue 7's targets against the LAST run of a kernel benchmark CSV (the suite's or notebook 05's): one row per
-    target with the measured value, where it was read from (`_SOURCES`: interleaved rounds first) and whether it is
-    met; NaN / None where the run lacks the shape or FlashMLA. The run's provenance (gpu, git_sha, timestamp) is in
-    the table's attrs, empty when the CSV holds no run; a file that is not a benchmark CSV is a Glm5labError."""
-    import math
-
+def last_run(csv_path):
+    """The rows of the LAST run (one append of records.append_rows: one timestamp and command) of a kernel benchmark
+    CSV, and its provenance (gpu, git_sha, timestamp; empty when the CSV holds no run); a file that is not a
+    benchmark CSV is a Glm5labError."""
     import pandas as pd
 
     from glm5lab.bench.records import COLUMNS
@@ -125,33 +122,93 @@ def targets_table(csv_path):
         raise Glm5labError(f"{csv_path} is not a benchmark CSV (columns {list(df.columns)[:5]}...)")
     df = df[df.suite == "sparse_mla_kernel"]
     prov = {}
-    if len(df):      # the last run: one append of records.append_rows, one timestamp and command
+    if len(df):
         df = df[(df.timestamp == df.timestamp.iloc[-1]) & (df.command == df.command.iloc[-1])]
         prov = {k: df[k].iloc[-1] for k in ("gpu", "git_sha", "timestamp")}
+    return df, prov
+
+
+def _measured(val: dict, layout: str, shape: str, qty: str):
+    """(value, source) of one quantity of glm5lab's kernel at one shape, from the first of `_SOURCES` the run has
+    (x FlashMLA outside the interleaved rounds: FlashMLA's time / ours); (nan, "") when it has none."""
+    import math
+
+    for src, metric in _SOURCES[qty]:
+        ours = val.get(("glm5lab", layout, shape, metric))
+        if ours is None or math.isnan(ours):
+            continue
+        if qty == "x_fm" and src != "interleaved":
+            fm = val.get(("flashmla", layout, shape, metric))
+            if fm is None:
+                continue
+            ours = fm / ours
+        return ours, src
+    return float("nan"), ""
+
+
+def _values(df) -> dict:
     df = df[df.implementation.isin(["glm5lab", "flashmla"])]
-    val = {(r.implementation, r.layout, r.shape, r.metric): float(r.value) for r in df.itertuples()}
+    return {(r.implementation, r.layout, r.shape, r.metric): float(r.value) for r in df.itertuples()}
+
+
+def _topk(df) -> str:
     topk = df["shape"].str.extract(r"_K(\d+)")[0].dropna()
-    k = topk.iloc[-1] if len(topk) else "2048"
+    return topk.iloc[-1] if len(topk) else "2048"
+
+
+def targets_table(csv_path):
+    """Issue 7's targets against the LAST run of a kernel benchmark CSV (the suite's or notebook 05's): one row per
+    target with the measured value, where it was read from (`_SOURCES`: interleaved rounds first) and whether it is
+    met; NaN / None where the run lacks the shape or FlashMLA. The run's provenance (gpu, git_sha, timestamp) is in
+    the table's attrs, empty when the CSV holds no run; a file that is not a benchmark CSV is a Glm5labError."""
+    import math
+
+    import pandas as pd
+
+    df, prov = last_run(csv_path)
+    val, k = _values(df), _topk(df)
     out = []
     for what, H, T, lay, qty, op, goal in ISSUE_TARGETS:
-        shape, measured, source = f"H{H}_T{T}_K{k}", float("nan"), ""
-        for src, metric in _SOURCES[qty]:
-            ours = val.get(("glm5lab", lay, shape, metric))
-            if ours is None or math.isnan(ours):
-                continue
-            if qty == "x_fm" and src != "interleaved":
-                fm = val.get(("flashmla", lay, shape, metric))
-                if fm is None:
-                    continue
-                ours = fm / ours
-            measured, source = ours, src
-            break
+        measured, source = _measured(val, lay, f"H{H}_T{T}_K{k}", qty)
         met = None if math.isnan(measured) else (measured <= goal if op == "<=" else measured >= goal)
         out.append({"target": what, "heads": H, "tokens": T, "layout": lay, "quantity": qty,
                     "goal": f"{op} {goal:g}", "measured": measured, "met": met, "source": source})
     table = pd.DataFrame(out)
     table.attrs.update(prov)
     return table
+
+
+HEADLINE_HEADS = (8, 16, 64, 128)
+HEADLINE_TOKENS = (1, 8, 32, 128, 512)
+
+
+def headline_table(csv_path) -> str:
+    """The README's kernel table from the LAST run of a kernel benchmark CSV, as markdown: a row per (cache layout,
+    heads), a column per token count; each cell glm5lab's time (µs), its ratio to FlashMLA and, from 128 tokens, its
+    fraction of the memory roofline -- read as `targets_table` reads them (interleaved rounds first). A cell the run
+    lacks reads "n/a". So the numbers a reader sees first are regenerated, not retyped
+    (`glm5lab bench --suite full --headline`)."""
+    import math
+
+    df, _ = last_run(csv_path)
+    val, k = _values(df), _topk(df)
+    lines = ["| cache, heads | " + " | ".join(f"{T} token{'s' if T > 1 else ''}" for T in HEADLINE_TOKENS) + " |",
+             "|---" * (len(HEADLINE_TOKENS) + 1) + "|"]
+    for lay in ("bf16", "fp8_ds_mla"):
+        for H in HEADLINE_HEADS:
+            cells = []
+            for T in HEADLINE_TOKENS:
+                shape = f"H{H}_T{T}_K{k}"
+                us, x, rf = (_measured(val, lay, shape, q)[0] for q in ("us", "x_fm", "roofline"))
+                if math.isnan(us):
+                    cells.append("n/a")
+                    continue
+                cell = f"{us:.1f} µs" if us < 100 else f"{us:.0f} µs"
+                cell += "" if math.isnan(x) else f", {x:.2f}×"
+                cell += f", {rf:.2f}" if T >= 128 and not math.isnan(rf) else ""
+                cells.append(cell)
+            lines.append(f"| {lay}, {H} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _text(x) -> str:
