@@ -673,6 +673,35 @@ def test_small_batch_sweep_times_only_the_split_counts_asked_for():
     assert len(latency_anatomy.sweep_cases("fp8_ds_mla")) == 12    # without splits: the v6 sweep
 
 
+def test_merge_timeline_pairs_each_attention_grid_with_the_merge_after_it():
+    """latency_anatomy.timeline_parts: a call is an attention kernel followed by a merge kernel, in start order
+    whatever order the profiler lists them; an early-launched merge starts before the attention ends (a negative
+    tail is impossible, a start inside the attention is the point); medians over the calls; {} without a merge."""
+    from glm5lab.bench import latency_anatomy
+
+    events = [(10.0, 14.5, "_merge_columns_kernel"), (0.0, 5.0, "_sparse_mla_fp8_sm90_kernel"),
+              (2.0, 6.0, "_merge_columns_kernel"), (8.0, 13.0, "_sparse_mla_fp8_sm90_kernel"),
+              (20.0, 26.0, "_sparse_mla_fp8_sm90_kernel"), (21.0, 28.0, "_merge_columns_kernel")]
+    parts = latency_anatomy.timeline_parts(events)
+    assert parts == {"attention_us": 5.0, "merge_us": 4.5, "merge_start_after_attention_start_us": 2.0,
+                     "merge_end_after_attention_end_us": 1.5, "call_us": 6.5}
+    assert latency_anatomy.timeline_parts([(0.0, 5.0, "_sparse_mla_fwd_kernel")]) == {}
+
+
+@pytest.mark.gpu
+def test_gpu_merge_timeline_places_the_early_merge_inside_the_attention(tmp_path):
+    """8 heads fp8 x 1 token, the merge in stream order and launched early: five medians each; in stream order the
+    merge starts after the attention has ended, launched early it starts before."""
+    from glm5lab.bench import latency_anatomy
+
+    rows = latency_anatomy.merge_timeline(tmp_path / "t.csv", verbose=False, tokens=(1,), heads=(8,))
+    got = {(r["layout"], "pdlTrue" in r["shape"], r["metric"]): r["value"] for r in rows}
+    assert len(rows) == 2 * 2 * 5
+    for lay in ("bf16", "fp8_ds_mla"):
+        assert got[(lay, False, "merge_start_after_attention_start_us")] >= got[(lay, False, "attention_us")]
+        assert got[(lay, True, "merge_start_after_attention_start_us")] < got[(lay, True, "attention_us")]
+
+
 @pytest.mark.gpu
 def test_gpu_latency_anatomy_writes_every_case(tmp_path):
     from glm5lab.bench import latency_anatomy

@@ -157,6 +157,69 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
     return rows
 
 
+def timeline_parts(events) -> dict:
+    """Medians over the calls in `events` ((start_us, end_us, kernel name) of one stream's kernels, any order): a call
+    is an attention kernel followed by a merge kernel (its name holds "merge"). {} when there is no such pair."""
+    import statistics
+
+    ev = sorted(events)
+    calls = [(a, m) for a, m in zip(ev, ev[1:]) if "merge" not in a[2] and "merge" in m[2]]
+    if not calls:
+        return {}
+    parts = {"attention_us": [a[1] - a[0] for a, _ in calls], "merge_us": [m[1] - m[0] for _, m in calls],
+             "merge_start_after_attention_start_us": [m[0] - a[0] for a, m in calls],
+             "merge_end_after_attention_end_us": [m[1] - a[1] for a, m in calls],
+             "call_us": [m[1] - a[0] for a, m in calls]}
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 16),
+                   configs=None):
+    """When the merge runs against the attention grid: each call's two kernels as the profiler (CUPTI) sees them
+    inside a replayed CUDA graph of 32 rotating input sets (cold cache), per `_config` in `configs` (default: the
+    merge in stream order and launched early). Per call, averaged: the attention's duration, the merge's, the
+    merge's start after the attention's start and its end after the attention's end (an early-launched merge's
+    programs start waiting while the attention runs), and the call from the attention's start to the merge's end.
+    What graph time alone cannot say: whether the early merge lengthens the attention or shortens the tail."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.kernel_bench import graph_timer
+    from glm5lab.bench.records import append_rows
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    need_gpu("the merge timeline")
+    configs = configs or [{"impl": "gluon", "pdl": False}, {"impl": "gluon", "pdl": True}]
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    slots_n, topk, n_sets = 524_288, 2048, 32
+    caches = _caches(slots_n, gen)
+    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in configs]
+    rows = []
+    for lay, h, t, cfg in tqdm(jobs, desc="merge timeline", disable=not verbose):
+        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
+                for _ in range(n_sets)]
+        replay = graph_timer([lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(),
+                                                                      _config=dict(cfg)) for q, sl in sets], 1)
+        replay()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        parts = timeline_parts((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                               if ev.device_type == torch.autograd.DeviceType.CUDA)
+        if not parts:
+            continue                                    # an unsplit call has no merge to place
+        shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items())
+        for metric, value in parts.items():
+            rows.append({**_row(shape, lay, value), "metric": metric})
+        if verbose:
+            tqdm.write(f"  {lay:10s} {shape:40s} " + " ".join(f"{k[:-3]} {v:.2f}" for k, v in parts.items()))
+    append_rows(csv_path, rows, command=command or "latency_anatomy --timeline")
+    return rows
+
+
 def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
     import torch
 
@@ -199,6 +262,9 @@ def main(argv=None) -> int:
                    help="per-kernel GPU time (attention grid, merge) of --sweep-heads x --tokens x --splits instead")
     p.add_argument("--splits", type=int, nargs="*", default=None,
                    help="with --sweep: these split counts only (0 = the default policy's), the default merge")
+    p.add_argument("--timeline", action="store_true",
+                   help="when the merge runs against the attention grid (profiler, in a CUDA graph) for "
+                        "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
     p.add_argument("--configs", nargs="+", default=None, metavar="JSON",
                    help='with --sweep: the default beside the default with each _config, e.g. \'{"impl": "gluon"}\'')
     args = p.parse_args(argv)
@@ -210,7 +276,10 @@ def main(argv=None) -> int:
             raise Glm5labError(f"--configs takes JSON objects: {exc}") from None
         if not all(isinstance(c, dict) for c in configs):
             raise Glm5labError(f"--configs takes JSON objects, got {args.configs}")
-    if args.kernels:
+    if args.timeline:
+        merge_timeline(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+                       configs=configs)
+    elif args.kernels:
         kernel_split(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                      splits=tuple(args.splits or (0, 1, 4)))
     elif args.sweep:
