@@ -66,19 +66,33 @@ def _caches(slots_n: int, gen):
     return {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
 
 
-def _graph_us(cache, tokens: int, heads: int, topk: int, slots_n: int, n_sets: int, gen, **kw) -> float:
-    """CUDA-graph time of one sparse_mla_attention call over n_sets fresh (bf16 q, random slots) input sets."""
+def _input_sets(tokens: int, heads: int, topk: int, slots_n: int, n_sets: int, gen) -> list:
+    """n_sets fresh (bf16 q [tokens, heads, 576], random slots [tokens, topk]) input sets: rotating through them keeps
+    the previous call's rows out of L2."""
     import torch
 
+    return [(torch.randn(tokens, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
+             torch.randint(0, slots_n, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen))
+            for _ in range(n_sets)]
+
+
+def _cuda_kernels(prof) -> list:
+    """(start_us, end_us, name) of every GPU kernel a torch profiler recorded."""
+    import torch
+
+    return [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _graph_us(cache, tokens: int, heads: int, topk: int, slots_n: int, n_sets: int, gen, **kw) -> float:
+    """CUDA-graph time of one sparse_mla_attention call over n_sets fresh (bf16 q, random slots) input sets."""
     from glm5lab.bench.kernel_bench import graph_time_us
     from glm5lab.kernels.sparse_mla import sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
     scale = mla_softmax_scale()
-    sets = [(torch.randn(tokens, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
-             torch.randint(0, slots_n, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen))
-            for _ in range(n_sets)]
-    return graph_time_us([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, **kw) for q, s in sets])
+    return graph_time_us([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, **kw)
+                          for q, s in _input_sets(tokens, heads, topk, slots_n, n_sets, gen)])
 
 
 def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dtype: str = "bf16") -> dict:
@@ -132,11 +146,8 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
     jobs = [(lay, h, t, s) for lay in caches for h in heads for t in tokens for s in splits]
     rows = []
     for lay, h, t, s in tqdm(jobs, desc="kernel split anatomy", disable=not verbose):
-        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
-                for _ in range(n_sets)]
         call = [lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(), num_splits=s or None)
-                for q, sl in sets]
+                for q, sl in _input_sets(t, h, topk, slots_n, n_sets, gen)]
         for c in call:
             c()
         torch.cuda.synchronize()
@@ -145,9 +156,8 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
                 c()
             torch.cuda.synchronize()
         per_kernel = collections.defaultdict(float)
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[ev.name] += ev.time_range.elapsed_us() / n_sets
+        for start, end, name in _cuda_kernels(prof):
+            per_kernel[name] += (end - start) / n_sets
         shape = f"T{t}_H{h}_K{topk}_S{s if s else 'auto'}"
         for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
             rows.append({**_row(shape, lay, us, implementation=name[:60]), "metric": "kernel_time"})
@@ -177,7 +187,7 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
                    configs=None):
     """When the merge runs against the attention grid: each call's two kernels as the profiler (CUPTI) sees them
     inside a replayed CUDA graph of 32 rotating input sets (cold cache), per `_config` in `configs` (default: the
-    merge in stream order and launched early). Per call, averaged: the attention's duration, the merge's, the
+    merge in stream order and launched early). Medians over the calls: the attention's duration, the merge's, the
     merge's start after the attention's start and its end after the attention's end (an early-launched merge's
     programs start waiting while the attention runs), and the call from the attention's start to the merge's end.
     What graph time alone cannot say: whether the early merge lengthens the attention or shortens the tail."""
@@ -198,17 +208,14 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
     jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens for c in configs]
     rows = []
     for lay, h, t, cfg in tqdm(jobs, desc="merge timeline", disable=not verbose):
-        sets = [(torch.randn(t, h, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                 torch.randint(0, slots_n, (t, topk), device="cuda", dtype=torch.int32, generator=gen))
-                for _ in range(n_sets)]
         replay = graph_timer([lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(),
-                                                                      _config=dict(cfg)) for q, sl in sets], 1)
+                                                                      _config=dict(cfg))
+                              for q, sl in _input_sets(t, h, topk, slots_n, n_sets, gen)], 1)
         replay()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             replay()
             torch.cuda.synchronize()
-        parts = timeline_parts((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                               if ev.device_type == torch.autograd.DeviceType.CUDA)
+        parts = timeline_parts(_cuda_kernels(prof))
         if not parts:
             continue                                    # an unsplit call has no merge to place
         shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items())
