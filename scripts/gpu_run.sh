@@ -2,7 +2,7 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # kgluon ktests kbench kceiling kanatomy ksweep kmerge: kernel
+#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge: kernel
 #                                           # experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
@@ -72,6 +72,7 @@ part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage
 part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_h200.csv" ${KCEILING_ARGS:-}
 part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_h200.csv"
 part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
+part kphases ${KPHASES_S:-120} python3 -m glm5lab.bench.latency_anatomy --phases --out "$stage/results/kernels/phase_stamps_h200.csv" ${KPHASES_ARGS:-}
 part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_h200.csv" ${KMERGE_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

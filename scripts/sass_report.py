@@ -37,7 +37,7 @@ KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL",
         "FMUL", "FFMA", "MUFU", "SHFL", "BAR", "WARPGROUP.DEPBAR"]
 KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
                    "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
-POINTERS = {"SLOTS": "*i32", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTER": "*i32",
+POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTER": "*i32",
             "qk_scale_log2": "fp32"}
 ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", "stride_oh", "rows_per_split")
 
@@ -63,8 +63,11 @@ def build(config: dict, sm: int = 90):
     opts.setdefault("num_warps", 4)
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
+    stamps = cfg.pop("STAMPS", False)       # true: the phase stamps' buffer (a pointer); else None, as by default
     consts = ({**KERNEL_DEFAULTS, **cfg} if not gluon
               else {k: v for k, v in cfg.items() if k != "FP8" or "FP8" in kern.arg_names})
+    if "STAMPS" in kern.arg_names and not stamps:
+        consts["STAMPS"] = None
     for param in kern.params:   # a constexpr left out would be built as a runtime argument (its branches kept)
         if param.is_constexpr and param.name not in consts:
             if not param.has_default:

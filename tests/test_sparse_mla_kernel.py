@@ -702,6 +702,76 @@ def test_gpu_merge_timeline_places_the_early_merge_inside_the_attention(tmp_path
         assert got[(lay, True, "merge_start_after_attention_start_us")] < got[(lay, True, "attention_us")]
 
 
+def _stamped_program(gt_start, clock_start, gt_end):
+    """One program's stamps as the kernel writes them: globaltimer at 0 and 13, clock64 at 1-12 (100 a phase)."""
+    row = [gt_start, clock_start] + [clock_start + 100 * k for k in range(2, 12)] + [clock_start + 2000, gt_end]
+    return row + [-1, -1]
+
+
+def test_phase_parts_places_the_stamps_on_one_time_axis():
+    """latency_anatomy.phase_parts: the clock converts to ns by the programs' globaltimer span over their clock span
+    (here 1000 ns over 2000 clocks); phases are medians from each program's start, program starts and ends and the
+    merge's stamps are globaltimer from the first program's start; rows left at -1 (programs that did not run) are
+    dropped; the timer's step is the smallest gap between its distinct readings."""
+    from glm5lab.bench import latency_anatomy
+
+    att = [_stamped_program(1000, 100, 2000), [-1] * 16, _stamped_program(1200, 5000, 2200)]
+    merge = [[2300, 2400, 2600] + [-1] * 13, [2250, 2450, 2700] + [-1] * 13, [-1] * 16]
+    got = latency_anatomy.phase_parts(att, merge)
+    want = {"ns_per_clock": 0.5, "programs": 2, "program_start_us": 0.1, "last_program_start_us": 0.2,
+            **{f"phase{k}_us": 0.05 * k for k in range(2, 12)}, "phase12_us": 1.0, "attention_end_us": 1.1,
+            "last_attention_end_us": 1.2, "merge_programs": 2, "merge_start_us": 1.275, "merge_released_us": 1.425,
+            "merge_end_us": 1.65, "last_merge_end_us": 1.7, "globaltimer_step_ns": 50.0}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v), k
+    assert latency_anatomy.phase_parts([[-1] * 16], []) == {}
+
+
+def test_phase_stamps_are_refused_by_a_kernel_that_writes_none():
+    """Only the 1-3 token fp8_ds_mla mma.sync kernel writes phase stamps; asking another for them (or giving a buffer
+    smaller than its grid) is a one-line error before any launch."""
+    from glm5lab.kernels import sparse_mla_sm90
+
+    small = (torch.empty(16, 16, dtype=torch.int64), None)
+    rows = {**sparse_mla_sm90.ROWS_FP8_CONFIG, "_stamps": small}
+    with pytest.raises(Glm5labError, match="phase stamps"):
+        sparse_mla_sm90.launch((1, 1, 1), (), rows, False, True)
+    mma = {**sparse_mla_sm90.DEFAULT_CONFIG, "_stamps": small}
+    with pytest.raises(Glm5labError, match="fewer than 64 programs"):
+        sparse_mla_sm90.launch((1, 1, 64), (), mma, True, True)
+
+
+@pytest.mark.gpu
+def test_gpu_phase_stamps_leave_the_results_alone_and_come_in_order(device):
+    """8 heads fp8_ds_mla x 1 token (64 splits), the merge in stream order: the stamped build's output and lse are
+    the unstamped one's, bit for bit; every attention program (64) and merge program wrote its stamps, each
+    program's clock stamps in order; the merge starts and is released no earlier than the last attention program
+    ended (less the timer's step)."""
+    from glm5lab.bench import latency_anatomy
+    from glm5lab.kernels.sparse_mla import STAMP_SLOTS
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    cache = quantize_fp8_ds_mla(torch.randn(64, 64, 576, device=device, generator=gen).to(torch.bfloat16))
+    q = torch.randn(1, 8, 576, device=device, generator=gen).to(torch.bfloat16)
+    slots = torch.randint(0, 4096, (1, 2048), device=device, dtype=torch.int32, generator=gen)
+    slots[0, ::7] = -1
+    cfg = {"impl": "gluon", "pdl": False}
+    want = sparse_mla_attention(q, cache, slots, mla_softmax_scale(), _config=cfg)
+    bufs = tuple(torch.full((4096, STAMP_SLOTS.value), -1, dtype=torch.int64, device=device) for _ in "am")
+    got = sparse_mla_attention(q, cache, slots, mla_softmax_scale(), _config={**cfg, "_stamps": bufs})
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    att, merge = ([r for r in b.tolist() if r[0] >= 0] for b in bufs)
+    assert len(att) == 64 and len(merge) > 0
+    assert all(r[1] <= r[2] <= r[3] and r[4] <= r[5] <= r[6] <= r[7] <= r[12] and r[0] <= r[13] for r in att)
+    assert all(r[0] <= r[1] <= r[2] for r in merge)
+    parts = latency_anatomy.phase_parts(att, merge)
+    step_us = parts["globaltimer_step_ns"] / 1e3
+    assert 0.2 < parts["ns_per_clock"] < 2.0                  # a 0.5-5 GHz SM clock
+    assert parts["merge_start_us"] >= parts["last_attention_end_us"] - step_us
+    assert parts["phase12_us"] > parts["phase2_us"] > 0
+
+
 @pytest.mark.gpu
 def test_gpu_latency_anatomy_writes_every_case(tmp_path):
     from glm5lab.bench import latency_anatomy

@@ -95,9 +95,10 @@ def _graph_us(cache, tokens: int, heads: int, topk: int, slots_n: int, n_sets: i
                           for q, s in _input_sets(tokens, heads, topk, slots_n, n_sets, gen)])
 
 
-def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dtype: str = "bf16") -> dict:
+def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dtype: str = "bf16",
+         unit: str = "us") -> dict:
     return {"suite": SUITE, "implementation": implementation, "shape": shape, "dtype": dtype, "layout": layout,
-            "metric": "time_graph", "value": us, "unit": "us"}
+            "metric": "time_graph", "value": us, "unit": unit}
 
 
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
@@ -227,6 +228,83 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
     return rows
 
 
+def phase_parts(att, merge) -> dict:
+    """One call's phase stamps placed on one time axis (ns from its first attention program's start; the kernels'
+    `PHASES`): att [programs, STAMP_SLOTS] and merge [programs, STAMP_SLOTS] int64 as the kernels wrote them, rows
+    left at -1 by programs that did not run (a buffer larger than the grid) dropped. Within a program the SM's clock
+    (clock64) places its phases, converted to ns by the median of every program's globaltimer span over its clock
+    span; globaltimer places the programs and the merge against each other. Returns medians over programs (and the
+    last program's end, the merge's last end), in us."""
+    import statistics
+
+    att = [r for r in att if r[0] >= 0]
+    merge = [r for r in merge if r[0] >= 0]
+    if not att:
+        return {}
+    ns_per_clock = statistics.median([(r[13] - r[0]) / (r[12] - r[1]) for r in att if r[12] > r[1]] or [0.0])
+    t0 = min(r[0] for r in att)
+    med = statistics.median
+    out = {"ns_per_clock": ns_per_clock, "programs": len(att),
+           "program_start_us": med([r[0] - t0 for r in att]) / 1e3,
+           "last_program_start_us": max(r[0] - t0 for r in att) / 1e3}
+    for k in range(2, 13):
+        out[f"phase{k}_us"] = med([(r[k] - r[1]) * ns_per_clock for r in att]) / 1e3
+    out["attention_end_us"] = med([r[13] - t0 for r in att]) / 1e3
+    out["last_attention_end_us"] = max(r[13] - t0 for r in att) / 1e3
+    if merge:
+        out["merge_programs"] = len(merge)
+        out["merge_start_us"] = med([r[0] - t0 for r in merge]) / 1e3
+        out["merge_released_us"] = med([r[1] - t0 for r in merge]) / 1e3
+        out["merge_end_us"] = med([r[2] - t0 for r in merge]) / 1e3
+        out["last_merge_end_us"] = max(r[2] - t0 for r in merge) / 1e3
+    stamps = sorted({r[k] for r in att for k in (0, 13)} | {r[k] for r in merge for k in (0, 1, 2)})
+    steps = [b - a for a, b in zip(stamps, stamps[1:]) if b > a]
+    out["globaltimer_step_ns"] = float(min(steps)) if steps else 0.0
+    return out
+
+
+def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), heads=(8,), configs=None):
+    """Inside the 1-3 token fp8_ds_mla kernel (mma.sync, 8 heads) and its merge: each program's phase stamps
+    (`sparse_mla_sm90.PHASES`, a diagnostic build of the same kernel) in a replayed CUDA graph of 32 rotating input
+    sets (cold cache), per `_config` in `configs` (default: the merge in stream order and launched early); medians
+    over the calls of `phase_parts`. Where the attention program's time goes between its gathers' issue and its
+    partial's store, and when the merge starts, may read and ends against the last attention program's end."""
+    import statistics
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.kernel_bench import graph_timer
+    from glm5lab.bench.records import append_rows
+    from glm5lab.kernels.sparse_mla import STAMP_SLOTS, sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    need_gpu("the phase stamps")
+    configs = configs or [{"impl": "gluon", "pdl": False}, {"impl": "gluon", "pdl": True}]
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    slots_n, topk, n_sets, most = 524_288, 2048, 32, 4096
+    cache = _caches(slots_n, gen)["fp8_ds_mla"]
+    rows = []
+    for h, t, cfg in tqdm([(h, t, c) for h in heads for t in tokens for c in configs], desc="phase stamps",
+                          disable=not verbose):
+        sets = _input_sets(t, h, topk, slots_n, n_sets, gen)
+        bufs = [tuple(torch.full((most, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in "am")
+                for _ in sets]
+        replay = graph_timer([lambda q=q, sl=sl, b=b: sparse_mla_attention(
+            q, cache, sl, mla_softmax_scale(), _config={**cfg, "_stamps": b}) for (q, sl), b in zip(sets, bufs)], 1)
+        replay()
+        torch.cuda.synchronize()
+        calls = [phase_parts(a.tolist(), m.tolist()) for a, m in bufs]
+        parts = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+        shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items())
+        rows += [{**_row(shape, "fp8_ds_mla", v, unit="us" if k.endswith("_us") else "-"), "metric": k}
+                 for k, v in parts.items()]
+        if verbose:
+            tqdm.write(f"  {shape:40s} " + " ".join(f"{k.removesuffix('_us')} {v:.3g}" for k, v in parts.items()))
+    append_rows(csv_path, rows, command=command or "latency_anatomy --phases")
+    return rows
+
+
 def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
     import torch
 
@@ -272,6 +350,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="when the merge runs against the attention grid (profiler, in a CUDA graph) for "
                         "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
+    p.add_argument("--phases", action="store_true",
+                   help="the 1-3 token fp8_ds_mla kernel's phase stamps and its merge's, on one time axis, for "
+                        "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
     p.add_argument("--configs", nargs="+", default=None, metavar="JSON",
                    help='with --sweep: the default beside the default with each _config, e.g. \'{"impl": "gluon"}\'')
     args = p.parse_args(argv)
@@ -283,7 +364,10 @@ def main(argv=None) -> int:
             raise Glm5labError(f"--configs takes JSON objects: {exc}") from None
         if not all(isinstance(c, dict) for c in configs):
             raise Glm5labError(f"--configs takes JSON objects, got {args.configs}")
-    if args.timeline:
+    if args.phases:
+        phases(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+               configs=configs)
+    elif args.timeline:
         merge_timeline(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                        configs=configs)
     elif args.kernels:

@@ -476,12 +476,41 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
     tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
 
 
+# Phase stamps, a diagnostic (`latency_anatomy --phases`, NOTES.md v27): a kernel given STAMPS (int64, STAMP_SLOTS
+# values a program) writes the SM's clock64 at its phase boundaries and globaltimer (ns, one clock for every SM) at
+# its start and end, so that the time inside one program and between the grids can be placed. Off (STAMPS None), the
+# kernels build as before.
+STAMP_SLOTS = tl.constexpr(16)
+
+
 @triton.jit
-def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
+def _stamp_clock(STAMPS, prog, k: tl.constexpr, GLOBAL: tl.constexpr = False):
+    """Stamp k of program prog: clock64 now, in program order (after the instructions issued before it: a warp
+    issues in order, so after whatever their operands waited for); GLOBAL: globaltimer, not the clock."""
+    if GLOBAL:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(STAMPS + prog * STAMP_SLOTS + k, now)
+
+
+@triton.jit
+def _merge_prog():
+    """A separate-merge program's index in its grid (head tile, token, column block), for its stamps."""
+    return (tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)) * tl.num_programs(0) + tl.program_id(0)
+
+
+@triton.jit
+def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr, STAMPS=None):
     """What a separate-merge program (head tile, token, column block) covers: (token, column block, its heads, their
-    mask, its columns, the token's first partial)."""
+    mask, its columns, the token's first partial). STAMPS: globaltimer at its start (stamp 0) and once it may read
+    the partials (1)."""
+    if STAMPS is not None:
+        _stamp_clock(STAMPS, _merge_prog(), 0, GLOBAL=True)
     if PDL:
         gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
+    if STAMPS is not None:
+        _stamp_clock(STAMPS, _merge_prog(), 1, GLOBAL=True)
     t = tl.program_id(1).to(tl.int64)
     pid_d = tl.program_id(2)
     heads = tl.program_id(0) * MH + tl.arange(0, MH)
@@ -490,7 +519,7 @@ def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PD
 
 @triton.jit
 def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
-                  PART_F16: tl.constexpr):
+                  PART_F16: tl.constexpr, STAMPS=None):
     """A separate-merge program's output block (acc / total weight) and, from its first column block, the lse.
     fp16 partials: cols are stored columns (whole 16-column blocks); the values are put back in true column order
     in registers (stored 16 b + 4 q + 2 g + e -> true 16 b + 8 g + 2 q + e), so the store stays contiguous."""
@@ -502,6 +531,8 @@ def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, str
     tl.store(o_ptr, o, mask=hmask[:, None])
     if pid_d == 0:
         tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
+    if STAMPS is not None:
+        _stamp_clock(STAMPS, _merge_prog(), 2, GLOBAL=True)     # its stores issued
 
 
 @triton.jit
@@ -516,13 +547,13 @@ def _times_partial_scale(w, PART_LSE, rows, mask, num_splits, num_heads, PART_F1
 @triton.jit
 def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                           MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                          PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PART_F16: tl.constexpr = False, STAMPS=None):
     """The separate merge, parallel over columns: program (head tile, token, column block) merges DC of the
     512 output columns of MH heads, reading SC splits' partials in ONE load each round (all in flight at
     once). One program doing all columns (the fused merge) reads splits x heads x 2 KB one split at a time:
     at 1-8 tokens that serial chain, not the attention, was most of the time (NOTES.md v6). When one round
     holds every split, the partials and the lse are loaded together: a single memory round trip."""
-    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL, STAMPS)
     if SC >= S_PAD:
         sidx = tl.arange(0, S_PAD)
         smask = (sidx[:, None] < num_splits) & hmask[None, :]                             # [S_PAD, MH]
@@ -550,17 +581,17 @@ def _merge_columns_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, str
             o = tl.load(po, mask=smask[:, :, None], other=0.0, cache_modifier=".cg")     # [SC, MH, DC]
             acc += tl.sum(w[:, :, None] * o.to(tl.float32), 0)
     _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
-                  PART_F16)
+                  PART_F16, STAMPS)
 
 
 @triton.jit
 def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, stride_ot, stride_oh, stride_lt,
                            MH: tl.constexpr, DC: tl.constexpr, SC: tl.constexpr, S_PAD: tl.constexpr,
-                           PDL: tl.constexpr = False, PART_F16: tl.constexpr = False):
+                           PDL: tl.constexpr = False, PART_F16: tl.constexpr = False, STAMPS=None):
     """The column-parallel merge with the splits unrolled: each round issues SC [MH, DC] loads (all in flight at
     once) and every thread sums its own elements over the splits -- no reduction across threads, so no shared
     memory round trip (the [splits, MH, DC] form reduces over a dimension spread across threads)."""
-    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL)
+    t, pid_d, heads, hmask, cols, part0 = _merge_program(num_splits, num_heads, MH, DC, PDL, STAMPS)
     m_safe, wsum = _split_lse_max_and_weight(PART_LSE, part0, num_splits, num_heads, heads, hmask, S_PAD)
     acc = tl.zeros([MH, DC], tl.float32)
     for s0 in range(0, num_splits, SC):
@@ -572,7 +603,7 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
             w = _times_partial_scale(tl.exp2(ls - m_safe), PART_LSE, row, ok, num_splits, num_heads, PART_F16)
             acc += w[:, None] * o.to(tl.float32)
     _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, stride_ot, stride_oh, stride_lt,
-                  PART_F16)
+                  PART_F16, STAMPS)
 
 
 # The column merge at <= NARROW_MERGE_MAX_HEADS heads: programs of 2 heads x MERGE_VALUES_PER_WARP values a round on one
@@ -636,10 +667,10 @@ def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
 
 
 def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, pdl: bool = False,
-                 num_warps: int | None = None) -> None:
+                 num_warps: int | None = None, stamps=None) -> None:
     """One launch of a separate merge kernel (merge_plan's, or either by name) over partials [T, splits, H, 512] /
     [T, splits, H] into out [T, H, 512] and lse [T, H]; pdl: launched early (programmatic dependent launch);
-    num_warps: `merge_warps` unless given.
+    num_warps: `merge_warps` unless given; stamps: int64 [programs, STAMP_SLOTS] for the phase stamps (a diagnostic).
     fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
     T, num_splits, H, _ = part_o.shape
     f16 = part_o.dtype == torch.float16
@@ -649,7 +680,7 @@ def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, 
                            f"got {tuple(part_lse.shape)}")
     kernel[(cdiv(H, mh), T, LATENT // dc)](
         part_o, part_lse, out, lse, num_splits, H, out.stride(0), out.stride(1), lse.stride(0),
-        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16,
+        MH=mh, DC=dc, SC=sc, S_PAD=next_pow2(num_splits), PDL=pdl, PART_F16=f16, STAMPS=stamps,
         num_warps=num_warps or merge_warps(kernel, mh, dc, min(sc, next_pow2(num_splits))),
         **({"launch_pdl": True} if pdl else {}))
 
@@ -1021,7 +1052,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
-        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl)
+        launch_merge(*merge_plan(H, num_splits, part_f16), part_o, part_lse, out, lse, pdl=pdl,
+                     stamps=(cfg.get("_stamps") or (None, None))[1])
     return out, lse
 
 

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import _pow2_into_f16_range, partial_scale_plane, splits_wanted
+from glm5lab.kernels.sparse_mla import STAMP_SLOTS, _pow2_into_f16_range, partial_scale_plane, splits_wanted
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -104,6 +104,40 @@ def _let_merge_launch(PDL: gl.constexpr):
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+
+# The phase stamps of the 1-3 token fp8_ds_mla kernel (a diagnostic: `latency_anatomy --phases`, NOTES.md v27): the
+# stamp slots it writes (clock64 unless "global"), stamps 3-6 for its first step and 7-10 for its last.
+PHASES = {0: "start (global)", 1: "start", 2: "first rows requested (slot indices in)", 3: "q staged",
+          4: "step rows in shared memory", 5: "step dequantized", 6: "step scores and softmax issued",
+          7: "step P.V issued", 8: "last step rows in shared memory", 9: "last step dequantized",
+          10: "last step scores and softmax issued", 11: "last step P.V issued", 12: "partial's stores issued",
+          13: "end (global)"}
+
+
+@gluon.jit
+def _stamp(STAMPS, k: gl.constexpr, GLOBAL: gl.constexpr = False):
+    """Phase stamp k of this program (PHASES): clock64 now, in program order -- a warp issues in order, so after every
+    instruction before it has issued, i.e. after whatever their operands waited for; GLOBAL: globaltimer (ns, one
+    clock for all SMs). Off (STAMPS None): nothing."""
+    if STAMPS is not None:
+        prog = (gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)) * gl.num_programs(0) + gl.program_id(0)
+        if GLOBAL:
+            now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                            pack=1)
+        else:
+            now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, now)
+
+
+@gluon.jit
+def _step_stamp(STAMPS, i, num_steps, k: gl.constexpr):
+    """Phase stamp k (4-7) of the first step i, k + 4 of the last (PHASES)."""
+    if STAMPS is not None:
+        if i == 0:
+            _stamp(STAMPS, k)
+        if i == num_steps - 1:
+            _stamp(STAMPS, k + 4)
 
 
 @gluon.jit
@@ -333,11 +367,14 @@ def _sparse_mla_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, STAMPS=None,
 ):
     """<= 16 heads of an fp8_ds_mla cache on mma.sync (the default at 1-3 tokens of <= 8 heads): each step's e4m3 rows
     dequantized once into an fp16 tile, the products in the fp16 domain. q is staged after the first gathers are
-    requested, so that its load is in flight beside theirs (NOTES.md v23: 9.1 -> 8.6 us at 8 heads x 1 token)."""
+    requested, so that its load is in flight beside theirs (NOTES.md v23: 9.1 -> 8.6 us at 8 heads x 1 token).
+    STAMPS: the phase stamps (PHASES), a diagnostic."""
+    _stamp(STAMPS, 0, GLOBAL=True)
+    _stamp(STAMPS, 1)
     _let_merge_launch(PDL)
     NW: gl.constexpr = gl.num_warps()
     # scores [BLOCK_H, BLOCK_N] and outputs [BLOCK_H, 128]: mma.sync tiles, warps side by side along the columns
@@ -377,7 +414,9 @@ def _sparse_mla_fp8_sm90_kernel(
     n_start, n_end, slot_row, num_steps, nx_lat, nx_rope, nx_scale = _ring_start(
         SLOTS, t, s, stride_st, rows_per_split, topk, KV, kv_row_stride, num_slots, lat_ring, rope_ring, scale_stages,
         BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, True)
+    _stamp(STAMPS, 2)
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, QL)
+    _stamp(STAMPS, 3)
     q_unscale = gl.convert_layout(1.0 / q_mul, O_ROWS)
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, P_COLS)
 
@@ -394,9 +433,11 @@ def _sparse_mla_fp8_sm90_kernel(
         nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
             i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
             nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, True)
+        _step_stamp(STAMPS, i, num_steps, 4)
         raw = lat_ring.index(b).load(LAT)
         kv16.store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
         gl.thread_barrier()
+        _step_stamp(STAMPS, i, num_steps, 5)
 
         # scores: four fp16 latent products, each times its chunk's scale, then the bf16 rope product
         s0 = scale_ring.index(4 * b + 0).load(O_COLS)
@@ -410,6 +451,7 @@ def _sparse_mla_fp8_sm90_kernel(
         qk = mma_v2(q_rope.load(A_OP), rope_ring.index(b).permute((1, 0)).load(B_OP), qk * q_unscale[:, None])
 
         p, alpha, m_i, l_acc = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_acc, A_OP)
+        _step_stamp(STAMPS, i, num_steps, 6)
 
         p0 = scale_ring.index(4 * b + 0).load(P_COLS)
         p1 = scale_ring.index(4 * b + 1).load(P_COLS)
@@ -423,10 +465,13 @@ def _sparse_mla_fp8_sm90_kernel(
         acc2 = mma_v2((p * (p2 * inv_r)[None, :]).to(gl.float16), kv16.slice(256, 128, dim=1).load(B_OP), acc2 * keep)
         acc3 = mma_v2((p * (p3 * inv_r)[None, :]).to(gl.float16), kv16.slice(384, 128, dim=1).load(B_OP), acc3 * keep)
         r_i = r_new
+        _step_stamp(STAMPS, i, num_steps, 7)
 
     async_copy.wait_group(0)
     _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
                   num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
+    _stamp(STAMPS, 12)
+    _stamp(STAMPS, 13, GLOBAL=True)
 
 
 @gluon.jit
@@ -2076,6 +2121,13 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
+    if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
+        programs = grid[0] * grid[1] * grid[2]
+        if "STAMPS" not in kernel.arg_names or cfg["_stamps"][0].numel() < programs * STAMP_SLOTS.value:
+            raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none, or the buffer holds fewer than "
+                               f"{programs} programs x {STAMP_SLOTS.value} (only the 1-3 token fp8_ds_mla mma.sync "
+                               "kernel writes them)")
+        extra["STAMPS"] = cfg["_stamps"][0]
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
