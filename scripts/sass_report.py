@@ -37,8 +37,8 @@ KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL",
         "FMUL", "FFMA", "MUFU", "SHFL", "BAR", "WARPGROUP.DEPBAR"]
 KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
                    "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
-POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTER": "*i32",
-            "qk_scale_log2": "fp32"}
+POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32",
+            "COUNTER": "*i32", "qk_scale_log2": "fp32"}
 ALIGNED = ("stride_qt", "stride_qh", "kv_row_stride", "stride_st", "stride_ot", "stride_oh", "rows_per_split")
 
 
