@@ -122,8 +122,9 @@ WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_d
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
+                WS8X2, WS8X2O, {**sparse_mla_sm90.DEFAULT_CONFIG, "num_warps": 8},
+                {**sparse_mla_sm90.DEFAULT_CONFIG, "num_warps": 8, "block_n": 64}]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "w8", "w8n64"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)

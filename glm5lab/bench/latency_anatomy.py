@@ -102,8 +102,8 @@ def _row(shape: str, layout: str, us: float, implementation: str = "glm5lab", dt
 
 
 def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8), heads=(8, 64), policy=False,
-          splits=None, configs=None):
-    """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time)."""
+          splits=None, configs=None, layouts=("bf16", "fp8_ds_mla")):
+    """Small-batch split/merge sweep (cold cache, 32 rotating input sets, CUDA-graph time) over `layouts`."""
     import torch
     from tqdm.auto import tqdm
 
@@ -113,7 +113,7 @@ def sweep(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2, 4, 8)
     gen = torch.Generator(device="cuda").manual_seed(11)
     slots_n, topk = 524_288, 2048
     caches = _caches(slots_n, gen)
-    jobs = [(lay, h, t, c) for lay in caches for h in heads for t in tokens
+    jobs = [(lay, h, t, c) for lay in caches if lay in layouts for h in heads for t in tokens
             for c in sweep_cases(lay, policy, splits, configs)]
     rows = []
     for lay, h, t, (n_splits, merge, cfg) in tqdm(jobs, desc="small-batch sweep", disable=not verbose):
@@ -350,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="when the merge runs against the attention grid (profiler, in a CUDA graph) for "
                         "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
+    p.add_argument("--layouts", nargs="+", default=["bf16", "fp8_ds_mla"], choices=["bf16", "fp8_ds_mla"],
+                   help="with --sweep: the cache layouts to time")
     p.add_argument("--phases", action="store_true",
                    help="the 1-3 token fp8_ds_mla kernel's phase stamps and its merge's, on one time axis, for "
                         "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
@@ -375,7 +377,7 @@ def main(argv=None) -> int:
                      splits=tuple(args.splits or (0, 1, 4)))
     elif args.sweep:
         sweep(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
-              policy=args.policy, splits=args.splits, configs=configs)
+              policy=args.policy, splits=args.splits, configs=configs, layouts=tuple(args.layouts))
     else:
         run(args.out, args.heads, command=" ".join(sys.argv))
     return 0
