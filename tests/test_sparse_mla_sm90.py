@@ -122,10 +122,8 @@ WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_d
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O, {**sparse_mla_sm90.DEFAULT_CONFIG, "num_warps": 8},
-                {**sparse_mla_sm90.DEFAULT_CONFIG, "num_warps": 8, "block_n": 64}]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "w8", "w8n64"]
-PV_T = {**sparse_mla_sm90.DEFAULT_CONFIG, "pv_t": True}        # P.V as O^T at <= 8 heads (NOTES.md v27)
+                WS8X2, WS8X2O]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
@@ -153,36 +151,6 @@ def test_gpu_gluon_real_shapes(vcfg, H, T):
     check(out, lse, ref, torch.bfloat16)
     base, _ = run_poisoned(q, cache, slots, _config={"impl": "triton"})
     assert float((out.float() - base.float()).abs().max()) <= 8 * UNIT[torch.bfloat16] * float(base.float().abs().max())
-
-
-def test_pv_t_is_refused_beyond_8_heads_and_outside_the_mma_sync_fp8_tile():
-    """P.V as O^T puts the first 8 heads of the 16-row score tile in the product's N: a call of more heads, another
-    kernel or a bf16 cache is a one-line error before any launch."""
-    for cfg, fp8, heads in ((PV_T, True, 9), ({**WS8, "pv_t": True}, True, 8), (PV_T, False, 8),
-                            ({**PV_T, "block_h": 8}, True, 8)):
-        with pytest.raises(Glm5labError, match="pv_t=True"):
-            sparse_mla_sm90.check_tile(cfg, fp8, heads)
-    sparse_mla_sm90.check_tile(PV_T, True, 8)
-
-
-def test_pv_t_sm90_build_halves_the_products_without_spilling():
-    """Offline sm90 build of the PV_T form: 36 products a step for Q.K^T as before, 16 for P.V (32 in the [heads,
-    rows] form), no spill."""
-    base, pvt = _sm90_build(SPLIT=True), _sm90_build(SPLIT=True, PV_T=True)
-    assert base["HMMA"] == 68 and pvt["HMMA"] == 52
-    assert pvt["stack"] == 0 and pvt.get("LDL", 0) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H", [1, 5, 8])
-@pytest.mark.parametrize("T,topk,splits", [(1, 2048, None), (2, 2048, None), (3, 1000, 3), (8, 2048, None),
-                                           (130, 2048, None), (6, 77, 1), (4, 512, 1)])
-def test_gpu_pv_t_real_shapes(H, T, topk, splits):
-    """P.V as O^T against the float64 reference on the dequantized cache: 1-8 heads, split (default, forced odd) and
-    unsplit calls, the merge early or not (the default policy), -1 padding, all-invalid and duplicate slots."""
-    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=PV_T)
-    check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu

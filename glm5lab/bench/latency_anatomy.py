@@ -263,12 +263,14 @@ def phase_parts(att, merge) -> dict:
     return out
 
 
-def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), heads=(8,), configs=None):
+def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), heads=(8,), configs=None,
+           cache: str = "cold"):
     """Inside the 1-3 token fp8_ds_mla kernel (mma.sync, 8 heads) and its merge: each program's phase stamps
     (`sparse_mla_sm90.PHASES`, a diagnostic build of the same kernel) in a replayed CUDA graph of 32 rotating input
-    sets (cold cache), per `_config` in `configs` (default: the merge in stream order and launched early); medians
-    over the calls of `phase_parts`. Where the attention program's time goes between its gathers' issue and its
-    partial's store, and when the merge starts, may read and ends against the last attention program's end."""
+    sets (cache "cold": 524,288 slots; "l2": 4,096 slots and one input set, so the rows, slot indices and q come
+    from L2), per `_config` in `configs` (default: the merge in stream order and launched early); medians over the
+    calls of `phase_parts`. Where the attention program's time goes between its gathers' issue and its partial's
+    store, and when the merge starts, may read and ends against the last attention program's end."""
     import statistics
 
     import torch
@@ -282,8 +284,10 @@ def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), hea
     need_gpu("the phase stamps")
     configs = configs or [{"impl": "gluon", "pdl": False}, {"impl": "gluon", "pdl": True}]
     gen = torch.Generator(device="cuda").manual_seed(23)
-    slots_n, topk, n_sets, most = 524_288, 2048, 32, 4096
-    cache = _caches(slots_n, gen)["fp8_ds_mla"]
+    if cache not in ("cold", "l2"):
+        raise Glm5labError(f"cache must be 'cold' or 'l2', got {cache!r}")
+    (slots_n, n_sets), topk, most = ((524_288, 32) if cache == "cold" else (4_096, 1)), 2048, 4096
+    kv = _caches(slots_n, gen)["fp8_ds_mla"]
     rows = []
     for h, t, cfg in tqdm([(h, t, c) for h in heads for t in tokens for c in configs], desc="phase stamps",
                           disable=not verbose):
@@ -291,12 +295,12 @@ def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), hea
         bufs = [tuple(torch.full((most, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in "am")
                 for _ in sets]
         replay = graph_timer([lambda q=q, sl=sl, b=b: sparse_mla_attention(
-            q, cache, sl, mla_softmax_scale(), _config={**cfg, "_stamps": b}) for (q, sl), b in zip(sets, bufs)], 1)
+            q, kv, sl, mla_softmax_scale(), _config={**cfg, "_stamps": b}) for (q, sl), b in zip(sets, bufs)], 1)
         replay()
         torch.cuda.synchronize()
         calls = [phase_parts(a.tolist(), m.tolist()) for a, m in bufs]
         parts = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-        shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items())
+        shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items()) + ("_l2" if cache == "l2" else "")
         rows += [{**_row(shape, "fp8_ds_mla", v, unit="us" if k.endswith("_us") else "-"), "metric": k}
                  for k, v in parts.items()]
         if verbose:
@@ -355,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="the 1-3 token fp8_ds_mla kernel's phase stamps and its merge's, on one time axis, for "
                         "--sweep-heads x --tokens x --configs (default: the merge in stream order, then early)")
+    p.add_argument("--cache", choices=["cold", "l2"], default="cold",
+                   help="with --phases: 524,288 slots and 32 rotating input sets, or 4,096 slots and one (L2-warm)")
     p.add_argument("--configs", nargs="+", default=None, metavar="JSON",
                    help='with --sweep: the default beside the default with each _config, e.g. \'{"impl": "gluon"}\'')
     args = p.parse_args(argv)
@@ -368,7 +374,7 @@ def main(argv=None) -> int:
             raise Glm5labError(f"--configs takes JSON objects, got {args.configs}")
     if args.phases:
         phases(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
-               configs=configs)
+               configs=configs, cache=args.cache)
     elif args.timeline:
         merge_timeline(args.out, command=" ".join(sys.argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                        configs=configs)

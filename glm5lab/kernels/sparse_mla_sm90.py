@@ -329,55 +329,6 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
 
 
 @gluon.jit
-def _heads_as_columns(buf, v, MT: gl.constexpr):
-    """A per-head vector of the [heads, rows] tile (16 values, any layout) as the first 8 heads along O^T's columns
-    [1, 8] (through shared memory: a register tensor cannot be sliced). The caller sees that no warp still reads buf
-    (in the loop: the barrier at the top of each step)."""
-    buf.store(v)
-    gl.thread_barrier()
-    return buf.slice(0, 8).load(gl.SliceLayout(0, MT))[None, :]
-
-
-@gluon.jit
-def _pv_t_chunk(kv16, p_t, c: gl.constexpr, acc, MT: gl.constexpr):
-    """O^T's rows of chunk c [128, 8 heads] += V_c^T [128, rows] P_c^T [rows, 8 heads] (P_c: P times chunk c's
-    scales, stored in p_t with the other chunks' before the barrier in `_heads_as_columns`)."""
-    a = kv16.slice(c * 128, 128, dim=1).permute((1, 0)).load(gl.DotOperandLayout(operand_index=0, parent=MT,
-                                                                                   k_width=2))
-    b = p_t.index(c).slice(0, 8, dim=0).permute((1, 0)).load(gl.DotOperandLayout(operand_index=1, parent=MT,
-                                                                                   k_width=2))
-    return mma_v2(a, b, acc)
-
-
-@gluon.jit
-def _store_result_t(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, m_i, t, s, num_heads, num_splits,
-                    stride_ot, stride_oh, stride_lt, buf, SPLIT: gl.constexpr, MT: gl.constexpr,
-                    P_ROWS: gl.constexpr):
-    """`_store_result` of the O^T accumulators ([128, 8 heads] a chunk, PV_T: one head tile of <= 8 heads)."""
-    inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
-    inv = _heads_as_columns(buf, inv_l, MT)
-    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MT))
-    hm = (heads < num_heads)[None, :]
-    dcol = gl.arange(0, 128, layout=gl.SliceLayout(1, MT))[:, None]
-    heads_l = gl.arange(0, 16, layout=P_ROWS)
-    if SPLIT:
-        part = t * num_splits + s
-        po = PART_O + (part * num_heads + heads[None, :]) * 512 + dcol
-        gl.store(po, acc0 * inv, mask=hm)
-        gl.store(po + 128, acc1 * inv, mask=hm)
-        gl.store(po + 256, acc2 * inv, mask=hm)
-        gl.store(po + 384, acc3 * inv, mask=hm)
-        gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
-    else:
-        o = OUT + t * stride_ot + heads[None, :] * stride_oh + dcol
-        gl.store(o, (acc0 * inv).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 128, (acc1 * inv).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 256, (acc2 * inv).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(o + 384, (acc3 * inv).to(OUT.dtype.element_ty), mask=hm)
-        gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
-
-
-@gluon.jit
 def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
                    QL: gl.constexpr, K_ORDER: gl.constexpr = False):
     """The fp8 kernels' q: its latent part scaled per head by a power of two into fp16 range (exact) into q_lat
@@ -416,13 +367,12 @@ def _sparse_mla_fp8_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    PDL: gl.constexpr = False, STAMPS=None, PV_T: gl.constexpr = False,
+    PDL: gl.constexpr = False, STAMPS=None,
 ):
     """<= 16 heads of an fp8_ds_mla cache on mma.sync (the default at 1-3 tokens of <= 8 heads): each step's e4m3 rows
     dequantized once into an fp16 tile, the products in the fp16 domain. q is staged after the first gathers are
     requested, so that its load is in flight beside theirs (NOTES.md v23: 9.1 -> 8.6 us at 8 heads x 1 token).
-    STAMPS: the phase stamps (PHASES), a diagnostic. PV_T (<= 8 heads): P.V as O^T = V^T P^T, the heads as the
-    product's N (8) -- the [heads, rows] form pads 8 heads to mma's 16 rows, half its P.V work idle (v27)."""
+    STAMPS: the phase stamps (PHASES), a diagnostic."""
     _stamp(STAMPS, 0, GLOBAL=True)
     _stamp(STAMPS, 1)
     _let_merge_launch(PDL)
@@ -444,7 +394,7 @@ def _sparse_mla_fp8_sm90_kernel(
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # (a [STAGES, ...] buffer takes the layout of one stage)
     SWZ2: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-    # gl.static_assert(BLOCK_N % (8 * NW) == 0, "BLOCK_N must be a multiple of 8 x num_warps (scale copies)")
+    gl.static_assert(BLOCK_N % (8 * NW) == 0, "BLOCK_N must be a multiple of 8 x num_warps (scale copies)")
 
     pid_h = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
@@ -478,15 +428,6 @@ def _sparse_mla_fp8_sm90_kernel(
     acc2 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
     acc3 = gl.zeros([BLOCK_H, 128], gl.float32, layout=MMA)
     zero_qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=MMA)
-    if PV_T:
-        gl.static_assert(BLOCK_H == 16, "PV_T: the scores' 16-row tile, its first 8 heads")
-        MT: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        p_t = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, BLOCK_N], SWZ2)   # P times each chunk's scales
-        per_head = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)   # per-head factors to MT: step, end
-        acc0 = gl.zeros([128, 8], gl.float32, layout=MT)
-        acc1 = gl.zeros([128, 8], gl.float32, layout=MT)
-        acc2 = gl.zeros([128, 8], gl.float32, layout=MT)
-        acc3 = gl.zeros([128, 8], gl.float32, layout=MT)
 
     for i in range(num_steps):
         nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
@@ -517,33 +458,18 @@ def _sparse_mla_fp8_sm90_kernel(
         p2 = scale_ring.index(4 * b + 2).load(P_COLS)
         p3 = scale_ring.index(4 * b + 3).load(P_COLS)
         r_new = gl.maximum(r_i, gl.max(gl.maximum(gl.maximum(p0, p1), gl.maximum(p2, p3)), 0))
+        keep = gl.convert_layout(alpha * (r_i / r_new), O_ROWS)[:, None]
         inv_r = 1.0 / r_new
-        if PV_T:
-            p_t.index(0).store((p * (p0 * inv_r)[None, :]).to(gl.float16))
-            p_t.index(1).store((p * (p1 * inv_r)[None, :]).to(gl.float16))
-            p_t.index(2).store((p * (p2 * inv_r)[None, :]).to(gl.float16))
-            p_t.index(3).store((p * (p3 * inv_r)[None, :]).to(gl.float16))
-            keep_t = _heads_as_columns(per_head.index(0), alpha * (r_i / r_new), MT)
-            acc0 = _pv_t_chunk(kv16, p_t, 0, acc0 * keep_t, MT)
-            acc1 = _pv_t_chunk(kv16, p_t, 1, acc1 * keep_t, MT)
-            acc2 = _pv_t_chunk(kv16, p_t, 2, acc2 * keep_t, MT)
-            acc3 = _pv_t_chunk(kv16, p_t, 3, acc3 * keep_t, MT)
-        else:
-            keep = gl.convert_layout(alpha * (r_i / r_new), O_ROWS)[:, None]
-            acc0 = mma_v2((p * (p0 * inv_r)[None, :]).to(gl.float16), kv16.slice(0, 128, dim=1).load(B_OP), acc0 * keep)
-            acc1 = mma_v2((p * (p1 * inv_r)[None, :]).to(gl.float16), kv16.slice(128, 128, dim=1).load(B_OP), acc1 * keep)
-            acc2 = mma_v2((p * (p2 * inv_r)[None, :]).to(gl.float16), kv16.slice(256, 128, dim=1).load(B_OP), acc2 * keep)
-            acc3 = mma_v2((p * (p3 * inv_r)[None, :]).to(gl.float16), kv16.slice(384, 128, dim=1).load(B_OP), acc3 * keep)
+        acc0 = mma_v2((p * (p0 * inv_r)[None, :]).to(gl.float16), kv16.slice(0, 128, dim=1).load(B_OP), acc0 * keep)
+        acc1 = mma_v2((p * (p1 * inv_r)[None, :]).to(gl.float16), kv16.slice(128, 128, dim=1).load(B_OP), acc1 * keep)
+        acc2 = mma_v2((p * (p2 * inv_r)[None, :]).to(gl.float16), kv16.slice(256, 128, dim=1).load(B_OP), acc2 * keep)
+        acc3 = mma_v2((p * (p3 * inv_r)[None, :]).to(gl.float16), kv16.slice(384, 128, dim=1).load(B_OP), acc3 * keep)
         r_i = r_new
         _step_stamp(STAMPS, i, num_steps, 7)
 
     async_copy.wait_group(0)
-    if PV_T:
-        _store_result_t(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s,
-                        num_heads, num_splits, stride_ot, stride_oh, stride_lt, per_head.index(1), SPLIT, MT, P_ROWS)
-    else:
-        _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
-                      num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
+    _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, gl.sum(l_acc, 1), r_i, m_i, t, s, pid_h,
+                  num_heads, num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, MMA, P_ROWS)
     _stamp(STAMPS, 12)
     _stamp(STAMPS, 13, GLOBAL=True)
 
@@ -2160,12 +2086,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("converter=True is the warp-specialized 64-head kernel's fp8_ds_mla form (a producer "
                            f"warpgroup dequantizes); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
                            f"ws={cfg.get('ws', False)}")
-    if cfg.get("pv_t") and (not fp8 or cfg.get("rows") or cfg.get("ws") or cfg["block_h"] != 16
-                            or (num_heads is not None and num_heads > 8)):
-        raise Glm5labError("pv_t=True (P.V as O^T, NOTES.md v27) is a form of the fp8_ds_mla mma.sync kernel's 16-head "
-                           f"tile for calls of <= 8 heads; got it with rows={cfg.get('rows', False)}, "
-                           f"ws={cfg.get('ws', False)}, block_h {cfg['block_h']}, "
-                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, {num_heads} heads")
     diag = cfg.get("ws_diag", 0)
     fits = ((fp8 and cfg.get("rows") and diag in ((2, 3) if dual else (1, 2, 3, 4)))
             or (converter and diag in (1, 2, 3, 4, 6))
@@ -2201,8 +2121,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
-    if cfg.get("pv_t"):
-        extra["PV_T"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
         programs = grid[0] * grid[1] * grid[2]
         if "STAMPS" not in kernel.arg_names or cfg["_stamps"][0].numel() < programs * STAMP_SLOTS.value:
