@@ -763,7 +763,8 @@ def test_gpu_phase_stamps_leave_the_results_alone_and_come_in_order(device):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     att, merge = ([r for r in b.tolist() if r[0] >= 0] for b in bufs)
     assert len(att) == 64 and len(merge) > 0
-    assert all(r[1] <= r[2] <= r[3] and r[4] <= r[5] <= r[6] <= r[7] <= r[12] and r[0] <= r[13] for r in att)
+    assert all(r[1] <= r[2] <= r[3] <= r[14] <= r[15] <= r[4] <= r[5] <= r[6] <= r[7] <= r[12] and r[0] <= r[13]
+               for r in att)
     assert all(r[0] <= r[1] <= r[2] for r in merge)
     parts = latency_anatomy.phase_parts(att, merge)
     step_us = parts["globaltimer_step_ns"] / 1e3

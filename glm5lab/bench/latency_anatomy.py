@@ -247,8 +247,9 @@ def phase_parts(att, merge) -> dict:
     out = {"ns_per_clock": ns_per_clock, "programs": len(att),
            "program_start_us": med([r[0] - t0 for r in att]) / 1e3,
            "last_program_start_us": max(r[0] - t0 for r in att) / 1e3}
-    for k in range(2, 13):
-        out[f"phase{k}_us"] = med([(r[k] - r[1]) * ns_per_clock for r in att]) / 1e3
+    for k in (*range(2, 13), 14, 15):              # (14-15: a finer look inside the first step, when written)
+        if all(r[k] >= 0 for r in att):
+            out[f"phase{k}_us"] = med([(r[k] - r[1]) * ns_per_clock for r in att]) / 1e3
     out["attention_end_us"] = med([r[13] - t0 for r in att]) / 1e3
     out["last_attention_end_us"] = max(r[13] - t0 for r in att) / 1e3
     if merge:

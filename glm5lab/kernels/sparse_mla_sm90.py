@@ -107,12 +107,13 @@ def _let_merge_launch(PDL: gl.constexpr):
 
 
 # The phase stamps of the 1-3 token fp8_ds_mla kernel (a diagnostic: `latency_anatomy --phases`, NOTES.md v27): the
-# stamp slots it writes (clock64 unless "global"), stamps 3-6 for its first step and 7-10 for its last.
+# stamp slots it writes (clock64 unless "global"), stamps 4-7 for its first step and 8-11 for its last.
 PHASES = {0: "start (global)", 1: "start", 2: "first rows requested (slot indices in)", 3: "q staged",
           4: "step rows in shared memory", 5: "step dequantized", 6: "step scores and softmax issued",
           7: "step P.V issued", 8: "last step rows in shared memory", 9: "last step dequantized",
           10: "last step scores and softmax issued", 11: "last step P.V issued", 12: "partial's stores issued",
-          13: "end (global)"}
+          13: "end (global)", 14: "step: every warp past its first barrier (q staged by all)",
+          15: "step: this thread's row copies complete"}
 
 
 @gluon.jit
@@ -128,6 +129,14 @@ def _stamp(STAMPS, k: gl.constexpr, GLOBAL: gl.constexpr = False):
         else:
             now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, now)
+
+
+@gluon.jit
+def _first_step_stamp(STAMPS, i, k: gl.constexpr):
+    """Phase stamp k of the first step only (PHASES 14-15, inside `_ring_next`)."""
+    if STAMPS is not None:
+        if i == 0:
+            _stamp(STAMPS, k)
 
 
 @gluon.jit
@@ -238,13 +247,14 @@ def _ring_start(SLOTS, t, s, stride_st, rows_per_split, topk, KV, row_stride, nu
 @gluon.jit
 def _ring_next(i, KV, row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages,
                nx_lat, nx_rope, nx_scale, sl_cols, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAT: gl.constexpr,
-               ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, COLS: gl.constexpr, FP8: gl.constexpr):
+               ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, COLS: gl.constexpr, FP8: gl.constexpr, STAMPS=None):
     """The top of step i: once every warp is done with step i - 1's ring slot (and whatever else it read), request
     step i + STAGES - 1 into it (its slots arrived a step ago) and load the slots of the request after; load the
     next step's slot indices in layout COLS (for masking); then wait until step i's rows (every thread's copies)
     are in shared memory. Returns (next request's slots, step i's slot indices, step i + 1's, ring slot b of i)."""
     nxt = (i + STAGES - 1) % STAGES
     gl.thread_barrier()
+    _first_step_stamp(STAMPS, i, 14)
     nx_lat, nx_rope, nx_scale = _request_step(
         KV, row_stride, num_slots, slot_row, n_start + (i + STAGES) * BLOCK_N, n_end, lat_ring.index(nxt),
         rope_ring.index(nxt), scale_stages.index(nxt), nx_lat, nx_rope, nx_scale, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
@@ -252,6 +262,7 @@ def _ring_next(i, KV, row_stride, num_slots, slot_row, n_start, n_end, lat_ring,
     sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
     b = i % STAGES
     async_copy.wait_group(STAGES - 1)
+    _first_step_stamp(STAMPS, i, 15)
     gl.thread_barrier()
     return nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b
 
@@ -432,7 +443,7 @@ def _sparse_mla_fp8_sm90_kernel(
     for i in range(num_steps):
         nx_lat, nx_rope, nx_scale, cur_cols, sl_cols, b = _ring_next(
             i, KV, kv_row_stride, num_slots, slot_row, n_start, n_end, lat_ring, rope_ring, scale_stages, nx_lat,
-            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, True)
+            nx_rope, nx_scale, sl_cols, BLOCK_N, STAGES, LAT, ROPE_L, SCALE_L, P_COLS, True, STAMPS)
         _step_stamp(STAMPS, i, num_steps, 4)
         raw = lat_ring.index(b).load(LAT)
         kv16.store(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16))
