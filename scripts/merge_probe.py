@@ -3,7 +3,7 @@ grid that wrote them): the [splits, MH, DC] column merge against the unrolled on
 counts the policy picks. Probe behind NOTES.md v13; long-format rows to --out. --partials: instead, merge_plan's
 merge of fp32 partials against the same of fp16 partials with their scales (NOTES.md v14). --columns: instead, the
 column merge's tile (heads x columns a program, warps) at the 1-8 token calls where it is the plan's (NOTES.md v24:
-at 1 token x 8 heads its 32 programs load 32 KB each from L2).
+at 1 token x 8 heads its 32 programs load 32 KB each from L2; v27: 64 / 128 heads, fp16 partials).
 
     PYTHONPATH=. python scripts/merge_probe.py --out results/kernels/merge_probe_h200.csv [--partials | --columns]
 """
@@ -23,8 +23,19 @@ from glm5lab.kernels import sparse_mla as sm
 
 CASES = {8: [(1, 64), (8, 16), (32, 4)], 16: [(1, 32), (32, 4)], 64: [(1, 32), (8, 16), (32, 4), (64, 2)],
          128: [(4, 16), (16, 4), (32, 2)]}
-# (tokens, splits) of the default policy at 1-8 tokens where merge_plan picks the column merge (fp32 partials)
-COLUMN_CASES = {8: [(1, 64), (2, 64), (8, 16)], 16: [(1, 32), (2, 32), (8, 16)]}
+# (tokens, splits) of the default policy at 1-8 tokens where merge_plan picks the column merge (fp32 partials at
+# <= 16 heads; fp16 partials, with their scale plane, from the 64-head kernels)
+COLUMN_CASES = {8: [(1, 64), (2, 64), (8, 16)], 16: [(1, 32), (2, 32), (8, 16)], 64: [(1, 32), (2, 32), (4, 32)],
+                128: [(1, 32), (2, 32)]}
+
+
+def fp16_partials(po, pl):
+    """fp32 partials [T, S, H, 512] / lse [T, S, H] in the 64-head kernels' fp16 format: each partial scaled by a
+    power of two into fp16 range, its columns in stored order (`stored_column`), lse and 1 / scale as two planes."""
+    amax = po.abs().amax(-1)
+    mul = torch.exp2(14 - torch.floor(torch.log2(amax)))
+    order = torch.arange(512, device=po.device).view(32, 2, 4, 2).permute(0, 2, 1, 3).reshape(512)
+    return (po * mul[..., None])[..., order].half(), torch.stack([pl, 1.0 / mul])
 
 
 @one_line_errors
@@ -84,18 +95,22 @@ def main(argv=None) -> int:
 
 def column_rows(heads) -> list:
     """The column merge (every split in one load round) over tiles of MH heads x DC columns on 1-4 warps, beside
-    merge_tiles' tile, on the same fp32 partials; a tile whose output differs from the plan's is named _MISMATCH."""
+    merge_tiles' tile, on the same partials (fp32 at <= 16 heads, else fp16 as the 64-head kernels write them); a tile
+    whose output differs from the plan's is named _MISMATCH."""
     rows = []
     for H, T, S in [(h, t, s) for h in heads for t, s in COLUMN_CASES[h]]:
         po = torch.randn(T, S, H, 512, device="cuda")
         pl = torch.randn(T, S, H, device="cuda") * 3
+        f16 = H > sm.NARROW_MERGE_MAX_HEADS
+        if f16:
+            po, pl = fp16_partials(po, pl)
         sp = triton.next_power_of_2(S)
         shape, plan = f"H{H}_T{T}_S{S}", sm.merge_tiles(H, S)
         plan_tile = (*plan, sm.merge_warps(sm._merge_columns_kernel, *plan))        # (MH, DC, SC, warps)
         ref_o, ref_l = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
         sm.launch_merge(sm._merge_columns_kernel, *plan, po, pl, ref_o, ref_l)
         tiles = [(mh, dc, nw) for mh, dc, nw in itertools.product((1, 2, 4, 8, 16), (8, 16, 32, 64), (1, 2, 4))
-                 if mh <= H and mh * dc * sp <= 2048 * nw]
+                 if mh <= H and mh * dc * sp <= 2048 * nw and (dc >= 16 or not f16)]   # (fp16: 16-column blocks)
         for MH, DC, nw in tqdm(tiles, desc=f"column merge tiles {shape}"):
             out, lse = torch.empty_like(ref_o), torch.empty_like(ref_l)
 
@@ -122,10 +137,7 @@ def partials_rows(heads) -> list:
     for H, T, S in tqdm([(h, t, s) for h in heads for t, s in CASES[h]], desc="merge probe (partials)"):
         po = torch.randn(T, S, H, 512, device="cuda")
         pl = torch.randn(T, S, H, device="cuda") * 3
-        amax = po.abs().amax(-1)
-        mul = torch.exp2(14 - torch.floor(torch.log2(amax)))
-        order = torch.arange(512, device="cuda").view(32, 2, 4, 2).permute(0, 2, 1, 3).reshape(512)  # stored_column
-        po16, planes = (po * mul[..., None])[..., order].half(), torch.stack([pl, 1.0 / mul])
+        po16, planes = fp16_partials(po, pl)
         shape, plan32, plan16 = f"H{H}_T{T}_S{S}", sm.merge_plan(H, S), sm.merge_plan(H, S, fp16=True)
         kernel, mh, dc, sc = plan16
         # fp16 also at twice the plan's columns a program (the fp16 plan widens them only up to 4 splits)
