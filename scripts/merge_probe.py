@@ -105,7 +105,7 @@ def column_rows(heads) -> list:
         if f16:
             po, pl = fp16_partials(po, pl)
         sp = triton.next_power_of_2(S)
-        shape, plan = f"H{H}_T{T}_S{S}", sm.merge_tiles(H, S)
+        shape, plan = f"H{H}_T{T}_S{S}", sm.merge_tiles(H, S, f16)
         plan_tile = (*plan, sm.merge_warps(sm._merge_columns_kernel, *plan))        # (MH, DC, SC, warps)
         ref_o, ref_l = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16), torch.empty(T, H, device="cuda")
         sm.launch_merge(sm._merge_columns_kernel, *plan, po, pl, ref_o, ref_l)

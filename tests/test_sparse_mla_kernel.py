@@ -117,7 +117,8 @@ def test_column_merge_many_splits(device, H, splits):
 def test_narrow_column_merge_tiles_follow_the_probe():
     """At <= 16 heads the column merge runs 2-head programs of 2048 values a round on one warp (the H200 probe,
     NOTES.md v24: 1.4-1.9 us less than the 16-head tile at 1-8 tokens); 16-column blocks at least (fp16 partials
-    are stored in them); beyond 16 heads the wide 16-head tile of <= 8192 values on four warps."""
+    are stored in them); beyond 16 heads fp16 partials one head of 2048 values on one warp (v27), fp32 ones the wide
+    16-head tile of <= 8192 values on four warps."""
     from glm5lab.kernels import sparse_mla as sm
 
     for heads in (1, 2, 3, 8, 12, 16):
@@ -131,6 +132,13 @@ def test_narrow_column_merge_tiles_follow_the_probe():
             mh, dc, sc = sm.merge_tiles(heads, splits)
             assert mh == 16 and dc >= 16 and mh * dc * sc <= 8192 and sc <= next_pow2(splits)
             assert sm.merge_warps(sm._merge_columns_kernel, mh, dc, sc) == 4
+            # fp16 partials (the 64-head kernels'): one head, 2048 values a round, one warp (NOTES.md v27)
+            mh, dc, sc = sm.merge_tiles(heads, splits, fp16=True)
+            assert (mh, dc) == (1, max(16, min(64, 2048 // next_pow2(splits)))) and dc * sc <= 2048
+            assert sc == min(next_pow2(splits), 2048 // dc)
+            assert sm.merge_warps(sm._merge_columns_kernel, mh, dc, sc) == 1
+            assert sm.merge_plan(heads, splits, True)[1:] == (mh, dc, sc)
+    assert sm.merge_tiles(64, 32, fp16=True) == (1, 64, 32)
     assert sm.merge_warps(sm._merge_unrolled_kernel, 8, 64, 4) == 4
 
 
@@ -145,10 +153,14 @@ def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():
             columns = splits > 16 or (splits > 8 and heads <= 16)
             assert kernel is (sm._merge_columns_kernel if columns else sm._merge_unrolled_kernel), (heads, splits)
             assert mh * dc * sc <= 8192 and sc <= next_pow2(splits) and 512 % dc == 0 and mh <= max(next_pow2(heads), 8)
-            # fp16 partials: the same kernel, 256 columns a program up to 4 splits (NOTES.md v14 runs 2-3)
+            # fp16 partials: the same kernel, 256 columns a program up to 4 splits (NOTES.md v14 runs 2-3); the
+            # column merge beyond 16 heads one head a program (v27)
             k16, mh16, dc16, sc16 = sm.merge_plan(heads, splits, fp16=True)
-            assert (k16, mh16, sc16) == (kernel, mh, sc) and mh16 * dc16 * sc16 <= 8192
-            assert dc16 == (256 if splits <= 4 else dc), (heads, splits, dc16)
+            assert k16 is kernel and mh16 * dc16 * sc16 <= 8192
+            if columns and heads > 16:
+                assert (mh16, dc16, sc16) == sm.merge_tiles(heads, splits, fp16=True), (heads, splits)
+            else:
+                assert (mh16, sc16) == (mh, sc) and dc16 == (256 if splits <= 4 else dc), (heads, splits, dc16)
 
 
 def test_partials_are_fp16_by_default_only_in_the_64_head_gluon_kernels():
@@ -204,7 +216,7 @@ def _each_merge(part_o, part_lse, device):
 
     T, splits, H, _ = part_o.shape
     fp16 = part_o.dtype == torch.float16        # (the unrolled merge's fp16 tile: 256 columns at <= 4 splits)
-    for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits)),
+    for kernel, (mh, dc, sc) in ((sm._merge_columns_kernel, sm.merge_tiles(H, splits, fp16)),
                                  (sm._merge_unrolled_kernel, sm.merge_plan(max(H, 32), min(splits, 16), fp16)[1:])):
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
         lse = torch.full((T, H), float("nan"), device=device)
@@ -272,7 +284,8 @@ def test_both_merges_read_fp16_partials_with_their_scales(device, H, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,H,splits", [(1, 64, 32), (8, 64, 16), (32, 64, 4), (64, 128, 2), (7, 33, 9)])
+@pytest.mark.parametrize("T,H,splits", [(1, 64, 32), (4, 64, 32), (2, 128, 32), (3, 40, 128), (8, 64, 16),
+                                        (32, 64, 4), (64, 128, 2), (7, 33, 9)])
 def test_gpu_both_merges_read_fp16_partials_at_real_split_counts(T, H, splits):
     """The fp16-partials merge at the split counts the 64-head kernels use (tiles, rounds and the in-register column
     reordering as compiled for the GPU, not the interpreter), same bound as the CPU test."""

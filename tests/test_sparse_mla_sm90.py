@@ -990,11 +990,11 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
                                          ("fp8_ds_mla", WGMMA_CVP)],
                          ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
-@pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5)])
+@pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
     """The 64-head kernels writing split partials in fp16 (a scale a head, NOTES.md v14; their default) or fp32, the
     separate merge reading them: the usual tolerances at real shapes, a full and a partly filled head tile, two
-    64-head tiles."""
+    64-head tiles; 32 splits: the column merge (one head a program on fp16 partials, v27)."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
         ref = _bf16_dequantized_ref(q, cache, slots)

@@ -612,18 +612,26 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
 # us: 8 heads x 1 / 2 / 8 tokens 2.70 / 2.75 / 3.15 -> 1.85 / 1.88 / 1.76; 16 heads 3.71 / 3.72 / 3.86 -> 1.79 /
 # 1.87 / 1.99. The whole call (v24 call 5, the old tile beside the new in one sweep), fp8_ds_mla at 1 / 2 / 4 / 8
 # tokens: 8 heads 8.42 / 8.99 / 10.77 / 13.40 -> 7.59 / 8.26 / 9.97 / 11.96 us, 16 heads 11.01 / 11.53 / 12.35 / 14.40
-# -> 9.29 / 9.74 / 10.52 / 12.58 (bf16 alike). Beyond 16 heads (fp16 partials, 1-4 tokens) the wide tile stays: not
-# measured there.
+# -> 9.29 / 9.74 / 10.52 / 12.58 (bf16 alike).
+# Beyond 16 heads, the 64-head kernels' fp16 partials (1-4 tokens, 32 splits): ONE head x MERGE_VALUES_PER_WARP values
+# a round on one warp (64 columns = 128 contiguous bytes a split), not the wide 16-head tile. H200, merge_probe
+# --columns (NOTES.md v27), us: 64 heads x 1 / 2 / 4 tokens 3.90 / 4.89 / 7.82 -> 2.48 / 3.21 / 4.03; 128 heads x
+# 1 / 2 tokens 4.79 / 7.80 -> 3.33 / 3.95 (2 heads x 32 columns, the fp32 rule: 2.64 / 3.44 / 4.79, 3.26 / 4.48).
+# fp32 partials beyond 16 heads (the Triton kernel's) keep the wide tile: not measured.
 NARROW_MERGE_MAX_HEADS = 16
 MERGE_VALUES_PER_WARP = 2048
 
 
-def merge_tiles(num_heads: int, num_splits: int) -> tuple[int, int, int]:
+def merge_tiles(num_heads: int, num_splits: int, fp16: bool = False) -> tuple[int, int, int]:
     """(MH heads, DC columns, SC splits a round) of the column-parallel merge, the columns narrowed first so that many
     splits load at once: at <= NARROW_MERGE_MAX_HEADS heads 2 heads and MERGE_VALUES_PER_WARP fp32 values a round
-    (one warp, `merge_warps`), else at most 8192 values a round (64 registers a thread at 4 warps). DC >= 16: fp16
-    partials are stored in 16-column blocks."""
+    (one warp, `merge_warps`); beyond, fp16 partials (fp16) one head and MERGE_VALUES_PER_WARP values, fp32 ones at
+    most 8192 values a round (64 registers a thread at 4 warps). DC >= 16: fp16 partials are stored in 16-column
+    blocks."""
     s_pad = next_pow2(max(num_splits, 1))
+    if num_heads > NARROW_MERGE_MAX_HEADS and fp16:
+        dc = max(16, min(64, MERGE_VALUES_PER_WARP // s_pad))
+        return 1, dc, max(1, min(s_pad, MERGE_VALUES_PER_WARP // dc))
     if num_heads <= NARROW_MERGE_MAX_HEADS:
         mh = min(2, next_pow2(num_heads))
         dc = max(16, min(64, MERGE_VALUES_PER_WARP // (s_pad * mh)))
@@ -660,7 +668,7 @@ F16_WIDE_MERGE_MAX_SPLITS = 4
 def merge_plan(num_heads: int, num_splits: int, fp16: bool = False):
     """(kernel, MH, DC, SC) of the separate merge of num_splits partials of num_heads heads (fp16: fp16 partials)."""
     if num_splits > UNROLLED_MERGE_MAX_SPLITS or (num_splits > 8 and num_heads <= 16):
-        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits))
+        return (_merge_columns_kernel, *merge_tiles(num_heads, num_splits, fp16))
     s_pad = next_pow2(max(num_splits, 1))
     dc = 256 if fp16 and num_splits <= F16_WIDE_MERGE_MAX_SPLITS else 64
     return _merge_unrolled_kernel, min(8, next_pow2(num_heads)), dc, min(s_pad, 4 if s_pad <= 4 else 8)
