@@ -158,7 +158,7 @@ def test_merge_plan_unrolls_few_splits_and_loads_many_at_once():
             k16, mh16, dc16, sc16 = sm.merge_plan(heads, splits, fp16=True)
             assert k16 is kernel and mh16 * dc16 * sc16 <= 8192
             if columns and heads > 16:
-                assert (mh16, dc16, sc16) == sm.merge_tiles(heads, splits, fp16=True), (heads, splits)
+                assert mh16 == 1 and dc16 * sc16 == 2048 and sc16 == next_pow2(splits), (heads, splits)
             else:
                 assert (mh16, sc16) == (mh, sc) and dc16 == (256 if splits <= 4 else dc), (heads, splits, dc16)
 
@@ -746,13 +746,24 @@ def test_phase_stamps_are_refused_by_a_kernel_that_writes_none():
     smaller than its grid) is a one-line error before any launch."""
     from glm5lab.kernels import sparse_mla_sm90
 
+    from glm5lab.kernels import sparse_mla as sm
+
     small = (torch.empty(16, 16, dtype=torch.int64), None)
     rows = {**sparse_mla_sm90.ROWS_FP8_CONFIG, "_stamps": small}
-    with pytest.raises(Glm5labError, match="phase stamps"):
+    with pytest.raises(Glm5labError, match="_sparse_mla_rows_fp8_sm90_kernel writes none"):
         sparse_mla_sm90.launch((1, 1, 1), (), rows, False, True)
     mma = {**sparse_mla_sm90.DEFAULT_CONFIG, "_stamps": small}
-    with pytest.raises(Glm5labError, match="fewer than 64 programs"):
+    with pytest.raises(Glm5labError, match="holds 256 values, fewer than its 64 programs"):
         sparse_mla_sm90.launch((1, 1, 64), (), mma, True, True)
+    with pytest.raises(Glm5labError, match="an int64 tensor, got torch.float32"):
+        sparse_mla_sm90.launch((1, 1, 1), (), {**mma, "_stamps": (torch.empty(16, 16), None)}, False, True)
+    part_o, part_lse = torch.zeros(1, 64, 8, 512), torch.zeros(1, 64, 8)
+    out, lse = torch.empty(1, 8, 512, dtype=torch.bfloat16), torch.empty(1, 8)
+    with pytest.raises(Glm5labError, match="of the merge: the buffer holds 256 values, fewer than its 128"):
+        sm.launch_merge(*sm.merge_plan(8, 64), part_o, part_lse, out, lse, stamps=small[0])
+    q, cache, slots, _ = make_case(1, 8, 64, 128, torch.bfloat16, "fp8_ds_mla", "cpu")
+    with pytest.raises(Glm5labError, match="add 'impl': 'gluon'"):
+        sparse_mla_attention(q, cache, slots, SCALE, _config={"_stamps": small})
 
 
 @pytest.mark.gpu
@@ -762,6 +773,7 @@ def test_gpu_phase_stamps_leave_the_results_alone_and_come_in_order(device):
     program's clock stamps in order; the merge starts and is released no earlier than the last attention program
     ended (less the timer's step)."""
     from glm5lab.bench import latency_anatomy
+    from glm5lab.kernels import sparse_mla as sm
     from glm5lab.kernels.sparse_mla import STAMP_SLOTS
 
     gen = torch.Generator(device=device).manual_seed(5)
@@ -775,14 +787,15 @@ def test_gpu_phase_stamps_leave_the_results_alone_and_come_in_order(device):
     got = sparse_mla_attention(q, cache, slots, mla_softmax_scale(), _config={**cfg, "_stamps": bufs})
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     att, merge = ([r for r in b.tolist() if r[0] >= 0] for b in bufs)
-    assert len(att) == 64 and len(merge) > 0
+    _, mh, dc, _ = sm.merge_plan(8, 64)
+    assert len(att) == 64 and len(merge) == (8 // mh) * (512 // dc)        # every program of both grids
     assert all(r[1] <= r[2] <= r[3] <= r[14] <= r[15] <= r[4] <= r[5] <= r[6] <= r[7] <= r[12] and r[0] <= r[13]
                for r in att)
     assert all(r[0] <= r[1] <= r[2] for r in merge)
     parts = latency_anatomy.phase_parts(att, merge)
-    step_us = parts["globaltimer_step_ns"] / 1e3
+    step_ns = parts["globaltimer_step_ns"]
     assert 0.2 < parts["ns_per_clock"] < 2.0                  # a 0.5-5 GHz SM clock
-    assert parts["merge_start_us"] >= parts["last_attention_end_us"] - step_us
+    assert min(r[0] for r in merge) >= max(r[13] for r in att) - step_ns     # stream order: after every program
     assert parts["phase12_us"] > parts["phase2_us"] > 0
 
 

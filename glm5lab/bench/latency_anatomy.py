@@ -232,12 +232,13 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
 
 
 def phase_parts(att, merge) -> dict:
-    """One call's phase stamps placed on one time axis (ns from its first attention program's start; the kernels'
-    `PHASES`): att [programs, STAMP_SLOTS] and merge [programs, STAMP_SLOTS] int64 as the kernels wrote them, rows
-    left at -1 by programs that did not run (a buffer larger than the grid) dropped. Within a program the SM's clock
-    (clock64) places its phases, converted to ns by the median of every program's globaltimer span over its clock
-    span; globaltimer places the programs and the merge against each other. Returns medians over programs (and the
-    last program's end, the merge's last end), in us."""
+    """One call's phase stamps (the kernels' `PHASES`): att [programs, STAMP_SLOTS] and merge [programs, STAMP_SLOTS]
+    int64 as the kernels wrote them, rows left at -1 by programs that did not run (a buffer larger than the grid)
+    dropped. Within a program the SM's clock (clock64) places its phases from that program's own start (phase<k>_us),
+    converted to ns by the median of every program's globaltimer span over its clock span; globaltimer places the
+    programs' starts and ends and the merge's stamps from the grid's first program start. Returns medians over
+    programs and the last program's start / end and the merge's last end (us), the program counts, ns_per_clock and
+    the timer's smallest step (globaltimer_step_ns)."""
     import statistics
 
     att = [r for r in att if r[0] >= 0]
@@ -270,10 +271,10 @@ def phase_parts(att, merge) -> dict:
 def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), heads=(8,), configs=None,
            cache: str = "cold"):
     """Inside the 1-3 token fp8_ds_mla kernel (mma.sync, 8 heads) and its merge: each program's phase stamps
-    (`sparse_mla_sm90.PHASES`, a diagnostic build of the same kernel) in a replayed CUDA graph of 32 rotating input
-    sets (cache "cold": 524,288 slots; "l2": 4,096 slots and one input set, so the rows, slot indices and q come
-    from L2), per `_config` in `configs` (default: the merge in stream order and launched early); medians over the
-    calls of `phase_parts`. Where the attention program's time goes between its gathers' issue and its partial's
+    (`sparse_mla_sm90.PHASES`, a diagnostic build of the same kernel) in a replayed CUDA graph (cache "cold": 32
+    rotating input sets over 524,288 slots; "l2": one input set over 4,096 slots, so the rows, slot indices and q
+    come from L2), per `_config` in `configs` (default: the merge in stream order and launched early); medians over
+    the calls of `phase_parts`. Where the attention program's time goes between its gathers' issue and its partial's
     store, and when the merge starts, may read and ends against the last attention program's end."""
     import statistics
 
@@ -305,8 +306,8 @@ def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), hea
         calls = [phase_parts(a.tolist(), m.tolist()) for a, m in bufs]
         parts = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
         shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items()) + ("_l2" if cache == "l2" else "")
-        rows += [{**_row(shape, "fp8_ds_mla", v, unit="us" if k.endswith("_us") else "-"), "metric": k}
-                 for k, v in parts.items()]
+        rows += [{**_row(shape, "fp8_ds_mla", v, unit=k.rsplit("_", 1)[-1] if k.endswith(("_us", "_ns")) else "-"),
+                  "metric": k} for k, v in parts.items()]
         if verbose:
             tqdm.write(f"  {shape:40s} " + " ".join(f"{k.removesuffix('_us')} {v:.3g}" for k, v in parts.items()))
     append_rows(csv_path, rows, command=command or "latency_anatomy --phases")

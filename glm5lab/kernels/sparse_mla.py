@@ -477,20 +477,27 @@ def _merge_partials(PART_O, PART_LSE, OUT, LSE, t, heads, hmask, num_splits, num
 
 
 # Phase stamps, a diagnostic (`latency_anatomy --phases`, NOTES.md v27): a kernel given STAMPS (int64, STAMP_SLOTS
-# values a program) writes the SM's clock64 at its phase boundaries and globaltimer (ns, one clock for every SM) at
-# its start and end, so that the time inside one program and between the grids can be placed. Off (STAMPS None), the
-# kernels build as before.
+# values a program) writes them -- the 1-3 token fp8 Gluon kernel the SM's clock64 at its phase boundaries and
+# globaltimer (ns, one clock for every SM) at its start and end (`sparse_mla_sm90.PHASES`), each separate-merge program
+# globaltimer at its start, once it may read the partials and after its stores -- so that the time inside one program
+# and between the grids can be placed. Off (STAMPS None), the kernels build as before.
 STAMP_SLOTS = tl.constexpr(16)
 
 
+def check_stamps(buf, programs: int, what: str) -> None:
+    """Refuse a phase-stamp buffer that is not int64 on the GPU or holds fewer than programs x STAMP_SLOTS values."""
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.int64:
+        raise Glm5labError(f"phase stamps of {what}: an int64 tensor, got {getattr(buf, 'dtype', type(buf).__name__)}")
+    if buf.numel() < programs * STAMP_SLOTS.value:
+        raise Glm5labError(f"phase stamps of {what}: the buffer holds {buf.numel()} values, fewer than its {programs} "
+                           f"programs x {STAMP_SLOTS.value}")
+
+
 @triton.jit
-def _stamp_clock(STAMPS, prog, k: tl.constexpr, GLOBAL: tl.constexpr = False):
-    """Stamp k of program prog: clock64 now, in program order (after the instructions issued before it: a warp
-    issues in order, so after whatever their operands waited for); GLOBAL: globaltimer, not the clock."""
-    if GLOBAL:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    else:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def _stamp_global(STAMPS, prog, k: tl.constexpr):
+    """Stamp k of program prog: globaltimer now, in program order (after the instructions issued before it: a warp
+    issues in order, so after whatever their operands waited for)."""
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     tl.store(STAMPS + prog * STAMP_SLOTS + k, now)
 
 
@@ -506,11 +513,11 @@ def _merge_program(num_splits, num_heads, MH: tl.constexpr, DC: tl.constexpr, PD
     mask, its columns, the token's first partial). STAMPS: globaltimer at its start (stamp 0) and once it may read
     the partials (1)."""
     if STAMPS is not None:
-        _stamp_clock(STAMPS, _merge_prog(), 0, GLOBAL=True)
+        _stamp_global(STAMPS, _merge_prog(), 0)
     if PDL:
         gdc_wait()        # launched early (programmatic dependent launch): wait for the attention grid
     if STAMPS is not None:
-        _stamp_clock(STAMPS, _merge_prog(), 1, GLOBAL=True)
+        _stamp_global(STAMPS, _merge_prog(), 1)
     t = tl.program_id(1).to(tl.int64)
     pid_d = tl.program_id(2)
     heads = tl.program_id(0) * MH + tl.arange(0, MH)
@@ -532,7 +539,7 @@ def _store_merged(OUT, LSE, acc, m_safe, wsum, t, pid_d, heads, hmask, cols, str
     if pid_d == 0:
         tl.store(LSE + t * stride_lt + heads, lse, mask=hmask)
     if STAMPS is not None:
-        _stamp_clock(STAMPS, _merge_prog(), 2, GLOBAL=True)     # its stores issued
+        _stamp_global(STAMPS, _merge_prog(), 2)     # its stores issued
 
 
 @triton.jit
@@ -616,8 +623,9 @@ def _merge_unrolled_kernel(PART_O, PART_LSE, OUT, LSE, num_splits, num_heads, st
 # Beyond 16 heads, the 64-head kernels' fp16 partials (1-4 tokens, 32 splits): ONE head x MERGE_VALUES_PER_WARP values
 # a round on one warp (64 columns = 128 contiguous bytes a split), not the wide 16-head tile. H200, merge_probe
 # --columns (NOTES.md v27), us: 64 heads x 1 / 2 / 4 tokens 3.90 / 4.89 / 7.82 -> 2.48 / 3.21 / 4.03; 128 heads x
-# 1 / 2 tokens 4.79 / 7.80 -> 3.33 / 3.95 (2 heads x 32 columns, the fp32 rule: 2.64 / 3.44 / 4.79, 3.26 / 4.48).
-# fp32 partials beyond 16 heads (the Triton kernel's) keep the wide tile: not measured.
+# 1 / 2 tokens 4.79 / 7.80 -> 3.33 / 3.95 (the <= 16-head rule's 2 heads x 32 columns: 2.64 / 3.44 / 4.79, 3.26 /
+# 4.48; at 128 heads x 1 token 2 heads x 64 columns on 2 warps was best, 3.20). fp32 partials beyond 16 heads (the
+# Triton kernel's) keep the wide tile: not measured.
 NARROW_MERGE_MAX_HEADS = 16
 MERGE_VALUES_PER_WARP = 2048
 
@@ -681,6 +689,8 @@ def launch_merge(kernel, mh: int, dc: int, sc: int, part_o, part_lse, out, lse, 
     num_warps: `merge_warps` unless given; stamps: int64 [programs, STAMP_SLOTS] for the phase stamps (a diagnostic).
     fp16 partials come with part_lse [2, T, splits, H] (lse, then each partial's scale: `partial_scale_plane`)."""
     T, num_splits, H, _ = part_o.shape
+    if stamps is not None:
+        check_stamps(stamps, cdiv(H, mh) * T * (LATENT // dc), "the merge")
     f16 = part_o.dtype == torch.float16
     want = ((2,) if f16 else ()) + (T, num_splits, H)
     if tuple(part_lse.shape) != want:
@@ -999,6 +1009,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
+    if cfg.get("_stamps") is not None and not gluon:
+        raise Glm5labError("phase stamps (_config '_stamps') come from the 1-3 token fp8_ds_mla Gluon kernel and its "
+                           "separate merge: add 'impl': 'gluon' (sm_90)")
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     fp8_path = cfg.get("fp8_path", "default")
     if fp8_path in FP8_PATHS:

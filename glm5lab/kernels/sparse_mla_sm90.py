@@ -54,7 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import STAMP_SLOTS, _pow2_into_f16_range, partial_scale_plane, splits_wanted
+from glm5lab.kernels.sparse_mla import (STAMP_SLOTS, _pow2_into_f16_range, check_stamps, partial_scale_plane,
+                                        splits_wanted)
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -2133,11 +2134,10 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
-        programs = grid[0] * grid[1] * grid[2]
-        if "STAMPS" not in kernel.arg_names or cfg["_stamps"][0].numel() < programs * STAMP_SLOTS.value:
-            raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none, or the buffer holds fewer than "
-                               f"{programs} programs x {STAMP_SLOTS.value} (only the 1-3 token fp8_ds_mla mma.sync "
-                               "kernel writes them)")
+        if "STAMPS" not in kernel.arg_names:
+            raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none (only the 1-3 token fp8_ds_mla "
+                               "mma.sync kernel, _sparse_mla_fp8_sm90_kernel, does)")
+        check_stamps(cfg["_stamps"][0], grid[0] * grid[1] * grid[2], kernel.fn.__name__)
         extra["STAMPS"] = cfg["_stamps"][0]
     if part_f16:
         if "PART_F16" not in kernel.arg_names:
