@@ -143,9 +143,8 @@ def _first_step_stamp(STAMPS, i, k: gl.constexpr):
 @gluon.jit
 def _step_stamp(STAMPS, i, num_steps, k: gl.constexpr):
     """Phase stamp k (4-7) of the first step i, k + 4 of the last (PHASES)."""
+    _first_step_stamp(STAMPS, i, k)
     if STAMPS is not None:
-        if i == 0:
-            _stamp(STAMPS, k)
         if i == num_steps - 1:
             _stamp(STAMPS, k + 4)
 
