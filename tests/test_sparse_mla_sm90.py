@@ -471,9 +471,11 @@ WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequant
 # v12-v15)
 WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True}
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False}
+# ... and with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28), both fp8_ds_mla forms
+WGMMA_WS16, WGMMA_CV16 = {**WGMMA_WSP, "f16_tile": True}, {**WGMMA_CVP, "f16_tile": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP],
-                                    ids=["wg64", "ws64", "cv64", "cv64p"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_WS16, WGMMA_CV16],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "ws64f16", "cv64f16"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -483,6 +485,22 @@ def _bf16_dequantized_ref(q, cache, slots):
     kv = dequantize_fp8_ds_mla(cache).to(torch.bfloat16)
     return tuple(x.cpu() for x in sparse_mla_reference(q, kv, torch.where(slots >= kv.view(-1, 576).shape[0], -1,
                                                                                  slots), SCALE))
+
+
+def _f16_dequantized_ref(q, cache, slots):
+    """What the fp16 tile (f16_tile) computes: attention over the latent values e4m3 x (the scale rounded to fp16),
+    rounded once to fp16 (the product of an e4m3 value and an fp16 is exact in fp32), the rope values as stored."""
+    flat = cache.view(-1, 656).cpu()
+    e4m3 = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(-1, 4, 128)
+    scale = flat[:, 512:528].contiguous().view(torch.float32).half().float()
+    kv = torch.cat([(e4m3 * scale[..., None]).half().float().view(-1, 512),
+                    flat[:, 528:].contiguous().view(torch.bfloat16).float()], dim=1).to(q.device)
+    return tuple(x.cpu() for x in sparse_mla_reference(q, kv, torch.where(slots >= kv.shape[0], -1, slots), SCALE))
+
+
+def _tile_ref(wcfg):
+    """The reference a 64-head fp8_ds_mla tile is checked against: its dequantized tile's rounding."""
+    return _f16_dequantized_ref if wcfg.get("f16_tile") else _bf16_dequantized_ref
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
@@ -567,9 +585,10 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP))],
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_WS16,
+                                                       WGMMA_CV16))],
     ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
-         "fp8-ws64p", "fp8-cv64", "fp8-cv64p"])
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-ws64f16", "fp8-cv64f16"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -577,7 +596,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
     both 64-head kernels."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
-        ref = _bf16_dequantized_ref(q, cache, slots)
+        ref = _tile_ref(wcfg)(q, cache, slots)
     out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, ref, dtype)
 
@@ -603,12 +622,12 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
 def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
     """fp8_ds_mla: every e4m3 byte pattern, and NaN bytes and scales in slot 0 that no valid slot points at."""
     q, cache, slots, _ = _raw_fp8_case("cuda", T=5, H=64, topk=512, num_slots=4096)
-    ref = _bf16_dequantized_ref(q, cache, slots)
+    ref = _tile_ref(wcfg)(q, cache, slots)
     out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, ref, torch.bfloat16)
     q, cache, slots, _ = make_case(4, 64, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[slots == 0] = 1
-    ref = _bf16_dequantized_ref(q, cache, slots)
+    ref = _tile_ref(wcfg)(q, cache, slots)
     flat = cache.view(-1, 656)
     flat[0, :512] = 0x7F
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
@@ -621,7 +640,7 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
 def test_gpu_gluon_wgmma_all_invalid_tokens_and_cuda_graph(wcfg):
     q, cache, slots, _ = make_case(5, 128, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     slots[0] = -1
-    _check_cuda_graph_replay(q, cache, slots, _bf16_dequantized_ref(q, cache, slots), wcfg)
+    _check_cuda_graph_replay(q, cache, slots, _tile_ref(wcfg)(q, cache, slots), wcfg)
 
 
 def test_gluon_tiles_by_head_count():
@@ -987,8 +1006,10 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP)],
-                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p"])
+                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_WS16),
+                                         ("fp8_ds_mla", WGMMA_CV16)],
+                         ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
+                              "fp8-ws64f16", "fp8-cv64f16"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
@@ -997,7 +1018,7 @@ def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, 
     64-head tiles; 32 splits: the column merge (one head a program on fp16 partials, v27)."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
     if layout == "fp8_ds_mla":
-        ref = _bf16_dequantized_ref(q, cache, slots)
+        ref = _tile_ref(wcfg)(q, cache, slots)
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config={**wcfg, "partials": partials})
     check(out, lse, ref, torch.bfloat16)
 

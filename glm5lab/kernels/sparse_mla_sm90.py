@@ -573,45 +573,69 @@ def _q_for_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.const
 
 
 @gluon.jit
-def _q_wgmma_buffers(DT: gl.constexpr, BLOCK_H: gl.constexpr, SM: gl.constexpr):
-    """Shared memory for a tile's q as wgmma operands: latent [BLOCK_H, 512] and rope [BLOCK_H, 64] in DT."""
-    return gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM), gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
+def _q_wgmma_buffers(DT: gl.constexpr, BLOCK_H: gl.constexpr, SM: gl.constexpr, LAT_DT: gl.constexpr = None):
+    """Shared memory for a tile's q as wgmma operands: latent [BLOCK_H, 512] (in LAT_DT when given: the fp16 tile's
+    q, `_stage_q_wgmma`) and rope [BLOCK_H, 64] in DT."""
+    if LAT_DT is None:
+        q_lat = gl.allocate_shared_memory(DT, [BLOCK_H, 512], SM)
+    else:
+        q_lat = gl.allocate_shared_memory(LAT_DT, [BLOCK_H, 512], SM)
+    return q_lat, gl.allocate_shared_memory(DT, [BLOCK_H, 64], SM)
 
 
 @gluon.jit
 def _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
                    LAT16: gl.constexpr, ROPE_L: gl.constexpr):
-    """q's latent and rope parts into q_lat [BLOCK_H, 512] and q_rope [BLOCK_H, 64] as they are (`_q_for_wgmma`)."""
+    """q's latent and rope parts into q_lat [BLOCK_H, 512] and q_rope [BLOCK_H, 64] as they are (`_q_for_wgmma`).
+    The fp16 tile (q_lat fp16, q bf16; NOTES.md v28): both parts times a power of two a head that brings the latent
+    part's largest value into [2^14, 2^15) (`_pow2_into_f16_range`, exact), the latent part then in fp16, the rope
+    part still bf16; returns that multiplier [BLOCK_H] (SliceLayout(1, LAT16); the scores are divided by it), else
+    1.0."""
     heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
     q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    q_lat.store(gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
-                        mask=(heads_q < num_heads)[:, None], other=0.0))
+    lat = gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
+                  mask=(heads_q < num_heads)[:, None], other=0.0)
     heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
-    q_rope.store(gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
-                         + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
-                         mask=(heads_r < num_heads)[:, None], other=0.0))
+    rope = gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
+                   + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
+                   mask=(heads_r < num_heads)[:, None], other=0.0)
+    if q_lat.dtype == Q.dtype.element_ty:
+        q_lat.store(lat)
+        q_rope.store(rope)
+        q_mul = 1.0
+    else:
+        lat = lat.to(gl.float32)
+        q_mul = _pow2_into_f16_range(gl.max(gl.abs(lat), 1))
+        q_lat.store((lat * q_mul[:, None]).to(q_lat.dtype))
+        rope_mul = gl.convert_layout(q_mul, gl.SliceLayout(1, ROPE_L))
+        q_rope.store((rope.to(gl.float32) * rope_mul[:, None]).to(q_rope.dtype))
+    return q_mul
 
 
 @gluon.jit
-def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr):
+def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+                   F16_TILE: gl.constexpr = False):
     """The 64-head kernels' shared memory: this tile's q (not staged: `_stage_q_wgmma`; the warp-specialized kernels'
     consumers stage it while the loader gathers), then a ring of STAGES slots of BLOCK_N gathered rows --
     fp8_ds_mla: raw e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile
     they are dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring,
-    never touched). Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
+    never touched). F16_TILE (fp8_ds_mla only, NOTES.md v28): q's latent part and the tile in fp16 -- with FP8 False
+    that is the converter form's ring of tiles. Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages,
+    kv_deq)."""
     DT: gl.constexpr = Q.dtype.element_ty
+    TILE_DT: gl.constexpr = gl.float16 if F16_TILE else DT
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_lat, q_rope = _q_wgmma_buffers(DT, BLOCK_H, SM)
+    q_lat, q_rope = _q_wgmma_buffers(DT, BLOCK_H, SM, TILE_DT)
     rope_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 64], SM)
     if FP8:
         lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
         scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
         scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
+        kv_deq = gl.allocate_shared_memory(TILE_DT, [BLOCK_N, 512], SM)
     else:
-        lat_ring = gl.allocate_shared_memory(DT, [STAGES, BLOCK_N, 512], SM)
+        lat_ring = gl.allocate_shared_memory(TILE_DT, [STAGES, BLOCK_N, 512], SM)
         scale_ring = rope_ring
         scale_stages = rope_ring
         kv_deq = rope_ring
@@ -621,8 +645,13 @@ def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
 @gluon.jit
 def _scaled(raw, sc, DT: gl.constexpr):
     """e4m3 bytes raw [rows, cols] times their scales sc [rows] in float32, rounded once to DT (q's dtype) -- as
-    FlashMLA dequantizes."""
-    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(DT)
+    FlashMLA dequantizes. DT fp16 (the 64-head kernels' fp16 tile, NOTES.md v28): e4m3 to fp16 (exact) times the
+    scale rounded to fp16, in fp16 -- two instructions per two values instead of six, one fp16 rounding of the
+    scale and one of the product (relative error <= 2^-10 while the scale and the values are fp16 normals)."""
+    if DT == gl.float16:
+        return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * sc.to(gl.float16)[:, None]
+    else:
+        return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(DT)
 
 
 @gluon.jit
@@ -813,13 +842,20 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
-    from p_tile (`_heads_step`)."""
+    from p_tile (`_heads_step`). The fp16 tile (q_lat fp16): q scaled a head (`_stage_q_wgmma`), the scores' scale
+    a head with it (`_qk_scale_heads`)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
     if DIAG != 3 and DIAG != 1:
-        _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, HEADS_LAT16, HEADS_ROPE)
+        q_mul = _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, HEADS_LAT16,
+                               HEADS_ROPE)
         fence_async_shared()                  # (q is read by wgmma through the async proxy)
         gl.thread_barrier()
-    S_COLS: gl.constexpr = gl.SliceLayout(0, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                                       instr_shape=[16, BLOCK_N // 2, 16]))
+    else:
+        q_mul = 1.0
+    qk_scale = _qk_scale_heads(qk_scale_log2, q_mul, q_lat.dtype != Q.dtype.element_ty,
+                               S_L if P_SMEM else HEADS_P_A)
+    S_COLS: gl.constexpr = gl.SliceLayout(0, S_L)
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
@@ -830,7 +866,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                        num_slots, qk_scale_log2, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
+                                        num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
                                         P_SMEM)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
@@ -842,14 +878,25 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
 
 
 @gluon.jit
-def _p_tile(q_rope, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr):
-    """P_SMEM: the [heads, rows] tile P goes through as P.V's A operand (8 KB, 128-byte swizzle); otherwise q_rope
-    stands in, never touched."""
+def _qk_scale_heads(qk_scale_log2, q_mul, SCALED: gl.constexpr, L: gl.constexpr):
+    """The scores' scale (log2 units): qk_scale_log2 as it is, or -- SCALED, q's latent part times q_mul a head
+    (the fp16 tile) -- qk_scale_log2 / q_mul as a [heads, 1] column in the score tile's layout L (exact: q_mul is a
+    power of two)."""
+    if SCALED:
+        return gl.expand_dims(gl.convert_layout(qk_scale_log2 / q_mul, gl.SliceLayout(1, L)), 1)
+    else:
+        return qk_scale_log2
+
+
+@gluon.jit
+def _p_tile(q_lat, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr):
+    """P_SMEM: the [heads, rows] tile P goes through as P.V's A operand (8 KB, 128-byte swizzle, in the K/V tile's
+    dtype, which q_lat has); otherwise q_lat stands in, never touched."""
     if P_SMEM:
-        tile = gl.allocate_shared_memory(q_rope.dtype, [BLOCK_H, BLOCK_N],
+        tile = gl.allocate_shared_memory(q_lat.dtype, [BLOCK_H, BLOCK_N],
                                          gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     else:
-        tile = q_rope
+        tile = q_lat
     return tile
 
 
@@ -860,6 +907,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
+    F16_TILE: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -867,7 +915,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    loader gathers (NOTES.md v23)."""
+    loader gathers (NOTES.md v23). F16_TILE (fp8_ds_mla): the steps' dequantized tile and q's latent part in fp16
+    (NOTES.md v28)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -877,9 +926,10 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
+    gl.static_assert(FP8 or not F16_TILE, "the fp16 tile is fp8_ds_mla's")
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, BLOCK_H, BLOCK_N, STAGES, FP8)
-    p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
+        Q, BLOCK_H, BLOCK_N, STAGES, FP8, F16_TILE)
+    p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
@@ -957,7 +1007,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -968,7 +1018,8 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
     in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    producer gathers (NOTES.md v23)."""
+    producer gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's
+    dequantization two instructions per two values (`_scaled`, NOTES.md v28)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -982,11 +1033,11 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, BLOCK_H, BLOCK_N, STAGES, False)
+    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, BLOCK_H, BLOCK_N, STAGES, False, F16_TILE)
     raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-    p_tile = _p_tile(q_rope, BLOCK_H, BLOCK_N, P_SMEM)
+    p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 1)
     gl.warp_specialize([
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
@@ -2073,6 +2124,10 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
+    if cfg.get("f16_tile") and not (fp8 and cfg.get("ws")):
+        raise Glm5labError("f16_tile=True is the warp-specialized 64-head kernels' fp8_ds_mla option (the dequantized "
+                           f"tile in fp16); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
+                           f"ws={cfg.get('ws', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
@@ -2126,6 +2181,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
         extra["P_SMEM"] = True
+    if cfg.get("f16_tile"):
+        extra["F16_TILE"] = True
     if cfg.get("pipe"):
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
