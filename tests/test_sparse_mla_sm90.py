@@ -488,13 +488,18 @@ def _bf16_dequantized_ref(q, cache, slots):
 
 
 def _f16_dequantized_ref(q, cache, slots):
-    """What the fp16 tile (f16_tile) computes: attention over the latent values e4m3 x (the scale rounded to fp16),
-    rounded once to fp16 (the product of an e4m3 value and an fp16 is exact in fp32), the rope values as stored."""
+    """What the fp16 tile (f16_tile, NOTES.md v28) computes, written independently of the kernel: each row's scales
+    divided by 2^e (e: the exponent of the row's largest scale, in [-126, 126]), each latent value e4m3 x (that
+    scale rounded to fp16) rounded once to fp16 (the product of an e4m3 value and an fp16 is exact in fp32), times
+    2^e again (exact in float64); the rope values as stored."""
     flat = cache.view(-1, 656).cpu()
     e4m3 = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(-1, 4, 128)
-    scale = flat[:, 512:528].contiguous().view(torch.float32).half().float()
-    kv = torch.cat([(e4m3 * scale[..., None]).half().float().view(-1, 512),
-                    flat[:, 528:].contiguous().view(torch.bfloat16).float()], dim=1).to(q.device)
+    scale = flat[:, 512:528].contiguous().view(torch.float32)
+    _, exp = torch.frexp(scale.abs().amax(dim=1))                  # amax = m * 2^exp, m in [0.5, 1)
+    e = torch.where(scale.abs().amax(dim=1) > 0, (exp - 1).clamp(-126, 126), 0).double()[:, None, None]
+    unscaled = torch.ldexp(scale.double(), -e[..., 0]).float().half().float()
+    lat = torch.ldexp((e4m3 * unscaled[..., None]).half().double(), e).view(-1, 512)
+    kv = torch.cat([lat, flat[:, 528:].contiguous().view(torch.bfloat16).double()], dim=1).to(q.device)
     return tuple(x.cpu() for x in sparse_mla_reference(q, kv, torch.where(slots >= kv.shape[0], -1, slots), SCALE))
 
 
@@ -633,6 +638,32 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
     flat[0, 512:528] = torch.tensor([float("nan")] * 4, device="cuda").view(torch.uint8)
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=wcfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@FP8_WGMMA
+@pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4)), (3e4, (1e-12, 1e-6))],
+                         ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales",
+                              "scales-spanning-6-decades"])
+def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
+    """The 64-head tiles on q beyond / below fp16's range and chunk scales far outside it (values up to 448e4 and
+    down to 1e-12 x 2^-9; a row's chunk scales up to 1e6 apart): the fp16 tile's power of two a row and q's a head
+    keep every value in range, against the reference of each tile's rounding."""
+    import math
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_slots, T, H, topk = 4096, 3, 64, 512
+    cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
+    cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
+    lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
+    cache[:, 512:528] = torch.exp(lo + (hi - lo) * torch.rand(num_slots, 4, generator=g)).contiguous().view(torch.uint8)
+    cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    q = (torch.randn(T, H, 576, generator=g) * q_mag).to(torch.bfloat16)
+    q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
+    q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
+    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
+    check(out, lse, _tile_ref(wcfg)(q, cache, slots), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -647,7 +647,8 @@ def _scaled(raw, sc, DT: gl.constexpr):
     """e4m3 bytes raw [rows, cols] times their scales sc [rows] in float32, rounded once to DT (q's dtype) -- as
     FlashMLA dequantizes. DT fp16 (the 64-head kernels' fp16 tile, NOTES.md v28): e4m3 to fp16 (exact) times the
     scale rounded to fp16, in fp16 -- two instructions per two values instead of six, one fp16 rounding of the
-    scale and one of the product (relative error <= 2^-10 while the scale and the values are fp16 normals)."""
+    scale and one of the product (relative error <= 2^-10); the scales come in divided by their row's power of two
+    (`_row_pow2`), so that they are < 2 and the values < 896 whatever the cache holds."""
     if DT == gl.float16:
         return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * sc.to(gl.float16)[:, None]
     else:
@@ -655,22 +656,76 @@ def _scaled(raw, sc, DT: gl.constexpr):
 
 
 @gluon.jit
-def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr):
-    """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] with their scales [rows], `_scaled`."""
-    return _scaled(raw_rows.slice(c * 128, 128, dim=1).load(DQ), scales.load(gl.SliceLayout(1, DQ)), DT)
+def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr, unscale=1.0):
+    """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] with their scales [rows] (times unscale: the
+    fp16 tile's 2^-e a row, `_row_pow2`), `_scaled`."""
+    return _scaled(raw_rows.slice(c * 128, 128, dim=1).load(DQ), scales.load(gl.SliceLayout(1, DQ)) * unscale, DT)
 
 
 @gluon.jit
-def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
-    """Chunk c of ring slot b's e4m3 rows dequantized into the bf16 tile kv_deq (`_dequantized`)."""
+def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr, unscale=1.0):
+    """Chunk c of ring slot b's e4m3 rows dequantized into the tile kv_deq (`_dequantized`)."""
     kv_deq.slice(c * 128, 128, dim=1).store(
-        _dequantized(lat_ring.index(b), scale_ring.index(4 * b + c), c, kv_deq.dtype, HEADS_DQ))
+        _dequantized(lat_ring.index(b), scale_ring.index(4 * b + c), c, kv_deq.dtype, HEADS_DQ, unscale))
+
+
+@gluon.jit
+def _row_pow2(scale_ring, b, L: gl.constexpr):
+    """The fp16 tile's power of two a gathered row (NOTES.md v28): 2^e with e the exponent of the row's largest
+    chunk scale (ring slot b, in layout L; clamped to [-126, 126], 0 for a row of zero scales), so that the tile
+    holds K / 2^e: scales / 2^e < 2, values < 896, within fp16 for any cache. The products read the tile as K / 2^e
+    and the rope part divided alike (`_rope_unscaled`); the softmax puts 2^e back (`_online_softmax_pow2`). Returns
+    (e as float32, 2^e, 2^-e), exact; `_pow2_parts` of 2^e. The loader form's consumers compute it where they need
+    it from the same scales (so the two places agree); the converter form's producer stores 2^e for its consumers
+    (`_stored_pow2`)."""
+    m = gl.maximum(gl.maximum(gl.abs(scale_ring.index(4 * b).load(L)), gl.abs(scale_ring.index(4 * b + 1).load(L))),
+                   gl.maximum(gl.abs(scale_ring.index(4 * b + 2).load(L)),
+                              gl.abs(scale_ring.index(4 * b + 3).load(L))))
+    e = gl.minimum(gl.maximum(((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126), 126)
+    return _pow2_parts(gl.where(m > 0.0, (127 + e) << 23, 127 << 23))
+
+
+@gluon.jit
+def _pow2_parts(bits):
+    """(e as float32, 2^e, 2^-e) of the float32 bits of 2^e (e in [-126, 126]), exact, in integer arithmetic."""
+    return (((bits >> 23) - 127).to(gl.float32), bits.to(gl.float32, bitcast=True),
+            ((254 << 23) - bits).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _stored_pow2(scale_ring, b, L: gl.constexpr):
+    """`_row_pow2` of ring slot b as the converter form's producer left it: 2^e in place of chunk 0's scales."""
+    return _pow2_parts(scale_ring.index(4 * b).load(L).to(gl.int32, bitcast=True))
+
+
+@gluon.jit
+def _rope_unscaled(rope, unscale, L: gl.constexpr):
+    """The fp16 tile's rows' rope part (bf16 [rows, 64] in shared memory) divided in place by its row's 2^e
+    (unscale = 2^-e [rows] in SliceLayout(1, L), `_row_pow2`; exact: a power of two in bf16), so that q.K^T over
+    the whole row is the true score / 2^e. L: the dequantization's layout, so unscale is the one it computed."""
+    rope.store((rope.load(L).to(gl.float32) * unscale[:, None]).to(rope.dtype))
+
+
+@gluon.jit
+def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, unpow_e, m_i, l_acc):
+    """`_online_softmax` ([heads, rows], l per element) on the fp16 tile's scores s_tile = the true scores / 2^e a
+    row (`_row_pow2`, e / 2^e / 2^-e in the columns' layout): the max runs over t = score (log2 units) + e, so P
+    comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, each P <= 1 (fp16-safe) -- and l
+    sums p = P * 2^-e; the factors 2^-max cancel in O / l and lse = max + log2(l) as before."""
+    ok = (slots >= 0) & (slots < num_slots)
+    t = gl.where(gl.expand_dims(ok, 0), s_tile * qk_scale * gl.expand_dims(pow_e, 0) + gl.expand_dims(e, 0),
+                 float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(t - gl.expand_dims(m_safe, 1))
+    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, 1) + p * gl.expand_dims(unpow_e, 0)
 
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
-                P_SMEM: gl.constexpr = False):
+                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -678,12 +733,21 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     diagnostic: the products read kv_deq as it stands). P_SMEM (NOTES.md v16): no exchange of S -- Triton's
     layout conversion ran it in 4 rounds through a 4 KB buffer, 8 CTA barriers a step, with 5-6-way bank conflicts
     (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
-    operand of P.V. Returns (m, l, acc)."""
+    operand of P.V. F16_TILE (fp8_ds_mla with P_SMEM; NOTES.md v28): the tile in fp16 holds each row divided by its
+    power of two (`_row_pow2`; FP8: dequantized here, and the slot's rope part divided alike; FP8 False: the
+    converter form's producer did both), q's latent part in fp16, qk_scale_log2 a [heads, 1] column
+    (`_qk_scale_heads`), the softmax `_online_softmax_pow2`. Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
-            for c in gl.static_range(4):
-                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
+            if F16_TILE:
+                _, _, unscale = _row_pow2(scale_ring, b, gl.SliceLayout(1, HEADS_DQ))
+                for c in gl.static_range(4):
+                    _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, unscale)
+                _rope_unscaled(rope_ring.index(b), unscale, HEADS_DQ)
+            else:
+                for c in gl.static_range(4):
+                    _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
             gl.thread_barrier()
         kv = kv_deq
     else:
@@ -694,7 +758,15 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+        if F16_TILE and FP8:
+            e, pow_e, unpow_e = _row_pow2(scale_ring, b, gl.SliceLayout(0, qk.type.layout))
+        elif F16_TILE:
+            e, pow_e, unpow_e = _stored_pow2(scale_ring, b, gl.SliceLayout(0, qk.type.layout))
+        if F16_TILE:
+            p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e, pow_e, unpow_e,
+                                                        m_i, l_i)
+        else:
+            p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
@@ -838,12 +910,12 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
-    from p_tile (`_heads_step`). The fp16 tile (q_lat fp16): q scaled a head (`_stage_q_wgmma`), the scores' scale
-    a head with it (`_qk_scale_heads`)."""
+    from p_tile (`_heads_step`). F16_TILE: q scaled a head (`_stage_q_wgmma`), the scores' scale a head with it
+    (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     if DIAG != 3 and DIAG != 1:
@@ -853,8 +925,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         gl.thread_barrier()
     else:
         q_mul = 1.0
-    qk_scale = _qk_scale_heads(qk_scale_log2, q_mul, q_lat.dtype != Q.dtype.element_ty,
-                               S_L if P_SMEM else HEADS_P_A)
+    qk_scale = _qk_scale_heads(qk_scale_log2, q_mul, F16_TILE, S_L)
     S_COLS: gl.constexpr = gl.SliceLayout(0, S_L)
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
@@ -867,7 +938,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                        P_SMEM)
+                                        P_SMEM, F16_TILE)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -926,7 +997,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    gl.static_assert(FP8 or not F16_TILE, "the fp16 tile is fp8_ds_mla's")
+    gl.static_assert((FP8 and P_SMEM) or not F16_TILE, "the fp16 tile is fp8_ds_mla's, with P through shared memory")
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, BLOCK_H, BLOCK_N, STAGES, FP8, F16_TILE)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
@@ -935,7 +1006,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM,
+                              F16_TILE)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -986,15 +1058,22 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 gl.thread_barrier()            # every producer thread's copies have landed
             if DIAG != 3:
                 tile = kv_ring.index(b)
-                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
-                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
+                if DT == gl.float16:     # the fp16 tile: each row divided by its power of two, rope alike (_row_pow2)
+                    _, pow_e, unscale = _row_pow2(scale_ring, b, gl.SliceLayout(1, DQ))
+                    _rope_unscaled(rope_ring.index(b), unscale, DQ)
+                else:
+                    unscale = 1.0
+                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ, unscale))
+                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ, unscale))
                 r2 = raw.slice(256, 128, dim=1).load(DQ)      # (bytes, not values: half the registers)
                 r3 = raw.slice(384, 128, dim=1).load(DQ)
-                s2 = scale_ring.index(4 * b + 2).load(gl.SliceLayout(1, DQ))
-                s3 = scale_ring.index(4 * b + 3).load(gl.SliceLayout(1, DQ))
+                s2 = scale_ring.index(4 * b + 2).load(gl.SliceLayout(1, DQ)) * unscale
+                s3 = scale_ring.index(4 * b + 3).load(gl.SliceLayout(1, DQ)) * unscale
                 gl.thread_barrier()            # every thread has read the raw rows that chunks 2-3 overwrite
                 tile.slice(256, 128, dim=1).store(_scaled(r2, s2, DT))
                 tile.slice(384, 128, dim=1).store(_scaled(r3, s3, DT))
+                if DT == gl.float16:           # (and every scale: 2^e for the consumers, `_stored_pow2`)
+                    scale_ring.index(4 * b).store(pow_e)
         fence_async_shared()                   # st.shared -> the consumers' wgmma reads
         gl.thread_barrier()
         mbarrier.arrive(full.index(b), count=1)
@@ -1024,6 +1103,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
     gl.static_assert(STAGES == 2, "two bf16 tiles (q and two tiles fill the shared memory)")
+    gl.static_assert(P_SMEM or not F16_TILE, "the fp16 tile takes P through shared memory")
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     RAW8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0]) if RAW_SWIZZLE else RAW
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -1040,10 +1120,11 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 1)
     gl.warp_specialize([
-        (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, rope_ring, rope_ring,
+        (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, scale_ring, rope_ring,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
+                              F16_TILE)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4], [WS64_CONVERTER_REGS])
@@ -2124,10 +2205,11 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("f16_tile") and not (fp8 and cfg.get("ws")):
+    if cfg.get("f16_tile") and not (fp8 and cfg.get("ws") and cfg.get("p_smem")):
         raise Glm5labError("f16_tile=True is the warp-specialized 64-head kernels' fp8_ds_mla option (the dequantized "
-                           f"tile in fp16); got it with {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache and "
-                           f"ws={cfg.get('ws', False)}")
+                           "tile in fp16, with P through shared memory); got it with "
+                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, ws={cfg.get('ws', False)} and "
+                           f"p_smem={cfg.get('p_smem', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
