@@ -471,11 +471,11 @@ WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequant
 # v12-v15)
 WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True}
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False}
-# ... and with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28), both fp8_ds_mla forms
-WGMMA_WS16, WGMMA_CV16 = {**WGMMA_WSP, "f16_tile": True}, {**WGMMA_CVP, "f16_tile": True}
+# ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28)
+WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_WS16, WGMMA_CV16],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "ws64f16", "cv64f16"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -488,19 +488,32 @@ def _bf16_dequantized_ref(q, cache, slots):
 
 
 def _f16_dequantized_ref(q, cache, slots):
-    """What the fp16 tile (f16_tile, NOTES.md v28) computes, written independently of the kernel: each row's scales
-    divided by 2^e (e: the exponent of the row's largest scale, in [-126, 126]), each latent value e4m3 x (that
-    scale rounded to fp16) rounded once to fp16 (the product of an e4m3 value and an fp16 is exact in fp32), times
-    2^e again (exact in float64); the rope values as stored."""
+    """What the fp16 tile (f16_tile, NOTES.md v28) computes, written independently of the kernel: within each
+    64-row step of a token's slot list (splits start at multiples of 64 rows, so steps never straddle them), the
+    scales divided by 2^e (e: the exponent of the step's largest scale, clamped to [-60, 60]; skipped slots count
+    as zero scales), each latent value e4m3 x (that scale rounded to fp16) rounded once to fp16 (the product of an
+    e4m3 value and an fp16 is exact in fp32), times 2^e again (exact in float64); the rope values as stored. Rows
+    dequantize per (token, step), so each token gets a cache of its own."""
     flat = cache.view(-1, 656).cpu()
-    e4m3 = flat[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(-1, 4, 128)
+    n = flat.shape[0]
+    e4m3 = flat[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(-1, 4, 128)
     scale = flat[:, 512:528].contiguous().view(torch.float32)
-    _, exp = torch.frexp(scale.abs().amax(dim=1))                  # amax = m * 2^exp, m in [0.5, 1)
-    e = torch.where(scale.abs().amax(dim=1) > 0, (exp - 1).clamp(-126, 126), 0).double()[:, None, None]
-    unscaled = torch.ldexp(scale.double(), -e[..., 0]).float().half().float()
-    lat = torch.ldexp((e4m3 * unscaled[..., None]).half().double(), e).view(-1, 512)
-    kv = torch.cat([lat, flat[:, 528:].contiguous().view(torch.bfloat16).double()], dim=1).to(q.device)
-    return tuple(x.cpu() for x in sparse_mla_reference(q, kv, torch.where(slots >= kv.shape[0], -1, slots), SCALE))
+    rope = flat[:, 528:].contiguous().view(torch.bfloat16).double()
+    sl = slots.cpu().long()
+    T, K = sl.shape
+    kv = torch.zeros(T, K, 576, dtype=torch.float64)
+    valid = (sl >= 0) & (sl < n)
+    idx = torch.where(valid, sl, 0)
+    for t in range(T):
+        for k0 in range(0, K, 64):
+            rows, ok = idx[t, k0:k0 + 64], valid[t, k0:k0 + 64]
+            m = float(scale[rows][ok].abs().max()) if bool(ok.any()) else 0.0
+            e = min(max(int(torch.frexp(torch.tensor(m))[1]) - 1, -60), 60) if m > 0 else 0
+            unscaled = torch.ldexp(scale[rows].double(), torch.tensor(-e)).float().half().double()
+            lat = torch.ldexp((e4m3[rows] * unscaled[..., None]).half().double(), torch.tensor(e)).view(-1, 512)
+            kv[t, k0:k0 + 64] = torch.cat([lat, rope[rows]], dim=1)
+    own = torch.where(valid, torch.arange(T)[:, None] * K + torch.arange(K)[None, :], -1).to(torch.int32)
+    return tuple(x.cpu() for x in sparse_mla_reference(q.cpu(), kv.view(T * K, 576), own, SCALE))
 
 
 def _tile_ref(wcfg):
@@ -590,10 +603,9 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_WS16,
-                                                       WGMMA_CV16))],
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16))],
     ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
-         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-ws64f16", "fp8-cv64f16"])
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -1037,10 +1049,9 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_WS16),
-                                         ("fp8_ds_mla", WGMMA_CV16)],
+                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16)],
                          ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
-                              "fp8-ws64f16", "fp8-cv64f16"])
+                              "fp8-cv64f16"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):

@@ -648,7 +648,7 @@ def _scaled(raw, sc, DT: gl.constexpr):
     FlashMLA dequantizes. DT fp16 (the 64-head kernels' fp16 tile, NOTES.md v28): e4m3 to fp16 (exact) times the
     scale rounded to fp16, in fp16 -- two instructions per two values instead of six, one fp16 rounding of the
     scale and one of the product (relative error <= 2^-10); the scales come in divided by their row's power of two
-    (`_row_pow2`), so that they are < 2 and the values < 896 whatever the cache holds."""
+    (`_step_pow2`), so that they are < 2 and the values < 896 whatever the cache holds."""
     if DT == gl.float16:
         return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * sc.to(gl.float16)[:, None]
     else:
@@ -658,74 +658,68 @@ def _scaled(raw, sc, DT: gl.constexpr):
 @gluon.jit
 def _dequantized(raw_rows, scales, c: gl.constexpr, DT: gl.constexpr, DQ: gl.constexpr, unscale=1.0):
     """Chunk c (128 values a row) of e4m3 rows raw_rows [rows, 512] with their scales [rows] (times unscale: the
-    fp16 tile's 2^-e a row, `_row_pow2`), `_scaled`."""
+    fp16 tile's 2^-e, `_step_pow2`), `_scaled`."""
     return _scaled(raw_rows.slice(c * 128, 128, dim=1).load(DQ), scales.load(gl.SliceLayout(1, DQ)) * unscale, DT)
 
 
 @gluon.jit
-def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr, unscale=1.0):
-    """Chunk c of ring slot b's e4m3 rows dequantized into the tile kv_deq (`_dequantized`)."""
+def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
+    """Chunk c of ring slot b's e4m3 rows dequantized into the bf16 tile kv_deq (`_dequantized`)."""
     kv_deq.slice(c * 128, 128, dim=1).store(
-        _dequantized(lat_ring.index(b), scale_ring.index(4 * b + c), c, kv_deq.dtype, HEADS_DQ, unscale))
+        _dequantized(lat_ring.index(b), scale_ring.index(4 * b + c), c, kv_deq.dtype, HEADS_DQ))
 
 
 @gluon.jit
-def _row_pow2(scale_ring, b, L: gl.constexpr):
-    """The fp16 tile's power of two a gathered row (NOTES.md v28): 2^e with e the exponent of the row's largest
-    chunk scale (ring slot b, in layout L; clamped to [-126, 126], 0 for a row of zero scales), so that the tile
-    holds K / 2^e: scales / 2^e < 2, values < 896, within fp16 for any cache. The products read the tile as K / 2^e
-    and the rope part divided alike (`_rope_unscaled`); the softmax puts 2^e back (`_online_softmax_pow2`). Returns
-    (e as float32, 2^e, 2^-e), exact; `_pow2_parts` of 2^e. The loader form's consumers compute it where they need
-    it from the same scales (so the two places agree); the converter form's producer stores 2^e for its consumers
-    (`_stored_pow2`)."""
+def _step_pow2(scale_ring, b, L: gl.constexpr):
+    """The fp16 tile's power of two a step (NOTES.md v28): 2^e with e the exponent of the largest chunk scale of
+    ring slot b's rows (read in layout L; clamped to [-60, 60], 0 when every scale is 0), so that the tile holds
+    K / 2^e -- scales / 2^e < 2, values < 896: within fp16 for any cache whose scales are below 2^67 (a row whose
+    scales are 2^24 below the step's largest loses digits to fp16's subnormals: absolute errors below 2^-25 of
+    2^e). One factor for the whole step, so the consumers apply it to a head vector, never to each score
+    (`_online_softmax_pow2`). Returns the float32 bits of 2^e (a scalar)."""
     m = gl.maximum(gl.maximum(gl.abs(scale_ring.index(4 * b).load(L)), gl.abs(scale_ring.index(4 * b + 1).load(L))),
                    gl.maximum(gl.abs(scale_ring.index(4 * b + 2).load(L)),
                               gl.abs(scale_ring.index(4 * b + 3).load(L))))
-    e = gl.minimum(gl.maximum(((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -126), 126)
-    return _pow2_parts(gl.where(m > 0.0, (127 + e) << 23, 127 << 23))
+    m = gl.max(m, 0)
+    e = gl.minimum(gl.maximum(((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -60), 60)
+    return gl.where(m > 0.0, (127 + e) << 23, 127 << 23)
 
 
 @gluon.jit
-def _pow2_parts(bits):
-    """(e as float32, 2^e, 2^-e) of the float32 bits of 2^e (e in [-126, 126]), exact, in integer arithmetic."""
+def _stored_pow2(scale_ring, b, L: gl.constexpr):
+    """The step's 2^e (`_step_pow2`) as the converter form's producer left it in place of chunk 0's scales, as
+    vectors in layout L (every value the same): (e as float32, 2^e, 2^-e), exact."""
+    bits = scale_ring.index(4 * b).load(L).to(gl.int32, bitcast=True)
     return (((bits >> 23) - 127).to(gl.float32), bits.to(gl.float32, bitcast=True),
             ((254 << 23) - bits).to(gl.float32, bitcast=True))
 
 
 @gluon.jit
-def _stored_pow2(scale_ring, b, L: gl.constexpr):
-    """`_row_pow2` of ring slot b as the converter form's producer left it: 2^e in place of chunk 0's scales."""
-    return _pow2_parts(scale_ring.index(4 * b).load(L).to(gl.int32, bitcast=True))
-
-
-@gluon.jit
 def _rope_unscaled(rope, unscale, L: gl.constexpr):
-    """The fp16 tile's rows' rope part (bf16 [rows, 64] in shared memory) divided in place by its row's 2^e
-    (unscale = 2^-e [rows] in SliceLayout(1, L), `_row_pow2`; exact: a power of two in bf16), so that q.K^T over
-    the whole row is the true score / 2^e. L: the dequantization's layout, so unscale is the one it computed."""
-    rope.store((rope.load(L).to(gl.float32) * unscale[:, None]).to(rope.dtype))
+    """The fp16 tile's rows' rope part (bf16 [rows, 64] in shared memory, layout L) times unscale = 2^-e in place
+    (exact in bf16), so that q.K^T over the whole row is the true score / 2^e (`_step_pow2`)."""
+    rope.store(rope.load(L) * unscale.to(rope.dtype))
 
 
 @gluon.jit
 def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, unpow_e, m_i, l_acc):
-    """`_online_softmax` ([heads, rows], l per element) on the fp16 tile's scores s_tile = the true scores / 2^e a
-    row (`_row_pow2`, e / 2^e / 2^-e in the columns' layout): the max runs over t = score (log2 units) + e, so P
-    comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, each P <= 1 (fp16-safe) -- and l
-    sums p = P * 2^-e; the factors 2^-max cancel in O / l and lse = max + log2(l) as before."""
+    """`_online_softmax` ([heads, rows], l per element) on the fp16 tile's scores s_tile = the true scores / 2^e
+    (`_step_pow2`; e, 2^e, 2^-e as head vectors): the scores' scale a head times 2^e, and the running max m over
+    score (log2 units) + e, so P comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, P <= 1
+    (fp16-safe) -- and l sums p = P * 2^-e; the factors 2^-m cancel in O / l, and lse = m + log2(l) as before."""
     ok = (slots >= 0) & (slots < num_slots)
-    t = gl.where(gl.expand_dims(ok, 0), s_tile * qk_scale * gl.expand_dims(pow_e, 0) + gl.expand_dims(e, 0),
-                 float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(t, 1))
+    t = gl.where(gl.expand_dims(ok, 0), s_tile * (qk_scale * gl.expand_dims(pow_e, 1)), float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 1) + e)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(t - gl.expand_dims(m_safe, 1))
-    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, 1) + p * gl.expand_dims(unpow_e, 0)
+    p = gl.exp2(t - gl.expand_dims(m_safe - e, 1))
+    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, 1) + p * gl.expand_dims(unpow_e, 1)
 
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
-                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False):
+                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -733,21 +727,16 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     diagnostic: the products read kv_deq as it stands). P_SMEM (NOTES.md v16): no exchange of S -- Triton's
     layout conversion ran it in 4 rounds through a 4 KB buffer, 8 CTA barriers a step, with 5-6-way bank conflicts
     (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
-    operand of P.V. F16_TILE (fp8_ds_mla with P_SMEM; NOTES.md v28): the tile in fp16 holds each row divided by its
-    power of two (`_row_pow2`; FP8: dequantized here, and the slot's rope part divided alike; FP8 False: the
-    converter form's producer did both), q's latent part in fp16, qk_scale_log2 a [heads, 1] column
-    (`_qk_scale_heads`), the softmax `_online_softmax_pow2`. Returns (m, l, acc)."""
+    operand of P.V. F16_TILE (the converter form's, with P_SMEM; NOTES.md v28): its producer left the step's tile
+    in fp16 divided by the step's power of two, the rope part alike, and 2^e in scale_ring (`_step_pow2`); q's
+    latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`), the softmax
+    `_online_softmax_pow2` (POW2 False: a private A/B switch, NOTES.md v28 -- no power of two, the tile's values
+    e4m3 x scale as they are, which overflow fp16 beyond 65504). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
-            if F16_TILE:
-                _, _, unscale = _row_pow2(scale_ring, b, gl.SliceLayout(1, HEADS_DQ))
-                for c in gl.static_range(4):
-                    _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c, unscale)
-                _rope_unscaled(rope_ring.index(b), unscale, HEADS_DQ)
-            else:
-                for c in gl.static_range(4):
-                    _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
+            for c in gl.static_range(4):
+                _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c)
             gl.thread_barrier()
         kv = kv_deq
     else:
@@ -758,11 +747,8 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        if F16_TILE and FP8:
-            e, pow_e, unpow_e = _row_pow2(scale_ring, b, gl.SliceLayout(0, qk.type.layout))
-        elif F16_TILE:
-            e, pow_e, unpow_e = _stored_pow2(scale_ring, b, gl.SliceLayout(0, qk.type.layout))
-        if F16_TILE:
+        if F16_TILE and POW2:
+            e, pow_e, unpow_e = _stored_pow2(scale_ring, b, gl.SliceLayout(1, qk.type.layout))
             p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e, pow_e, unpow_e,
                                                         m_i, l_i)
         else:
@@ -910,7 +896,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -938,7 +924,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         if DIAG != 3 and DIAG != 1:
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                        P_SMEM, F16_TILE)
+                                        P_SMEM, F16_TILE, POW2)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -997,7 +983,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    gl.static_assert((FP8 and P_SMEM) or not F16_TILE, "the fp16 tile is fp8_ds_mla's, with P through shared memory")
+    gl.static_assert(not F16_TILE, "the fp16 tile is the converter form's (_sparse_mla_wgmma_cv_sm90_kernel)")
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, BLOCK_H, BLOCK_N, STAGES, FP8, F16_TILE)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
@@ -1016,7 +1002,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 @gluon.jit
 def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
     """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring
     slot b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's bf16 tile, the rope and the
     scales into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB
@@ -1058,9 +1044,9 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 gl.thread_barrier()            # every producer thread's copies have landed
             if DIAG != 3:
                 tile = kv_ring.index(b)
-                if DT == gl.float16:     # the fp16 tile: each row divided by its power of two, rope alike (_row_pow2)
-                    _, pow_e, unscale = _row_pow2(scale_ring, b, gl.SliceLayout(1, DQ))
-                    _rope_unscaled(rope_ring.index(b), unscale, DQ)
+                if DT == gl.float16 and POW2:    # the fp16 tile: the step divided by its power of two, rope alike
+                    pow_bits = _step_pow2(scale_ring, b, gl.SliceLayout(1, DQ))
+                    unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
                 else:
                     unscale = 1.0
                 tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ, unscale))
@@ -1072,8 +1058,10 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 gl.thread_barrier()            # every thread has read the raw rows that chunks 2-3 overwrite
                 tile.slice(256, 128, dim=1).store(_scaled(r2, s2, DT))
                 tile.slice(384, 128, dim=1).store(_scaled(r3, s3, DT))
-                if DT == gl.float16:           # (and every scale: 2^e for the consumers, `_stored_pow2`)
-                    scale_ring.index(4 * b).store(pow_e)
+                if DT == gl.float16 and POW2:  # (every scale is read by now: 2^e for the consumers, `_stored_pow2`)
+                    scale_ring.index(4 * b).store(gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, DQ))
+                                                  + pow_bits.to(gl.float32, bitcast=True))
+                    _rope_unscaled(rope_ring.index(b), unscale, DQ)
         fence_async_shared()                   # st.shared -> the consumers' wgmma reads
         gl.thread_barrier()
         mbarrier.arrive(full.index(b), count=1)
@@ -1086,7 +1074,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False,
+    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
     consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
@@ -1124,9 +1112,10 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE)),
+                              F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
-                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+                              n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
+                              POW2)),
     ], [4], [WS64_CONVERTER_REGS])
 
 
@@ -2205,11 +2194,11 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("f16_tile") and not (fp8 and cfg.get("ws") and cfg.get("p_smem")):
-        raise Glm5labError("f16_tile=True is the warp-specialized 64-head kernels' fp8_ds_mla option (the dequantized "
-                           "tile in fp16, with P through shared memory); got it with "
-                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, ws={cfg.get('ws', False)} and "
-                           f"p_smem={cfg.get('p_smem', False)}")
+    if cfg.get("f16_tile") and not (fp8 and cfg.get("converter") and cfg.get("p_smem")):
+        raise Glm5labError("f16_tile=True is the 64-head converter form's option (fp8_ds_mla, its producer "
+                           "dequantizing into fp16 tiles; P through shared memory); got it with "
+                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, converter={cfg.get('converter', False)} "
+                           f"and p_smem={cfg.get('p_smem', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
@@ -2269,6 +2258,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
+    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows beyond 65504)
+        extra["POW2"] = bool(cfg["_f16_pow2"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
