@@ -501,19 +501,19 @@ def _f16_dequantized_ref(q, cache, slots):
     rope = flat[:, 528:].contiguous().view(torch.bfloat16).double()
     sl = slots.cpu().long()
     T, K = sl.shape
-    kv = torch.zeros(T, K, 576, dtype=torch.float64)
     valid = (sl >= 0) & (sl < n)
     idx = torch.where(valid, sl, 0)
-    for t in range(T):
-        for k0 in range(0, K, 64):
-            rows, ok = idx[t, k0:k0 + 64], valid[t, k0:k0 + 64]
-            m = float(scale[rows][ok].abs().max()) if bool(ok.any()) else 0.0
-            e = min(max(int(torch.frexp(torch.tensor(m))[1]) - 1, -60), 60) if m > 0 else 0
-            unscaled = torch.ldexp(scale[rows].double(), torch.tensor(-e)).float().half().double()
-            lat = torch.ldexp((e4m3[rows] * unscaled[..., None]).half().double(), torch.tensor(e)).view(-1, 512)
-            kv[t, k0:k0 + 64] = torch.cat([lat, rope[rows]], dim=1)
+    steps = -(-K // 64)
+    step_scales = torch.zeros(T, steps * 64, 4)
+    step_scales[:, :K] = torch.where(valid[..., None], scale[idx].abs(), 0.0)
+    m = step_scales.view(T, steps, 256).amax(dim=2)                               # [T, steps]
+    e = torch.where(m > 0, (torch.frexp(m)[1] - 1).clamp(-60, 60), 0)
+    e = e.repeat_interleave(64, dim=1)[:, :K].double()                             # [T, K]
+    unscaled = torch.ldexp(scale[idx].double(), -e[..., None]).float().half().double()
+    lat = torch.ldexp((e4m3[idx] * unscaled[..., None]).half().double(), e[..., None, None]).view(T, K, 512)
+    kv = torch.cat([lat, rope[idx]], dim=2)
     own = torch.where(valid, torch.arange(T)[:, None] * K + torch.arange(K)[None, :], -1).to(torch.int32)
-    return tuple(x.cpu() for x in sparse_mla_reference(q.cpu(), kv.view(T * K, 576), own, SCALE))
+    return tuple(x.cpu() for x in sparse_mla_reference(q, kv.view(T * K, 576).to(q.device), own.to(q.device), SCALE))
 
 
 def _tile_ref(wcfg):

@@ -72,14 +72,14 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                               "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   ("ws64cps", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
-                  # ... fp8_ds_mla with the dequantized tile and q's latent part in fp16 (NOTES.md v28): the loader
-                  # form (ws64ps16), the converter form (ws64cps16)
-                  ("ws64ps16", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                "f16_tile": True}),
+                  # ... fp8_ds_mla's converter form with the dequantized tile and q's latent part in fp16 (NOTES.md
+                  # v28), and without its power of two a step (a private A/B switch: values beyond fp16 overflow)
                   ("ws64cps16", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                  "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                  "f16_tile": True}),
+                  ("ws64cps16u", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
+                                  "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
+                                  "f16_tile": True, "_f16_pow2": False}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),
@@ -148,7 +148,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
 # must not inherit any of them
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", **cfg}) for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
-VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False, "ws64ps16": True,
+VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
