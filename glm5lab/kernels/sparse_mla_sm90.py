@@ -89,6 +89,11 @@ WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
 WG_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+# ... and every warp of it holding all four chunk scales of a 64-row step (8 a thread; warps replicated, so that each
+# warp reduces them alone, without a barrier: the fp16 tile's power of two, `_step_pow2`)
+WG_STEP_SCALES = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4]], lane_bases=[[0, 8], [0, 16], [0, 32], [1, 0], [2, 0]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 64]))
 # fp16 partials [heads, 512] in stored-column order (sparse_mla.stored_column): the O tile's own threads and
 # registers, renamed so that a thread's 4 values of a head row are adjacent (one 8-byte store; sm90 build: 32 STG.E.64)
 HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
@@ -670,17 +675,16 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 
 @gluon.jit
-def _step_pow2(scale_ring, b, L: gl.constexpr):
+def _step_pow2(step_scales):
     """The fp16 tile's power of two a step (NOTES.md v28): 2^e with e the exponent of the largest chunk scale of
-    ring slot b's rows (read in layout L; clamped to [-60, 60], 0 when every scale is 0), so that the tile holds
+    a ring slot's rows (step_scales [4, 64] in shared memory; clamped to [-60, 60], 0 when every scale is 0), so
+    that the tile holds
     K / 2^e -- scales / 2^e < 2, values < 896: within fp16 for any cache whose scales are below 2^67 (a row whose
     scales are 2^24 below the step's largest loses digits to fp16's subnormals: absolute errors below 2^-25 of
     2^e). One factor for the whole step, so the consumers apply it to a head vector, never to each score
-    (`_online_softmax_pow2`). Returns the float32 bits of 2^e (a scalar)."""
-    m = gl.maximum(gl.maximum(gl.abs(scale_ring.index(4 * b).load(L)), gl.abs(scale_ring.index(4 * b + 1).load(L))),
-                   gl.maximum(gl.abs(scale_ring.index(4 * b + 2).load(L)),
-                              gl.abs(scale_ring.index(4 * b + 3).load(L))))
-    m = gl.max(m, 0)
+    (`_online_softmax_pow2`). Every warp reads all 256 scales (WG_STEP_SCALES) and reduces them itself: no barrier.
+    Returns the float32 bits of 2^e (a scalar)."""
+    m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
     e = gl.minimum(gl.maximum(((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -60), 60)
     return gl.where(m > 0.0, (127 + e) << 23, 127 << 23)
 
@@ -1045,7 +1049,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
             if DIAG != 3:
                 tile = kv_ring.index(b)
                 if DT == gl.float16 and POW2:    # the fp16 tile: the step divided by its power of two, rope alike
-                    pow_bits = _step_pow2(scale_ring, b, gl.SliceLayout(1, DQ))
+                    pow_bits = _step_pow2(scale_stages.index(b))
                     unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
                 else:
                     unscale = 1.0
