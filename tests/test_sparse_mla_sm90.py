@@ -490,8 +490,8 @@ def _bf16_dequantized_ref(q, cache, slots):
 def _f16_dequantized_ref(q, cache, slots):
     """What the fp16 tile (f16_tile, NOTES.md v28) computes, written independently of the kernel: within each
     64-row step of a token's slot list (splits start at multiples of 64 rows, so steps never straddle them), the
-    scales divided by 2^e (e: the exponent of the step's largest scale, clamped to [-60, 60]; skipped slots count
-    as zero scales), each latent value e4m3 x (that scale rounded to fp16) rounded once to fp16 (the product of an
+    scales divided by 2^e (e: 0 while the step's largest scale lies in [2^-12, 2^7), else its exponent clamped to
+    [-40, 40]; skipped slots count as zero scales), each latent value e4m3 x (that scale rounded to fp16) rounded once to fp16 (the product of an
     e4m3 value and an fp16 is exact in fp32), times 2^e again (exact in float64); the rope values as stored. Rows
     dequantize per (token, step), so each token gets a cache of its own."""
     flat = cache.view(-1, 656).cpu()
@@ -507,7 +507,8 @@ def _f16_dequantized_ref(q, cache, slots):
     step_scales = torch.zeros(T, steps * 64, 4)
     step_scales[:, :K] = torch.where(valid[..., None], scale[idx].abs(), 0.0)
     m = step_scales.view(T, steps, 256).amax(dim=2)                               # [T, steps]
-    e = torch.where(m > 0, (torch.frexp(m)[1] - 1).clamp(-60, 60), 0)
+    exp = torch.frexp(m)[1] - 1
+    e = torch.where((m > 0) & ((exp < -12) | (exp >= 7)), exp.clamp(-40, 40), 0)
     e = e.repeat_interleave(64, dim=1)[:, :K].double()                             # [T, K]
     unscaled = torch.ldexp(scale[idx].double(), -e[..., None]).float().half().double()
     lat = torch.ldexp((e4m3[idx] * unscaled[..., None]).half().double(), e[..., None, None]).view(T, K, 512)

@@ -676,16 +676,18 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 @gluon.jit
 def _step_pow2(step_scales):
-    """The fp16 tile's power of two a step (NOTES.md v28): 2^e with e the exponent of the largest chunk scale of
-    a ring slot's rows (step_scales [4, 64] in shared memory; clamped to [-60, 60], 0 when every scale is 0), so
-    that the tile holds
-    K / 2^e -- scales / 2^e < 2, values < 896: within fp16 for any cache whose scales are below 2^67 (a row whose
-    scales are 2^24 below the step's largest loses digits to fp16's subnormals: absolute errors below 2^-25 of
-    2^e). One factor for the whole step, so the consumers apply it to a head vector, never to each score
-    (`_online_softmax_pow2`). Every warp reads all 256 scales (WG_STEP_SCALES) and reduces them itself: no barrier.
+    """The fp16 tile's power of two a step (NOTES.md v28): 2^e by which a ring slot's rows are divided in the tile
+    (step_scales [4, 64] in shared memory). e = 0 while the step's largest chunk scale lies in [2^-12, 2^7) (values
+    below 57,344 and that scale an fp16 normal: latents whose chunk maxima lie between 0.11 and 57,344), else e =
+    its exponent clamped to [-40, 40], so that the tile holds K / 2^e with scales / 2^e < 2 and values < 896 --
+    within fp16 for any cache whose scales are below 2^47 (a row whose scales are 2^24 below the step's largest
+    loses digits to fp16's subnormals: absolute errors below 2^-25 of 2^e). One factor a step: the consumers fold
+    it into head vectors (`_online_softmax_pow2`), and the rope part is divided alike only when e != 0
+    (`_rope_unscaled`). Every warp reads all 256 scales (WG_STEP_SCALES) and reduces them itself: no barrier.
     Returns the float32 bits of 2^e (a scalar)."""
     m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
-    e = gl.minimum(gl.maximum(((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, -60), 60)
+    exp = ((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
     return gl.where(m > 0.0, (127 + e) << 23, 127 << 23)
 
 
@@ -706,24 +708,27 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, unpow_e, m_i, l_acc):
+def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, l_ratio, m_i, l_acc):
     """`_online_softmax` ([heads, rows], l per element) on the fp16 tile's scores s_tile = the true scores / 2^e
-    (`_step_pow2`; e, 2^e, 2^-e as head vectors): the scores' scale a head times 2^e, and the running max m over
-    score (log2 units) + e, so P comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, P <= 1
-    (fp16-safe) -- and l sums p = P * 2^-e; the factors 2^-m cancel in O / l, and lse = m + log2(l) as before."""
+    (`_step_pow2`; e, 2^e as head vectors): the scores' scale a head times 2^e, and the running max m over score
+    (log2 units) + e, so P comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, P <= 1
+    (fp16-safe). l is kept as sum(p) * 2^e of the current step: rescaled by alpha * l_ratio (l_ratio = 2^(e - the
+    previous step's e), exact) and summed with P, no multiply a score; the caller multiplies the final l by the last
+    2^-e. The factors 2^-m cancel in O / l, and lse = m + log2(l) as before."""
     ok = (slots >= 0) & (slots < num_slots)
     t = gl.where(gl.expand_dims(ok, 0), s_tile * (qk_scale * gl.expand_dims(pow_e, 1)), float("-inf"))
     m_new = gl.maximum(m_i, gl.max(t, 1) + e)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(t - gl.expand_dims(m_safe - e, 1))
-    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, 1) + p * gl.expand_dims(unpow_e, 1)
+    return p, alpha, m_new, l_acc * gl.expand_dims(alpha * l_ratio, 1) + p
 
 
 @gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
-                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
+                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, e_h=None,
+                pow_h=None, l_ratio=None):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -734,8 +739,9 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     operand of P.V. F16_TILE (the converter form's, with P_SMEM; NOTES.md v28): its producer left the step's tile
     in fp16 divided by the step's power of two, the rope part alike, and 2^e in scale_ring (`_step_pow2`); q's
     latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`), the softmax
-    `_online_softmax_pow2` (POW2 False: a private A/B switch, NOTES.md v28 -- no power of two, the tile's values
-    e4m3 x scale as they are, which overflow fp16 beyond 65504). Returns (m, l, acc)."""
+    `_online_softmax_pow2` with the step's e_h, pow_h = 2^e and l_ratio head vectors (POW2 False: a private A/B
+    switch, NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond
+    65504). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -752,8 +758,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
         if F16_TILE and POW2:
-            e, pow_e, unpow_e = _stored_pow2(scale_ring, b, gl.SliceLayout(1, qk.type.layout))
-            p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e, pow_e, unpow_e,
+            p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e_h, pow_h, l_ratio,
                                                         m_i, l_i)
         else:
             p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
@@ -920,19 +925,30 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
+    unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))   # (the fp16 tile's last 2^-e)
     for i in range(num_steps):
         b = i % STAGES
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
-            m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                        num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                        P_SMEM, F16_TILE, POW2)
+            if F16_TILE and POW2:
+                e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
+                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
+                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
+                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, pow_h * unpow_prev)
+                unpow_prev = unpow_h
+            else:
+                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
+                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
+                                            P_SMEM, F16_TILE, POW2)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
-        l_i = gl.convert_layout(gl.sum(l_i, 1), HEADS_P_ROWS)
+        l_i = gl.sum(l_i, 1)
+        if F16_TILE and POW2:
+            l_i = l_i * unpow_prev        # (l was kept as sum(p) * 2^e of the last step, `_online_softmax_pow2`)
+        l_i = gl.convert_layout(l_i, HEADS_P_ROWS)
         m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
                  stride_lt, BLOCK_H, SPLIT, PART_F16)
@@ -1065,7 +1081,8 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 if DT == gl.float16 and POW2:  # (every scale is read by now: 2^e for the consumers, `_stored_pow2`)
                     scale_ring.index(4 * b).store(gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, DQ))
                                                   + pow_bits.to(gl.float32, bitcast=True))
-                    _rope_unscaled(rope_ring.index(b), unscale, DQ)
+                    if pow_bits != 127 << 23:  # (a step outside the window: every warp took the same e)
+                        _rope_unscaled(rope_ring.index(b), unscale, DQ)
         fence_async_shared()                   # st.shared -> the consumers' wgmma reads
         gl.thread_barrier()
         mbarrier.arrive(full.index(b), count=1)
