@@ -1064,13 +1064,21 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 gl.thread_barrier()            # every producer thread's copies have landed
             if DIAG != 3:
                 tile = kv_ring.index(b)
-                if DT == gl.float16 and POW2:    # the fp16 tile: the step divided by its power of two, rope alike
+                # chunks 0-1 into the free lower half with the scales as stored -- the fp16 tile's common case, a
+                # step within `_step_pow2`'s window (e = 0), whose power of two is reduced beside them
+                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
+                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
+                if DT == gl.float16 and POW2:
                     pow_bits = _step_pow2(scale_stages.index(b))
                     unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
+                    if pow_bits != 127 << 23:  # a step outside the window (every warp took the same e): chunks 0-1
+                        # again from their raw bytes (in the upper half, intact), and the rope part, divided by 2^e
+                        tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ, unscale))
+                        tile.slice(128, 128, dim=1).store(
+                            _dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ, unscale))
+                        _rope_unscaled(rope_ring.index(b), unscale, DQ)
                 else:
                     unscale = 1.0
-                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ, unscale))
-                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ, unscale))
                 r2 = raw.slice(256, 128, dim=1).load(DQ)      # (bytes, not values: half the registers)
                 r3 = raw.slice(384, 128, dim=1).load(DQ)
                 s2 = scale_ring.index(4 * b + 2).load(gl.SliceLayout(1, DQ)) * unscale
@@ -1081,8 +1089,6 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 if DT == gl.float16 and POW2:  # (every scale is read by now: 2^e for the consumers, `_stored_pow2`)
                     scale_ring.index(4 * b).store(gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, DQ))
                                                   + pow_bits.to(gl.float32, bitcast=True))
-                    if pow_bits != 127 << 23:  # (a step outside the window: every warp took the same e)
-                        _rope_unscaled(rope_ring.index(b), unscale, DQ)
         fence_async_shared()                   # st.shared -> the consumers' wgmma reads
         gl.thread_barrier()
         mbarrier.arrive(full.index(b), count=1)
