@@ -469,8 +469,8 @@ WGMMA_WS = dict(sparse_mla_sm90.WGMMA_WS_CONFIG)  # the same step warp-specializ
 WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequantized by a producer warpgroup (v15)
 # both with P.V's A operand through shared memory (p_smem, the default since v16) and without it (the S exchange of
 # v12-v15)
-WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True}
-WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False}
+WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True, "f16_tile": False}
+WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
@@ -491,9 +491,9 @@ def _f16_dequantized_ref(q, cache, slots):
     """What the fp16 tile (f16_tile, NOTES.md v28) computes, written independently of the kernel: within each
     64-row step of a token's slot list (splits start at multiples of 64 rows, so steps never straddle them), the
     scales divided by 2^e (e: 0 while the step's largest scale lies in [2^-12, 2^7), else its exponent clamped to
-    [-40, 40]; skipped slots count as zero scales), each latent value e4m3 x (that scale rounded to fp16) rounded once to fp16 (the product of an
-    e4m3 value and an fp16 is exact in fp32), times 2^e again (exact in float64); the rope values as stored. Rows
-    dequantize per (token, step), so each token gets a cache of its own."""
+    [-40, 40]; skipped slots count as zero scales), each latent value e4m3 x (that scale rounded to fp16) rounded
+    once to fp16 (the product of an e4m3 value and an fp16 is exact in fp32), times 2^e again (exact in float64);
+    the rope values as stored. Rows dequantize per (token, step), so each token gets a cache of its own."""
     flat = cache.view(-1, 656).cpu()
     n = flat.shape[0]
     e4m3 = flat[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(-1, 4, 128)
@@ -967,6 +967,38 @@ def test_gluon_wgmma_cv_sm90_build_dequantizes_in_the_producer():
     assert "HGMMA" not in d3 and d3["LDGSTS"] == cv["LDGSTS"] and d3.get("F2FP", 0) == 0
 
 
+def test_gluon_wgmma_cv_sm90_fp16_tile_build_dequantizes_in_fp16():
+    """The converter form's fp16 tile (f16_tile, NOTES.md v28): its producer turns e4m3 pairs into fp16 (F2FP) and
+    multiplies them by the scale in fp16 (HMUL2: 128 a thread a step for the 64 x 512 tile, and again for chunks 0-1
+    of a step outside the power of two's window), instead of through fp32 (the bf16 tile's 256 HADD2.F32, FMUL);
+    the same 40 wgmma a step, and the shared memory of one CTA a SM; without the power of two (the private switch)
+    the build has fewer instructions and the same products."""
+    base = dict(ws=True, converter=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8, P_SMEM=True, PART_F16=True)
+    bf16, f16, unsafe = (_sm90_build(**base, **extra) for extra in ({}, {"F16_TILE": True},
+                                                                   {"F16_TILE": True, "POW2": False}))
+    for rep in (f16, unsafe):
+        assert rep["HGMMA"] == 40 and rep["smem"] <= 227 * 1024 and {88, 208} <= set(rep["setmaxnreg"])
+        assert rep["HMUL2"] >= 128 and rep.get("HADD2", 0) == 0 < bf16["HADD2"]
+    assert bf16.get("HMUL2", 0) == 0 and unsafe["HMUL2"] == 128 and unsafe["F2FP"] < bf16["F2FP"]
+    assert unsafe["loop"] < f16["loop"]
+
+
+def test_fp16_tile_is_the_converter_forms_and_its_default():
+    """The fp16 tile is taken by every default converter call (P through shared memory, no timing diagnostic) and
+    refused, with the reason, anywhere else."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    cv = sm90.WGMMA_CV_CONFIG
+    assert sm90.f16_tile_pays(True, cv)
+    assert not sm90.f16_tile_pays(False, cv) and not sm90.f16_tile_pays(True, sm90.WGMMA_WS_CONFIG)
+    assert not sm90.f16_tile_pays(True, {**cv, "p_smem": False}) and not sm90.f16_tile_pays(True, {**cv, "ws_diag": 2})
+    sm90.check_tile({**cv, "f16_tile": True}, True)
+    for cfg, fp8 in (({**sm90.WGMMA_WS_CONFIG, "f16_tile": True}, True), ({**cv, "f16_tile": True}, False),
+                     ({**cv, "p_smem": False, "f16_tile": True}, True)):
+        with pytest.raises(Glm5labError, match="f16_tile=True is the 64-head converter form's option"):
+            sm90.check_tile(cfg, fp8)
+
+
 def test_converter_form_runs_by_default_for_long_fp8_splits_only():
     """fp8_ds_mla, 17-128 heads: the converter form where a split covers >= CONVERTER_MIN_ROWS rows (NOTES.md v15:
     faster from 16 steps a split, slower at 4-8), the loader form below, never for bf16/fp16 or other tiles."""
@@ -983,16 +1015,17 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,T,converter", [(64, 130, True), (128, 40, True), (64, 8, False)])
 def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypatch):
-    """The default 64-head fp8_ds_mla call (converter form at long splits -- 64 x 130 and 128 x 40 run unsplit or in
-    2 splits --, the loader form at 64 x 8's 16 splits) against the bf16-dequantized reference."""
+    """The default 64-head fp8_ds_mla call (converter form with its fp16 tile at long splits -- 64 x 130 and 128 x
+    40 run unsplit or in 2 splits --, the loader form with its bf16 tile at 64 x 8's 16 splits) against the
+    reference of its tile's rounding."""
     seen = []
     launch = sparse_mla_sm90.launch
-    monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a: (seen.append(cfg["converter"]),
-                                                                                launch(grid, args, cfg, *a)))
+    monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a: (
+        seen.append((cfg["converter"], cfg.get("f16_tile", False))), launch(grid, args, cfg, *a)))
     q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots)
-    check(out, lse, _bf16_dequantized_ref(q, cache, slots), torch.bfloat16)
-    assert seen == [converter]
+    assert seen == [(converter, converter)]
+    check(out, lse, _tile_ref({"f16_tile": converter})(q, cache, slots), torch.bfloat16)
 
 
 def test_gluon_converter_form_is_fp8_and_warp_specialized_only():

@@ -59,18 +59,19 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                "partials": "fp16"}),
                   # ... fp8_ds_mla with the dequantization in a producer warpgroup, in place in a 2-slot ring of
                   # bf16 tiles the consumers read as the bf16 kernel does (NOTES.md v15)
-                  ("ws64c", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                  ("ws64c", {"rows": False, "ws": True, "converter": True, "p_smem": False, "f16_tile": False,
                              "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
                              "partials": "fp16"}),
                   # ... its raw rows unswizzled (the first build, v15 runs 1-2)
-                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                  ("ws64cu", {"rows": False, "ws": True, "converter": True, "p_smem": False, "f16_tile": False,
                               "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
                               "partials": "fp16", "_raw_swizzle": False}),
                   # ... both with P.V's A operand through shared memory: no exchange of S between the consumer
                   # warpgroups (NOTES.md v16); 16-bit or fp8_ds_mla's loader form (ws64ps), the converter form (ws64cps)
                   ("ws64ps", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
                               "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
-                  ("ws64cps", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
+                  ("ws64cps", {"rows": False, "ws": True, "converter": True, "p_smem": True, "f16_tile": False,
+                               "block_h": 64,
                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16"}),
                   # ... fp8_ds_mla's converter form with the dequantized tile and q's latent part in fp16 (NOTES.md
                   # v28), and without its power of two a step (a private A/B switch: values beyond fp16 overflow)
@@ -132,7 +133,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # ... and of its converter form (v15): the producer alone (d1), the consumers alone (d2), the
                   # gathers alone (d3), producer and consumers without gathers (d4), and d4 converting bytes held in
                   # registers instead of reading the raw rows from shared memory (d6, v16)
-                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": False,
+                  *((f"ws64cd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": False, "f16_tile": False,
                                     "block_h": 64, "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1,
                                     "partials": "fp16", "_diagnostic": True, "ws_diag": d}) for d in (1, 2, 3, 4, 6)),
                   # ... and of the P-through-shared-memory consumers (v16): the consumers alone (d2; 16-bit ws64psd2,
@@ -140,7 +141,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws64psd2", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
                                 "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                 "_diagnostic": True, "ws_diag": 2}),
-                  *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
+                  *((f"ws64cpsd{d}", {"rows": False, "ws": True, "converter": True, "p_smem": True, "f16_tile": False,
+                                      "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
 # every tile names dual_consumers, block_h and pipe: the <= 16-head fp8_ds_mla default is the dual-consumer form

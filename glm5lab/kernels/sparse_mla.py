@@ -944,8 +944,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     >= 1024 rows runs the converter form (a producer warpgroup dequantizes; sparse_mla_sm90.converter_pays, NOTES.md
     v15); _config={"impl": "gluon", "converter": True | False} overrides (a _config without "impl" picks Triton).
     Their consumers pass P through shared memory instead of exchanging the scores (NOTES.md v16; "p_smem": False
-    restores the exchange). The merge of an fp8_ds_mla call whose Gluon grid leaves half the SMs idle (1-2 tokens) is
-    launched early, while the attention runs (programmatic dependent launch; sparse_mla_sm90.pdl_pays, NOTES.md v25);
+    restores the exchange), and the converter form dequantizes into fp16 tiles with a power of two a step
+    (NOTES.md v28; sparse_mla_sm90.f16_tile_pays; "f16_tile": False restores v15's bf16 tiles). The merge of an
+    fp8_ds_mla call whose Gluon grid leaves half the SMs idle (1-2 tokens) is launched early, while the attention runs (programmatic dependent launch; sparse_mla_sm90.pdl_pays, NOTES.md v25);
     _config={"impl": "gluon", "pdl": False | True} decides.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -1039,6 +1040,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     split = num_splits > 1
     if gluon and "converter" not in (_config or {}):
         cfg["converter"] = sparse_mla_sm90.converter_pays(fp8, cfg, rows_per_split)
+    if gluon and "f16_tile" not in (_config or {}):
+        cfg["f16_tile"] = sparse_mla_sm90.f16_tile_pays(fp8, cfg)
     wants_f16 = _partials_f16(cfg, gluon)
     if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor does the fp16 partials' form)
         merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or wants_f16) else "fused"

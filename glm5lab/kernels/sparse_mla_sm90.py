@@ -2048,6 +2048,19 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
     return fp8 and bool(cfg.get("ws")) and rows_per_split >= CONVERTER_MIN_ROWS
 
 
+# The converter form's fp16 tile (NOTES.md v28): e4m3 to fp16 times the scale in fp16 (two instructions per two
+# values instead of six: the producer's loop 1249 -> ~800 instructions a step), q's latent part scaled a head into
+# fp16, a power of two a step keeping any cache in fp16's range (`_step_pow2`), one fp16 rounding of the scale and
+# one of each value (against FlashMLA's one bf16 rounding: 4-8x smaller errors). H200, v28 call 8 (15 interleaved
+# rounds, x FlashMLA's fp8 decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 /
+# 0.994, 128 heads x 32 / 128 / 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a
+# private switch that overflows beyond 65,504: 1.007 / 1.037 at 64 heads).
+def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
+    """Whether a Gluon call's converter form (fp8_ds_mla, P through shared memory, not a timing diagnostic) takes
+    the fp16 tile: always, since NOTES.md v28."""
+    return fp8 and bool(cfg.get("converter")) and bool(cfg.get("p_smem")) and not cfg.get("ws_diag")
+
+
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
 # CTA a SM). H200, NOTES.md v8 runs 8-9: 1-8 tokens equal or faster than the mma.sync tile in both runs, by up
 # to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower.
@@ -2224,7 +2237,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     if cfg.get("f16_tile") and not (fp8 and cfg.get("converter") and cfg.get("p_smem")):
         raise Glm5labError("f16_tile=True is the 64-head converter form's option (fp8_ds_mla, its producer "
                            "dequantizing into fp16 tiles; P through shared memory); got it with "
-                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, converter={cfg.get('converter', False)} "
+                           f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
+                           f"converter={cfg.get('converter', False)} "
                            f"and p_smem={cfg.get('p_smem', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
@@ -2285,7 +2299,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows beyond 65504)
+    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
