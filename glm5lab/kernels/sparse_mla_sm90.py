@@ -26,7 +26,8 @@ the one-CTA form at 64 heads x 128-512 tokens, 0.84-0.88x FlashMLA's kernels); f
 rows its converter form `_sparse_mla_wgmma_cv_sm90_kernel` takes the dequantization off the consumers (a producer
 warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.89-0.92x
 FlashMLA's fp8 decode at 64 heads); since v16 their consumers pass P to P.V through shared memory rather than
-exchanging the scores (2-8% faster). At small batches of bf16/fp16
+exchanging the scores (2-8% faster); since v28 the converter's tiles are fp16, divided by a power of two a step
+(`_step_pow2`; 0.956 / 0.994x FlashMLA's fp8 decode at 64 heads x 128 / 512 tokens, from 0.924 / 0.957). At small batches of bf16/fp16
 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
@@ -1024,11 +1025,12 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
     """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring
-    slot b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's bf16 tile, the rope and the
+    slot b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the
     scales into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB
     (128-byte swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3
     overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
-    (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
+    An fp16 tile (POW2) is divided by the step's power of two (`_step_pow2`), which the producer leaves in place of
+    chunk 0's scales for the consumers. (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
     step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.)"""
     LAT8: gl.constexpr = WG_LAT8
     ROPE_L: gl.constexpr = WG_ROPE
@@ -1104,16 +1106,17 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
-    consumer warpgroups run the bf16 form of the warp-specialized step on a 2-slot ring of bf16 tiles, while a
-    producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in place
-    (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB), same
-    arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
+    consumer warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16)
+    tiles, while a producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in
+    place (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB);
+    with bf16 tiles the same arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
     producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
     results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
     in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
     producer gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's
-    dequantization two instructions per two values (`_scaled`, NOTES.md v28)."""
+    dequantization two instructions per two values (`_scaled`), each step divided by its power of two
+    (`_step_pow2`; POW2 False, a private A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
