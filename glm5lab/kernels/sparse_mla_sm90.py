@@ -601,21 +601,27 @@ def _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
     q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
     lat = gl.load(q_rows + gl.arange(0, 512, layout=gl.SliceLayout(0, LAT16))[None, :],
                   mask=(heads_q < num_heads)[:, None], other=0.0)
-    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
-    rope = gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
-                   + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
-                   mask=(heads_r < num_heads)[:, None], other=0.0)
     if q_lat.dtype == Q.dtype.element_ty:
         q_lat.store(lat)
-        q_rope.store(rope)
+        q_rope.store(_q_rope_part(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, ROPE_L))
         q_mul = 1.0
     else:
+        rope = _q_rope_part(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, ROPE_L)
         lat = lat.to(gl.float32)
         q_mul = _pow2_into_f16_range(gl.max(gl.abs(lat), 1))
         q_lat.store((lat * q_mul[:, None]).to(q_lat.dtype))
         rope_mul = gl.convert_layout(q_mul, gl.SliceLayout(1, ROPE_L))
         q_rope.store((rope.to(gl.float32) * rope_mul[:, None]).to(q_rope.dtype))
     return q_mul
+
+
+@gluon.jit
+def _q_rope_part(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H: gl.constexpr, ROPE_L: gl.constexpr):
+    """This tile's q rope part [BLOCK_H, 64] in layout ROPE_L (heads past num_heads zero)."""
+    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ROPE_L))
+    return gl.load(Q + t * stride_qt + heads_r[:, None] * stride_qh + 512
+                   + gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE_L))[None, :],
+                   mask=(heads_r < num_heads)[:, None], other=0.0)
 
 
 @gluon.jit
