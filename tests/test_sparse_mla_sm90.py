@@ -247,10 +247,18 @@ def test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg):
                          ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
 def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
+    q, cache, slots = _range_case(q_mag, scale_range, H=8)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
+    check(out, lse, ref, torch.bfloat16)
+
+
+def _range_case(q_mag, scale_range, H, T=3, num_slots=4096, topk=512):
+    """CPU (q, cache, slots) of the range tests: random e4m3 bytes (no NaN), chunk scales log-uniform in
+    scale_range, rope values ~0.1, q's latent part of magnitude q_mag (its rope part ~1)."""
     import math
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    num_slots, T, H, topk = 4096, 3, 8, 512
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
     cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
     lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
@@ -258,10 +266,7 @@ def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
     q = (torch.randn(T, H, 576, generator=g) * q_mag).to(torch.bfloat16)
     q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
-    slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
-    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
-    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
-    check(out, lse, ref, torch.bfloat16)
+    return q, cache, torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
 
 
 @pytest.mark.gpu
@@ -660,21 +665,9 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
                               "scales-spanning-6-decades"])
 def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
     """The 64-head tiles on q beyond / below fp16's range and chunk scales far outside it (values up to 448e4 and
-    down to 1e-12 x 2^-9; a row's chunk scales up to 1e6 apart): the fp16 tile's power of two a row and q's a head
+    down to 1e-12 x 2^-9; a row's chunk scales up to 1e6 apart): the fp16 tile's power of two a step and q's a head
     keep every value in range, against the reference of each tile's rounding."""
-    import math
-
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    num_slots, T, H, topk = 4096, 3, 64, 512
-    cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
-    cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
-    lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
-    cache[:, 512:528] = torch.exp(lo + (hi - lo) * torch.rand(num_slots, 4, generator=g)).contiguous().view(torch.uint8)
-    cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
-    q = (torch.randn(T, H, 576, generator=g) * q_mag).to(torch.bfloat16)
-    q[..., 512:] = torch.randn(T, H, 64, generator=g).to(torch.bfloat16)
-    slots = torch.randint(0, num_slots, (T, topk), generator=g, dtype=torch.int32)
-    q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
+    q, cache, slots = (x.cuda() for x in _range_case(q_mag, scale_range, H=64))
     out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, _tile_ref(wcfg)(q, cache, slots), torch.bfloat16)
 
