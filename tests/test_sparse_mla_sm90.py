@@ -665,8 +665,9 @@ def test_gpu_gluon_wgmma_fp8_skipped_rows_and_byte_patterns(topk, splits, wcfg):
                               "scales-spanning-6-decades"])
 def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
     """The 64-head tiles on q beyond / below fp16's range and chunk scales far outside it (values up to 448e4 and
-    down to 1e-12 x 2^-9; a row's chunk scales up to 1e6 apart): the fp16 tile's power of two a step and q's a head
-    keep every value in range, against the reference of each tile's rounding."""
+    down to 1e-12 x 2^-9; a row's chunk scales up to 1e6 apart): with the fp16 tile's power of two a step and q's a
+    head no value overflows, and the digits lost to fp16's subnormals are the reference's too (each tile's
+    rounding). (Steps of one split whose powers of two differ by ~10 or more are not covered: NOTES.md v28.)"""
     q, cache, slots = (x.cuda() for x in _range_case(q_mag, scale_range, H=64))
     out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, _tile_ref(wcfg)(q, cache, slots), torch.bfloat16)
@@ -965,20 +966,22 @@ def test_gluon_wgmma_cv_sm90_fp16_tile_build_dequantizes_in_fp16():
     multiplies them by the scale in fp16 (HMUL2: 128 a thread a step for the 64 x 512 tile, and again for chunks 0-1
     of a step outside the power of two's window), instead of through fp32 (the bf16 tile's 256 HADD2.F32, FMUL);
     the same 40 wgmma a step, and the shared memory of one CTA a SM; without the power of two (the private switch)
-    the build has fewer instructions and the same products."""
+    the build has fewer instructions and no second conversion. The fp16 builds spill a little (32 / 24 bytes; the
+    bf16 tile's none): a bound, so that more does not come unnoticed."""
     base = dict(ws=True, converter=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8, P_SMEM=True, PART_F16=True)
     bf16, f16, unsafe = (_sm90_build(**base, **extra) for extra in ({}, {"F16_TILE": True},
                                                                    {"F16_TILE": True, "POW2": False}))
     for rep in (f16, unsafe):
         assert rep["HGMMA"] == 40 and rep["smem"] <= 227 * 1024 and {88, 208} <= set(rep["setmaxnreg"])
         assert rep["HMUL2"] >= 128 and rep.get("HADD2", 0) == 0 < bf16["HADD2"]
-    assert bf16.get("HMUL2", 0) == 0 and unsafe["HMUL2"] == 128 and unsafe["F2FP"] < bf16["F2FP"]
+    assert bf16.get("HMUL2", 0) == 0 and unsafe["HMUL2"] == 128 < f16["HMUL2"] and unsafe["F2FP"] < bf16["F2FP"]
     assert unsafe["loop"] < f16["loop"]
+    assert bf16["stack"] == 0 and f16["stack"] <= 32 and unsafe["stack"] <= 24
 
 
 def test_fp16_tile_is_the_converter_forms_and_its_default():
     """The fp16 tile is taken by every default converter call (P through shared memory, no timing diagnostic) and
-    refused, with the reason, anywhere else."""
+    refused, with the reason, anywhere else (a timing diagnostic of it does not build)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     cv = sm90.WGMMA_CV_CONFIG
@@ -987,7 +990,8 @@ def test_fp16_tile_is_the_converter_forms_and_its_default():
     assert not sm90.f16_tile_pays(True, {**cv, "p_smem": False}) and not sm90.f16_tile_pays(True, {**cv, "ws_diag": 2})
     sm90.check_tile({**cv, "f16_tile": True}, True)
     for cfg, fp8 in (({**sm90.WGMMA_WS_CONFIG, "f16_tile": True}, True), ({**cv, "f16_tile": True}, False),
-                     ({**cv, "p_smem": False, "f16_tile": True}, True)):
+                     ({**cv, "p_smem": False, "f16_tile": True}, True),
+                     ({**cv, "f16_tile": True, "_diagnostic": True, "ws_diag": 2}, True)):
         with pytest.raises(Glm5labError, match="f16_tile=True is the 64-head converter form's option"):
             sm90.check_tile(cfg, fp8)
 

@@ -27,8 +27,9 @@ rows its converter form `_sparse_mla_wgmma_cv_sm90_kernel` takes the dequantizat
 warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.89-0.92x
 FlashMLA's fp8 decode at 64 heads); since v16 their consumers pass P to P.V through shared memory rather than
 exchanging the scores (2-8% faster); since v28 the converter's tiles are fp16, divided by a power of two a step
-(`_step_pow2`; 0.956 / 0.994x FlashMLA's fp8 decode at 64 heads x 128 / 512 tokens, from 0.924 / 0.957). At small batches of bf16/fp16
-caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16 heads cannot fill it).
+(`_step_pow2`; 0.956 / 0.994x FlashMLA's fp8 decode at 64 heads x 128 / 512 tokens, from 0.924 / 0.957). At small
+batches of bf16/fp16 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16
+heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
 turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v12:
@@ -631,9 +632,8 @@ def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
     consumers stage it while the loader gathers), then a ring of STAGES slots of BLOCK_N gathered rows --
     fp8_ds_mla: raw e4m3 bytes, the scales ([4b + c] = stage b, chunk c; by stage for the copies) and ONE bf16 tile
     they are dequantized into; bf16/fp16: the rows themselves (the scale and tile names then alias the rope ring,
-    never touched). F16_TILE (fp8_ds_mla only, NOTES.md v28): q's latent part and the tile in fp16 -- with FP8 False
-    that is the converter form's ring of tiles. Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages,
-    kv_deq)."""
+    never touched). F16_TILE (the converter form's, which calls this with FP8 False; NOTES.md v28): q's latent part
+    and the ring of tiles in fp16. Returns (q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq)."""
     DT: gl.constexpr = Q.dtype.element_ty
     TILE_DT: gl.constexpr = gl.float16 if F16_TILE else DT
     SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -645,7 +645,7 @@ def _heads_buffers(Q, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
         lat_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 512], RAW)
         scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
         scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
-        kv_deq = gl.allocate_shared_memory(TILE_DT, [BLOCK_N, 512], SM)
+        kv_deq = gl.allocate_shared_memory(DT, [BLOCK_N, 512], SM)
     else:
         lat_ring = gl.allocate_shared_memory(TILE_DT, [STAGES, BLOCK_N, 512], SM)
         scale_ring = rope_ring
@@ -659,8 +659,8 @@ def _scaled(raw, sc, DT: gl.constexpr):
     """e4m3 bytes raw [rows, cols] times their scales sc [rows] in float32, rounded once to DT (q's dtype) -- as
     FlashMLA dequantizes. DT fp16 (the 64-head kernels' fp16 tile, NOTES.md v28): e4m3 to fp16 (exact) times the
     scale rounded to fp16, in fp16 -- two instructions per two values instead of six, one fp16 rounding of the
-    scale and one of the product (relative error <= 2^-10); the scales come in divided by their row's power of two
-    (`_step_pow2`), so that they are < 2 and the values < 896 whatever the cache holds."""
+    scale and one of the product (relative error <= 2^-10 while both are fp16 normals); the scales come in divided by
+    the step's power of two (`_step_pow2`: values below 57,344 inside its window, below 896 outside it)."""
     if DT == gl.float16:
         return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16) * sc.to(gl.float16)[:, None]
     else:
@@ -685,13 +685,15 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 def _step_pow2(step_scales):
     """The fp16 tile's power of two a step (NOTES.md v28): 2^e by which a ring slot's rows are divided in the tile
     (step_scales [4, 64] in shared memory). e = 0 while the step's largest chunk scale lies in [2^-12, 2^7) (values
-    below 57,344 and that scale an fp16 normal: latents whose chunk maxima lie between 0.11 and 57,344), else e =
-    its exponent clamped to [-40, 40], so that the tile holds K / 2^e with scales / 2^e < 2 and values < 896 --
-    within fp16 for any cache whose scales are below 2^47 (a row whose scales are 2^24 below the step's largest
-    loses digits to fp16's subnormals: absolute errors below 2^-25 of 2^e). One factor a step: the consumers fold
-    it into head vectors (`_online_softmax_pow2`), and the rope part is divided alike only when e != 0
-    (`_rope_unscaled`). Every warp reads all 256 scales (WG_STEP_SCALES) and reduces them itself: no barrier.
-    Returns the float32 bits of 2^e (a scalar)."""
+    below 57,344 and that scale an fp16 normal: latents whose chunk maxima lie between 0.11 and 57,344 -- an
+    RMS-normalized latent of 512 values stays below 22.6 times its norm's largest weight), else e = its exponent
+    clamped to [-40, 40], so that the tile holds K / 2^e with scales / 2^e < 2 and values < 896: no overflow for
+    scales below 2^47. Digits are lost to fp16's subnormals where a chunk's scale / 2^e < 2^-14 (a value's error up
+    to ~448 * 2^-25 * 2^e), and -- because the softmax's running max is over score + e (`_online_softmax_pow2`) --
+    for the P of every other step of the split once one step's e exceeds theirs by ~10 or more (outliers above
+    57,344 in a split of ordinary values; untested, NOTES.md v28 Next). One factor a step: the consumers fold it
+    into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all
+    256 scales (WG_STEP_SCALES) and reduces them itself: no barrier. Returns the float32 bits of 2^e (a scalar)."""
     m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
     exp = ((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
@@ -999,8 +1001,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    loader gathers (NOTES.md v23). F16_TILE (fp8_ds_mla): the steps' dequantized tile and q's latent part in fp16
-    (NOTES.md v28)."""
+    loader gathers (NOTES.md v23). F16_TILE: refused (the fp16 tile is the converter form's, NOTES.md v28)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1030,14 +1031,14 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
-    """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring
-    slot b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the
-    scales into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB
-    (128-byte swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3
-    overwrite the raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`.
-    An fp16 tile (POW2) is divided by the step's power of two (`_step_pow2`), which the producer leaves in place of
-    chunk 0's scales for the consumers. (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip their
-    step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.)"""
+    """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring slot
+    b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the scales
+    into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB (128-byte
+    swizzle: 64 columns a block), so chunks 0-1 (columns 0-255) land in the free lower half; chunks 2-3 overwrite the
+    raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`. An fp16 tile (POW2) is
+    divided by the step's power of two (`_step_pow2`), which the producer leaves in place of chunk 0's scales for the
+    consumers. (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip
+    their step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.)"""
     LAT8: gl.constexpr = WG_LAT8
     ROPE_L: gl.constexpr = WG_ROPE
     SCALE_L: gl.constexpr = WG_SCALE
@@ -1111,22 +1112,22 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
 ):
-    """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two
-    consumer warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16)
-    tiles, while a producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in
-    place (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB);
-    with bf16 tiles the same arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1 the
-    producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
+    """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
+    warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
+    producer warpgroup fills the other slot -- gathers the raw rows into it and dequantizes them in place
+    (`_wgmma_cv_producer`). Same shared memory as the bf16 kernel plus the scales (q 72 KB + 2 x (64 + 8) KB); with bf16
+    tiles the same arithmetic and outputs as `_sparse_mla_wgmma_ws_sm90_kernel`'s fp8 form. DIAG: a timing diagnostic (1
+    the producer alone, 2 the consumers alone, 3 the gathers alone, 4 producer and consumers without the gathers), wrong
     results on purpose. RAW_SWIZZLE: the raw rows' 16-byte pieces XOR the row (within their 128-byte chunk, so the
-    in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict.
-    P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    producer gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's
-    dequantization two instructions per two values (`_scaled`), each step divided by its power of two
-    (`_step_pow2`; POW2 False, a private A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28."""
+    in-place order holds), so that the conversion's reads of 8 rows x 64 bytes a warp meet no bank conflict. P_SMEM:
+    P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the producer
+    gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's dequantization two
+    instructions per two values (`_scaled`), each step divided by its power of two (`_step_pow2`; POW2 False, a private
+    A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
-    gl.static_assert(STAGES == 2, "two bf16 tiles (q and two tiles fill the shared memory)")
+    gl.static_assert(STAGES == 2, "two 16-bit tiles (q and two tiles fill the shared memory)")
     gl.static_assert(P_SMEM or not F16_TILE, "the fp16 tile takes P through shared memory")
     RAW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     RAW8: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0]) if RAW_SWIZZLE else RAW
@@ -2039,9 +2040,11 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
                    "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
-# ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of bf16 tiles and
-# dequantizes there, the consumers running the bf16 step (NOTES.md v15; sm90 build: producer 88 registers, consumers
-# 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448)
+# ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of 16-bit tiles and
+# dequantizes there, the consumers running the 16-bit step (NOTES.md v15; sm90 build: producer 88 registers, consumers
+# 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448); since v28 the
+# tiles are fp16 by default (`f16_tile_pays`; that build spills 32 bytes: 3 + 3 local accesses a producer step, 1 a
+# consumer step)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
@@ -2058,12 +2061,14 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 
 
 # The converter form's fp16 tile (NOTES.md v28): e4m3 to fp16 times the scale in fp16 (two instructions per two
-# values instead of six: the producer's loop 1249 -> ~800 instructions a step), q's latent part scaled a head into
-# fp16, a power of two a step keeping any cache in fp16's range (`_step_pow2`), one fp16 rounding of the scale and
-# one of each value (against FlashMLA's one bf16 rounding: 4-8x smaller errors). H200, v28 call 8 (15 interleaved
-# rounds, x FlashMLA's fp8 decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 /
-# 0.994, 128 heads x 32 / 128 / 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a
-# private switch that overflows beyond 65,504: 1.007 / 1.037 at 64 heads).
+# values instead of six: the producer's loop 1249 -> 759 instructions a step without the power of two, ~800 run with
+# it -- 993 in the build, the rare step's second conversion branched around), q's latent part scaled a head into
+# fp16, a power of two a step keeping any cache's values below fp16's overflow (`_step_pow2`, which says where digits
+# are lost), one fp16 rounding of the scale and one of each value (call 8, against the float32 reference: lse errors
+# 8-10x and output errors 2.4x below FlashMLA's bf16 rounding). H200, v28 call 8 (15 interleaved rounds, x
+# FlashMLA's fp8 decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 / 0.994, 128
+# heads x 32 / 128 / 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a private switch
+# that overflows beyond 65,504: 1.007 / 1.037 at 64 heads).
 def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call's converter form (fp8_ds_mla, P through shared memory, not a timing diagnostic) takes
     the fp16 tile: always, since NOTES.md v28."""
@@ -2243,12 +2248,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("f16_tile") and not (fp8 and cfg.get("converter") and cfg.get("p_smem")):
+    if cfg.get("f16_tile") and not (fp8 and cfg.get("converter") and cfg.get("p_smem") and not cfg.get("ws_diag")):
         raise Glm5labError("f16_tile=True is the 64-head converter form's option (fp8_ds_mla, its producer "
-                           "dequantizing into fp16 tiles; P through shared memory); got it with "
+                           "dequantizing into fp16 tiles; P through shared memory; no timing diagnostic); got it with "
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
-                           f"converter={cfg.get('converter', False)} "
-                           f"and p_smem={cfg.get('p_smem', False)}")
+                           f"converter={cfg.get('converter', False)}, p_smem={cfg.get('p_smem', False)} and "
+                           f"ws_diag={cfg.get('ws_diag', 0)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
