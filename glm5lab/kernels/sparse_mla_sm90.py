@@ -737,7 +737,7 @@ def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, l_ratio, 
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
                 P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, e_h=None,
-                pow_h=None, l_ratio=None):
+                pow_h=None, l_ratio=None, O_REL: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -750,7 +750,10 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`), the softmax
     `_online_softmax_pow2` with the step's e_h, pow_h = 2^e and l_ratio head vectors (POW2 False: a private A/B
     switch, NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond
-    65504). Returns (m, l, acc)."""
+    65504). O_REL (built, not yet run on a GPU -- NOTES.md v28 Next): the plain online softmax over the true scores
+    (the scores' scale a head times 2^e), O kept in units of the step's 2^e instead (acc rescaled by alpha * l_ratio,
+    l_ratio then 2^(e_prev - e)), so that no step's P falls to fp16's subnormals for another step's power of two.
+    Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -766,15 +769,21 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        if F16_TILE and POW2:
+        if F16_TILE and POW2 and O_REL:
+            p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2 * gl.expand_dims(pow_h, 1),
+                                                   m_i, l_i, 1)
+            acc_alpha = alpha * l_ratio
+        elif F16_TILE and POW2:
             p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e_h, pow_h, l_ratio,
                                                         m_i, l_i)
+            acc_alpha = alpha
         else:
             p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+            acc_alpha = alpha
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(alpha, HEADS_O_ROWS)[:, None])
+        acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
     else:
         p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
         l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
@@ -914,7 +923,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+                       O_REL: gl.constexpr = False):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -935,13 +945,24 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
     unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))   # (the fp16 tile's last 2^-e)
+    if O_REL:                                          # (... and its last 2^e and e: O is kept in units of 2^e)
+        pow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+        e_prev = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
     for i in range(num_steps):
         b = i % STAGES
         cur_cols = sl_cols
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
-            if F16_TILE and POW2:
+            if F16_TILE and POW2 and O_REL:
+                e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
+                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
+                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
+                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, unpow_h * pow_prev, O_REL)
+                unpow_prev = unpow_h
+                pow_prev = pow_h
+                e_prev = e_h
+            elif F16_TILE and POW2:
                 e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
                 m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                             num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
@@ -957,6 +978,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         l_i = gl.sum(l_i, 1)
         if F16_TILE and POW2:
             l_i = l_i * unpow_prev        # (l was kept as sum(p) * 2^e of the last step, `_online_softmax_pow2`)
+        if F16_TILE and POW2 and O_REL:
+            m_i = m_i + e_prev            # (O / (l / 2^e) = O * 2^e / l, lse = (m + e) + log2(l / 2^e) = m + log2(l))
         l_i = gl.convert_layout(l_i, HEADS_P_ROWS)
         m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -1111,6 +1134,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+    O_REL: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1149,7 +1173,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2)),
+                              F16_TILE, POW2, O_REL)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
                               POW2)),
@@ -2313,8 +2337,10 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
-        extra["POW2"] = bool(cfg["_f16_pow2"])
+    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16;
+        extra["POW2"] = bool(cfg["_f16_pow2"])       # "o": O kept relative to the step's power of two, not run yet)
+        if cfg["_f16_pow2"] == "o":
+            extra["O_REL"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
