@@ -954,19 +954,17 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
-            if F16_TILE and POW2 and O_REL:
+            if F16_TILE and POW2:
                 e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
+                if O_REL:
+                    ratio = unpow_h * pow_prev        # 2^(e_prev - e): O's rescale
+                    pow_prev = pow_h
+                    e_prev = e_h
+                else:
+                    ratio = pow_h * unpow_prev        # 2^(e - e_prev): l's rescale
                 m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                             num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, unpow_h * pow_prev, O_REL)
-                unpow_prev = unpow_h
-                pow_prev = pow_h
-                e_prev = e_h
-            elif F16_TILE and POW2:
-                e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
-                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, pow_h * unpow_prev)
+                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, ratio, O_REL)
                 unpow_prev = unpow_h
             else:
                 m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
@@ -1016,7 +1014,6 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
-    F16_TILE: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -1024,7 +1021,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
     P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    loader gathers (NOTES.md v23). F16_TILE: refused (the fp16 tile is the converter form's, NOTES.md v28)."""
+    loader gathers (NOTES.md v23)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1034,17 +1031,15 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    gl.static_assert(not F16_TILE, "the fp16 tile is the converter form's (_sparse_mla_wgmma_cv_sm90_kernel)")
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
-        Q, BLOCK_H, BLOCK_N, STAGES, FP8, F16_TILE)
+        Q, BLOCK_H, BLOCK_N, STAGES, FP8)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
