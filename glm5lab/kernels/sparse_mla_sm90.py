@@ -689,10 +689,9 @@ def _step_pow2(step_scales):
     RMS-normalized latent of 512 values stays below 22.6 times its norm's largest weight), else e = its exponent
     clamped to [-40, 40], so that the tile holds K / 2^e with scales / 2^e < 2 and values < 896: no overflow for
     scales below 2^47. Digits are lost to fp16's subnormals where a chunk's scale / 2^e < 2^-14 (a value's error up
-    to ~448 * 2^-25 * 2^e), and -- because the softmax's running max is over score + e (`_online_softmax_pow2`) --
-    for the P of every other step of the split once one step's e exceeds theirs by ~10 or more (outliers above
-    57,344 in a split of ordinary values; untested, NOTES.md v28 Next). One factor a step: the consumers fold it
-    into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all
+    to ~448 * 2^-25 * 2^e): rows whose scales lie 2^24 below the step's largest (an outlier above 57,344 among
+    ordinary rows of ONE step) flush to zero in the tile. Other steps lose nothing: the consumers keep O relative to
+    the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers fold it into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all
     256 scales (WG_STEP_SCALES) and reduces them itself: no barrier. Returns the float32 bits of 2^e (a scalar)."""
     m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
     exp = ((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -717,27 +716,10 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax_pow2(s_tile, slots, num_slots, qk_scale, e, pow_e, l_ratio, m_i, l_acc):
-    """`_online_softmax` ([heads, rows], l per element) on the fp16 tile's scores s_tile = the true scores / 2^e
-    (`_step_pow2`; e, 2^e as head vectors): the scores' scale a head times 2^e, and the running max m over score
-    (log2 units) + e, so P comes out as p * 2^e -- P.V over the tile's V / 2^e gives O's true terms, P <= 1
-    (fp16-safe). l is kept as sum(p) * 2^e of the current step: rescaled by alpha * l_ratio (l_ratio = 2^(e - the
-    previous step's e), exact) and summed with P, no multiply a score; the caller multiplies the final l by the last
-    2^-e. The factors 2^-m cancel in O / l, and lse = m + log2(l) as before."""
-    ok = (slots >= 0) & (slots < num_slots)
-    t = gl.where(gl.expand_dims(ok, 0), s_tile * (qk_scale * gl.expand_dims(pow_e, 1)), float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(t, 1) + e)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(t - gl.expand_dims(m_safe - e, 1))
-    return p, alpha, m_new, l_acc * gl.expand_dims(alpha * l_ratio, 1) + p
-
-
-@gluon.jit
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
-                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, e_h=None,
-                pow_h=None, l_ratio=None, O_REL: gl.constexpr = False):
+                P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, pow_h=None,
+                o_ratio=None):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -747,12 +729,11 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
     operand of P.V. F16_TILE (the converter form's, with P_SMEM; NOTES.md v28): its producer left the step's tile
     in fp16 divided by the step's power of two, the rope part alike, and 2^e in scale_ring (`_step_pow2`); q's
-    latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`), the softmax
-    `_online_softmax_pow2` with the step's e_h, pow_h = 2^e and l_ratio head vectors (POW2 False: a private A/B
-    switch, NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond
-    65504). O_REL (built, not yet run on a GPU -- NOTES.md v28 Next): the plain online softmax over the true scores
-    (the scores' scale a head times 2^e), O kept in units of the step's 2^e instead (acc rescaled by alpha * l_ratio,
-    l_ratio then 2^(e_prev - e)), so that no step's P falls to fp16's subnormals for another step's power of two.
+    latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`) that the step's pow_h = 2^e (a head
+    vector) multiplies: the online softmax over the true scores, and O kept in units of the step's 2^e (acc rescaled
+    by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so that P <= 1 is fp16-safe and no step's P
+    falls to fp16's subnormals for another step's power of two (NOTES.md v29). POW2 False: a private A/B switch,
+    NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond 65504.
     Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
@@ -769,14 +750,10 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        if F16_TILE and POW2 and O_REL:
+        if F16_TILE and POW2:
             p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2 * gl.expand_dims(pow_h, 1),
                                                    m_i, l_i, 1)
-            acc_alpha = alpha * l_ratio
-        elif F16_TILE and POW2:
-            p, alpha, m_new, l_i = _online_softmax_pow2(qk, cur_cols, num_slots, qk_scale_log2, e_h, pow_h, l_ratio,
-                                                        m_i, l_i)
-            acc_alpha = alpha
+            acc_alpha = alpha * o_ratio
         else:
             p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
             acc_alpha = alpha
@@ -923,8 +900,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-                       O_REL: gl.constexpr = False):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -944,10 +920,10 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
-    unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))   # (the fp16 tile's last 2^-e)
-    if O_REL:                                          # (... and its last 2^e and e: O is kept in units of 2^e)
-        pow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
-        e_prev = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    # (the fp16 tile's last 2^-e, 2^e and e: O is kept in units of the step's 2^e, `_heads_step`)
+    unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+    pow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
+    e_prev = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
     for i in range(num_steps):
         b = i % STAGES
         cur_cols = sl_cols
@@ -956,15 +932,12 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         if DIAG != 3 and DIAG != 1:
             if F16_TILE and POW2:
                 e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
-                if O_REL:
-                    ratio = unpow_h * pow_prev        # 2^(e_prev - e): O's rescale
-                    pow_prev = pow_h
-                    e_prev = e_h
-                else:
-                    ratio = pow_h * unpow_prev        # 2^(e - e_prev): l's rescale
+                ratio = unpow_h * pow_prev        # 2^(e_prev - e): O's rescale
+                pow_prev = pow_h
+                e_prev = e_h
                 m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                             num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                            P_SMEM, F16_TILE, POW2, e_h, pow_h, ratio, O_REL)
+                                            P_SMEM, F16_TILE, POW2, pow_h, ratio)
                 unpow_prev = unpow_h
             else:
                 m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
@@ -974,10 +947,9 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
         l_i = gl.sum(l_i, 1)
-        if F16_TILE and POW2:
-            l_i = l_i * unpow_prev        # (l was kept as sum(p) * 2^e of the last step, `_online_softmax_pow2`)
-        if F16_TILE and POW2 and O_REL:
-            m_i = m_i + e_prev            # (O / (l / 2^e) = O * 2^e / l, lse = (m + e) + log2(l / 2^e) = m + log2(l))
+        if F16_TILE and POW2:             # (O is in units of the last step's 2^e: O / (l / 2^e) = O * 2^e / l, and
+            l_i = l_i * unpow_prev        # lse = (m + e) + log2(l / 2^e) = m + log2(l))
+            m_i = m_i + e_prev
         l_i = gl.convert_layout(l_i, HEADS_P_ROWS)
         m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
@@ -1129,7 +1101,6 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-    O_REL: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1168,7 +1139,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2, O_REL)),
+                              F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
                               POW2)),
@@ -2332,10 +2303,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PIPE"] = pipe_bits(cfg["pipe"])
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
-    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16;
-        extra["POW2"] = bool(cfg["_f16_pow2"])       # "o": O kept relative to the step's power of two, not run yet)
-        if cfg["_f16_pow2"] == "o":
-            extra["O_REL"] = True
+    if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
+        extra["POW2"] = bool(cfg["_f16_pow2"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
