@@ -478,9 +478,11 @@ WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
+# ... its producer reducing the step's scales with one warp-wide integer max (REDUX) before converting (NOTES.md v29)
+WGMMA_CV16R = {**WGMMA_CV16, "_cv_fast": 5}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_CV16R],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "cv64f16r"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -675,7 +677,8 @@ def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("outlier_scale", [2.0**10, 2.0**20, 2.0**30])
-def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale):
+@pytest.mark.parametrize("wcfg", [WGMMA_CV16, WGMMA_CV16R], ids=["cv64f16", "cv64f16r"])
+def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale, wcfg):
     """NOTES.md v28's cross-step limit, gone since O is kept relative to the step's power of two (v29): one row of
     zero latent values and a huge scale among scales of 0.01 -- its step's power of two is 2^10-2^30 above the
     others' -- leaves the other steps of the split as the tile's reference has them (v28's form, P relative to 2^e,
@@ -693,7 +696,7 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
     slots = torch.randint(1, num_slots, (T, topk), generator=g, dtype=torch.int32)
     slots[:, 100] = 0                                                        # the outlier in each token's 2nd step
     q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
-    out, lse = run_poisoned(q, cache, slots, _config=WGMMA_CV16)
+    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
     check(out, lse, _f16_dequantized_ref(q, cache, slots), torch.bfloat16)
 
 

@@ -682,7 +682,7 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 
 @gluon.jit
-def _step_pow2(step_scales):
+def _step_pow2(step_scales, REDUX: gl.constexpr = False):
     """The fp16 tile's power of two a step (NOTES.md v28): 2^e by which a ring slot's rows are divided in the tile
     (step_scales [4, 64] in shared memory). e = 0 while the step's largest chunk scale lies in [2^-12, 2^7) (values
     below 57,344 and that scale an fp16 normal: latents whose chunk maxima lie between 0.11 and 57,344 -- an
@@ -693,6 +693,11 @@ def _step_pow2(step_scales):
     ordinary rows of ONE step) flush to zero in the tile. Other steps lose nothing: the consumers keep O relative to
     the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers fold it into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all
     256 scales (WG_STEP_SCALES) and reduces them itself: no barrier. Returns the float32 bits of 2^e (a scalar)."""
+    if REDUX:
+        mb = gl.max(gl.reshape(step_scales.load(WG_STEP_SCALES).to(gl.int32, bitcast=True) & 0x7FFFFFFF, [256]), 0)
+        exp = (mb >> 23) - 127
+        e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
+        return gl.where(mb > 0, (127 + e) << 23, 127 << 23)
     m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
     exp = ((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
@@ -1020,7 +1025,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 @gluon.jit
 def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True,
+                       CV_FAST: gl.constexpr = 0):
     """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring slot
     b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the scales
     into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB (128-byte
@@ -1065,10 +1071,21 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 tile = kv_ring.index(b)
                 # chunks 0-1 into the free lower half with the scales as stored -- the fp16 tile's common case, a
                 # step within `_step_pow2`'s window (e = 0), whose power of two is reduced beside them
-                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
-                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
+                if DT == gl.float16 and POW2 and (CV_FAST & 4) != 0:
+                    pow_bits = _step_pow2(scale_stages.index(b), (CV_FAST & 1) != 0)
+                if (CV_FAST & 2) != 0:
+                    r0 = raw.slice(0, 128, dim=1).load(DQ)
+                    r1 = raw.slice(128, 128, dim=1).load(DQ)
+                    s0 = scale_ring.index(4 * b).load(gl.SliceLayout(1, DQ))
+                    s1 = scale_ring.index(4 * b + 1).load(gl.SliceLayout(1, DQ))
+                    tile.slice(0, 128, dim=1).store(_scaled(r0, s0, DT))
+                    tile.slice(128, 128, dim=1).store(_scaled(r1, s1, DT))
+                else:
+                    tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
+                    tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
                 if DT == gl.float16 and POW2:
-                    pow_bits = _step_pow2(scale_stages.index(b))
+                    if (CV_FAST & 4) == 0:
+                        pow_bits = _step_pow2(scale_stages.index(b), (CV_FAST & 1) != 0)
                     unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
                     if pow_bits != 127 << 23:  # a step outside the window (every warp took the same e): chunks 0-1
                         # again from their raw bytes (in the upper half, intact), and the rope part, divided by 2^e
@@ -1100,7 +1117,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, CV_FAST: gl.constexpr = 0,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1142,7 +1159,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                              POW2)),
+                              POW2, CV_FAST)),
     ], [4], [WS64_CONVERTER_REGS])
 
 
@@ -2305,6 +2322,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
+    if cfg.get("_cv_fast") and cfg.get("f16_tile"):
+        extra["CV_FAST"] = int(cfg["_cv_fast"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
