@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL", "STL", "F2FP", "F2F", "PRMT",
-        "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "BAR", "WARPGROUP.DEPBAR"]
+        "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "REDUX", "BAR", "WARPGROUP.DEPBAR"]
 KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
                    "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
 POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32",

@@ -27,7 +27,8 @@ rows its converter form `_sparse_mla_wgmma_cv_sm90_kernel` takes the dequantizat
 warpgroup converts each step in place in a 2-slot ring of bf16 tiles; v15: 4-10% faster at 128-512 tokens, 0.89-0.92x
 FlashMLA's fp8 decode at 64 heads); since v16 their consumers pass P to P.V through shared memory rather than
 exchanging the scores (2-8% faster); since v28 the converter's tiles are fp16, divided by a power of two a step
-(`_step_pow2`; 0.956 / 0.994x FlashMLA's fp8 decode at 64 heads x 128 / 512 tokens, from 0.924 / 0.957). At small
+(`_step_pow2`; 0.956 / 0.994x FlashMLA's fp8 decode at 64 heads x 128 / 512 tokens, from 0.924 / 0.957), and since
+v29 O is kept relative to that power of two and the scales' reduction is one REDUX (0.982 / 1.028x). At small
 batches of bf16/fp16 caches `_sparse_mla_rows_sm90_kernel` puts the gathered rows in the wgmma's M instead (8-16
 heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
@@ -682,7 +683,7 @@ def _dequant_chunk(lat_ring, scale_ring, kv_deq, b, c: gl.constexpr):
 
 
 @gluon.jit
-def _step_pow2(step_scales, REDUX: gl.constexpr = False):
+def _step_pow2(step_scales):
     """The fp16 tile's power of two a step (NOTES.md v28): 2^e by which a ring slot's rows are divided in the tile
     (step_scales [4, 64] in shared memory). e = 0 while the step's largest chunk scale lies in [2^-12, 2^7) (values
     below 57,344 and that scale an fp16 normal: latents whose chunk maxima lie between 0.11 and 57,344 -- an
@@ -691,17 +692,15 @@ def _step_pow2(step_scales, REDUX: gl.constexpr = False):
     scales below 2^47. Digits are lost to fp16's subnormals where a chunk's scale / 2^e < 2^-14 (a value's error up
     to ~448 * 2^-25 * 2^e): rows whose scales lie 2^24 below the step's largest (an outlier above 57,344 among
     ordinary rows of ONE step) flush to zero in the tile. Other steps lose nothing: the consumers keep O relative to
-    the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers fold it into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all
-    256 scales (WG_STEP_SCALES) and reduces them itself: no barrier. Returns the float32 bits of 2^e (a scalar)."""
-    if REDUX:
-        mb = gl.max(gl.reshape(step_scales.load(WG_STEP_SCALES).to(gl.int32, bitcast=True) & 0x7FFFFFFF, [256]), 0)
-        exp = (mb >> 23) - 127
-        e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
-        return gl.where(mb > 0, (127 + e) << 23, 127 << 23)
-    m = gl.max(gl.max(gl.abs(step_scales.load(WG_STEP_SCALES)), 1), 0)
-    exp = ((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers fold it into head vectors, and the rope
+    part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all 256 scales (WG_STEP_SCALES) and
+    reduces them itself, no barrier: the largest |scale| as integer bits (ordered as the floats are), so that the
+    lanes' reduction is one REDUX instead of five shuffle rounds (NOTES.md v29: 64 heads fp8 x 128 tokens 0.951 ->
+    0.982x FlashMLA). Returns the float32 bits of 2^e (a scalar)."""
+    mb = gl.max(gl.reshape(step_scales.load(WG_STEP_SCALES).to(gl.int32, bitcast=True) & 0x7FFFFFFF, [256]), 0)
+    exp = (mb >> 23) - 127
     e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
-    return gl.where(m > 0.0, (127 + e) << 23, 127 << 23)
+    return gl.where(mb > 0, (127 + e) << 23, 127 << 23)
 
 
 @gluon.jit
@@ -1025,8 +1024,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 @gluon.jit
 def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True,
-                       CV_FAST: gl.constexpr = 0):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
     """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring slot
     b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the scales
     into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB (128-byte
@@ -1071,21 +1069,11 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 tile = kv_ring.index(b)
                 # chunks 0-1 into the free lower half with the scales as stored -- the fp16 tile's common case, a
                 # step within `_step_pow2`'s window (e = 0), whose power of two is reduced beside them
-                if DT == gl.float16 and POW2 and (CV_FAST & 4) != 0:
-                    pow_bits = _step_pow2(scale_stages.index(b), (CV_FAST & 1) != 0)
-                if (CV_FAST & 2) != 0:
-                    r0 = raw.slice(0, 128, dim=1).load(DQ)
-                    r1 = raw.slice(128, 128, dim=1).load(DQ)
-                    s0 = scale_ring.index(4 * b).load(gl.SliceLayout(1, DQ))
-                    s1 = scale_ring.index(4 * b + 1).load(gl.SliceLayout(1, DQ))
-                    tile.slice(0, 128, dim=1).store(_scaled(r0, s0, DT))
-                    tile.slice(128, 128, dim=1).store(_scaled(r1, s1, DT))
-                else:
-                    tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
-                    tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
                 if DT == gl.float16 and POW2:
-                    if (CV_FAST & 4) == 0:
-                        pow_bits = _step_pow2(scale_stages.index(b), (CV_FAST & 1) != 0)
+                    pow_bits = _step_pow2(scale_stages.index(b))    # (first: its latency hides behind chunks 0-1)
+                tile.slice(0, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ))
+                tile.slice(128, 128, dim=1).store(_dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ))
+                if DT == gl.float16 and POW2:
                     unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
                     if pow_bits != 127 << 23:  # a step outside the window (every warp took the same e): chunks 0-1
                         # again from their raw bytes (in the upper half, intact), and the rope part, divided by 2^e
@@ -1117,7 +1105,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
-    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, CV_FAST: gl.constexpr = 0,
+    P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1159,7 +1147,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                              POW2, CV_FAST)),
+                              POW2)),
     ], [4], [WS64_CONVERTER_REGS])
 
 
@@ -2322,8 +2310,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
-    if cfg.get("_cv_fast") and cfg.get("f16_tile"):
-        extra["CV_FAST"] = int(cfg["_cv_fast"])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
