@@ -690,13 +690,14 @@ def _step_pow2(step_scales):
     RMS-normalized latent of 512 values stays below 22.6 times its norm's largest weight), else e = its exponent
     clamped to [-40, 40], so that the tile holds K / 2^e with scales / 2^e < 2 and values < 896: no overflow for
     scales below 2^47. Digits are lost to fp16's subnormals where a chunk's scale / 2^e < 2^-14 (a value's error up
-    to ~448 * 2^-25 * 2^e): rows whose scales lie 2^24 below the step's largest (an outlier above 57,344 among
-    ordinary rows of ONE step) flush to zero in the tile. Other steps lose nothing: the consumers keep O relative to
-    the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers fold it into head vectors, and the rope
-    part is divided alike only when e != 0 (`_rope_unscaled`). Every warp reads all 256 scales (WG_STEP_SCALES) and
-    reduces them itself, no barrier: the largest |scale| as integer bits (ordered as the floats are), so that the
-    lanes' reduction is one REDUX instead of five shuffle rounds (NOTES.md v29: 64 heads fp8 x 128 tokens 0.951 ->
-    0.982x FlashMLA). Returns the float32 bits of 2^e (a scalar)."""
+    to ~448 * 2^-25 * 2^e): rows whose scales lie ~2^25 below the step's largest (an outlier above 57,344 among
+    ordinary rows of ONE step) flush to zero in the tile (an fp16 scale below 2^-25 rounds to 0). Other steps lose
+    nothing: the consumers keep O relative to the step's 2^e, not P (NOTES.md v29). One factor a step: the consumers
+    fold it into head vectors, and the rope part is divided alike only when e != 0 (`_rope_unscaled`). Every warp
+    reads all 256 scales (WG_STEP_SCALES) and reduces them itself, no barrier: the largest |scale| as integer bits
+    (ordered as the floats are; a NaN scale, which the float max ignored, gives e = 40 -- its row's output is NaN
+    either way), so that the lanes' reduction is one REDUX instead of five shuffle rounds (NOTES.md v29: 64 heads
+    fp8 x 128 tokens 0.951 -> 0.982x FlashMLA). Returns the float32 bits of 2^e (a scalar)."""
     mb = gl.max(gl.reshape(step_scales.load(WG_STEP_SCALES).to(gl.int32, bitcast=True) & 0x7FFFFFFF, [256]), 0)
     exp = (mb >> 23) - 127
     e = gl.where((exp >= -12) & (exp < 7), 0, gl.minimum(gl.maximum(exp, -40), 40))
@@ -2038,8 +2039,8 @@ WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": Fals
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of 16-bit tiles and
 # dequantizes there, the consumers running the 16-bit step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448); since v28 the
-# tiles are fp16 by default (`f16_tile_pays`; that build spills 32 bytes: 3 + 3 local accesses a producer step, 1 a
-# consumer step)
+# tiles are fp16 by default (`f16_tile_pays`; that build spills 24 bytes since v29's REDUX: one local load a producer
+# step, one a consumer step; v28's 32 bytes took 3 + 3 a producer step)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
@@ -2055,15 +2056,15 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
     return fp8 and bool(cfg.get("ws")) and rows_per_split >= CONVERTER_MIN_ROWS
 
 
-# The converter form's fp16 tile (NOTES.md v28): e4m3 to fp16 times the scale in fp16 (two instructions per two
-# values instead of six: the producer's loop 1249 -> 759 instructions a step without the power of two, ~800 run with
-# it -- 993 in the build, the rare step's second conversion branched around), q's latent part scaled a head into
-# fp16, a power of two a step keeping any cache's values below fp16's overflow (`_step_pow2`, which says where digits
-# are lost), one fp16 rounding of the scale and one of each value (call 8, against the float32 reference: lse errors
-# 8-10x and output errors 2.4x below FlashMLA's bf16 rounding). H200, v28 call 8 (15 interleaved rounds, x
-# FlashMLA's fp8 decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 / 0.994, 128
-# heads x 32 / 128 / 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a private switch
-# that overflows beyond 65,504: 1.007 / 1.037 at 64 heads).
+# The converter form's fp16 tile (NOTES.md v28): e4m3 to fp16 times the scale in fp16 (two instructions per two values
+# instead of six: the producer's loop 1249 -> 759 instructions a step without the power of two, 790 run with it since
+# v29 -- 985 in the build, the rare step's second conversion branched around), q's latent part scaled a head into fp16,
+# a power of two a step keeping any cache's values below fp16's overflow (`_step_pow2`, which says where digits are
+# lost), one fp16 rounding of the scale and one of each value (call 8, against the float32 reference: lse errors 8-10x
+# and output errors 2.4x below FlashMLA's bf16 rounding). H200, v28 call 8 (15 interleaved rounds, x FlashMLA's fp8
+# decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 / 0.994, 128 heads x 32 / 128 /
+# 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a private switch that overflows beyond
+# 65,504: 1.007 / 1.037 at 64 heads).
 def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call's converter form (fp8_ds_mla, P through shared memory, not a timing diagnostic) takes
     the fp16 tile: always, since NOTES.md v28."""
