@@ -935,19 +935,14 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         sl_cols = _slots(slot_row, n_start + (i + 1) * BLOCK_N, n_end, BLOCK_N, COLS)
         mbarrier.wait(full.index(b), (i // STAGES) & 1)             # every loader thread's copies have landed
         if DIAG != 3 and DIAG != 1:
+            pow_h, ratio = None, None
             if F16_TILE and POW2:
-                e_h, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
+                e_prev, pow_h, unpow_h = _stored_pow2(scale_ring, b, gl.SliceLayout(1, S_L))
                 ratio = unpow_h * pow_prev        # 2^(e_prev - e): O's rescale
-                pow_prev = pow_h
-                e_prev = e_h
-                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                            P_SMEM, F16_TILE, POW2, pow_h, ratio)
-                unpow_prev = unpow_h
-            else:
-                m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
-                                            num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile,
-                                            P_SMEM, F16_TILE, POW2)
+                pow_prev, unpow_prev = pow_h, unpow_h
+            m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
+                                        num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile, P_SMEM,
+                                        F16_TILE, POW2, pow_h, ratio)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -2065,10 +2060,15 @@ def converter_pays(fp8: bool, cfg: dict, rows_per_split: int) -> bool:
 # decode, bf16 tile -> fp16 tile): 64 heads x 128 / 512 tokens 0.924 / 0.957 -> 0.956 / 0.994, 128 heads x 32 / 128 /
 # 512 1.028 / 0.889 / 0.898 -> 1.038 / 0.947 / 0.958 (without the power of two, a private switch that overflows beyond
 # 65,504: 1.007 / 1.037 at 64 heads).
-def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
-    """Whether a Gluon call's converter form (fp8_ds_mla, P through shared memory, not a timing diagnostic) takes
-    the fp16 tile: always, since NOTES.md v28."""
+def f16_tile_fits(fp8: bool, cfg: dict) -> bool:
+    """Whether a Gluon call can take the fp16 tile: the converter form (fp8_ds_mla), P through shared memory, not a
+    timing diagnostic (`check_tile` refuses it elsewhere)."""
     return fp8 and bool(cfg.get("converter")) and bool(cfg.get("p_smem")) and not cfg.get("ws_diag")
+
+
+def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
+    """Whether a Gluon call takes the fp16 tile by default: wherever it fits, since NOTES.md v28."""
+    return f16_tile_fits(fp8, cfg)
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -2244,7 +2244,7 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("the warp-specialized 64-head kernel takes 64-head tiles, 64-row steps, 8 warps and 2 "
                            f"stages, got block_h {cfg['block_h']}, block_n {cfg['block_n']}, num_warps "
                            f"{cfg['num_warps']}, stages {cfg['stages']}")
-    if cfg.get("f16_tile") and not (fp8 and cfg.get("converter") and cfg.get("p_smem") and not cfg.get("ws_diag")):
+    if cfg.get("f16_tile") and not f16_tile_fits(fp8, cfg):
         raise Glm5labError("f16_tile=True is the 64-head converter form's option (fp8_ds_mla, its producer "
                            "dequantizing into fp16 tiles; P through shared memory; no timing diagnostic); got it with "
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
