@@ -478,12 +478,9 @@ WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
-# ... both tiles in two allocations, columns 0-255 and 256-511 (_halves, NOTES.md v30)
-WGMMA_CVPH, WGMMA_CV16H = {**WGMMA_CVP, "_halves": True}, {**WGMMA_CV16, "_halves": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_CVPH,
-                                             WGMMA_CV16H],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "cv64ph", "cv64f16h"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -612,10 +609,9 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
       for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16,
-                                                         WGMMA_CVPH, WGMMA_CV16H))],
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16))],
     ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
-         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16", "fp8-cv64ph", "fp8-cv64f16h"])
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -679,8 +675,7 @@ def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("outlier_scale", [2.0**10, 2.0**20, 2.0**30])
-@pytest.mark.parametrize("wcfg", [WGMMA_CV16, WGMMA_CV16H], ids=["cv64f16", "cv64f16h"])
-def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale, wcfg):
+def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale):
     """NOTES.md v28's cross-step limit, gone since O is kept relative to the step's power of two (v29): one row of
     zero latent values and a huge scale among scales of 0.01 -- its step's power of two is 2^10-2^30 above the
     others' -- leaves the other steps of the split as the tile's reference has them (v28's form, P relative to 2^e,
@@ -698,7 +693,7 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
     slots = torch.randint(1, num_slots, (T, topk), generator=g, dtype=torch.int32)
     slots[:, 100] = 0                                                        # the outlier in each token's 2nd step
     q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
-    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
+    out, lse = run_poisoned(q, cache, slots, _config=WGMMA_CV16)
     check(out, lse, _f16_dequantized_ref(q, cache, slots), torch.bfloat16)
 
 
@@ -1110,10 +1105,9 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16),
-                                         ("fp8_ds_mla", WGMMA_CVPH), ("fp8_ds_mla", WGMMA_CV16H)],
+                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16)],
                          ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
-                              "fp8-cv64f16", "fp8-cv64ph", "fp8-cv64f16h"])
+                              "fp8-cv64f16"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):

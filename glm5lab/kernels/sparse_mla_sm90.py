@@ -77,11 +77,6 @@ _HEADS_O = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr
 _HEADS_P = gl.DotOperandLayout(operand_index=0, parent=_HEADS_O, k_width=2)
 HEADS_O_L = gl.constexpr(_HEADS_O)
 HEADS_O_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_O))
-# ... O in two halves [heads, 256] (columns 0-255, 256-511; a warpgroup holds 128 columns of each): the converter
-# form's ring of tiles in two allocations (NOTES.md v30)
-_HEADS_O_HALF = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
-HEADS_O_HALF = gl.constexpr(_HEADS_O_HALF)
-HEADS_O_HALF_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_O_HALF))
 HEADS_P_A = gl.constexpr(_HEADS_P)
 HEADS_P_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_P))
 HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
@@ -97,10 +92,6 @@ WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 WG_SCALE = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 4], [0, 1]))
 # ... and of a 4-warp converter / producer warpgroup's dequantization: [rows, 128] e4m3 chunks
 WG_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-# ... and two such chunks side by side, [rows, 256], the second's registers after the first's (`_side_by_side`)
-WG_DQ_PAIR = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64], [32, 0], [0, 128]],
-    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 256]))
 # ... and every warp of it holding all four chunk scales of a 64-row step (8 a thread; warps replicated, so that each
 # warp reduces them alone, without a barrier: the fp16 tile's power of two, `_step_pow2`)
 WG_STEP_SCALES = gl.constexpr(gl.DistributedLinearLayout(
@@ -112,11 +103,6 @@ HEADS_F16_STORE = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
     lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [0, 256]], block_bases=[],
     shape=[64, 512]))
-# ... and for one half of O [heads, 256] (HEADS_O_HALF's threads and registers, renamed alike)
-HEADS_F16_STORE_HALF = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32], [0, 64]],
-    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [0, 128]], block_bases=[],
-    shape=[64, 256]))
 
 
 @gluon.jit
@@ -738,7 +724,7 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
                 P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, pow_h=None,
-                o_ratio=None, hi_ring=None, HALVES: gl.constexpr = False):
+                o_ratio=None):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -753,9 +739,6 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so that P <= 1 is fp16-safe and no step's P
     falls to fp16's subnormals for another step's power of two (NOTES.md v29). POW2 False: a private A/B switch,
     NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond 65504.
-    HALVES (the converter form's, with P_SMEM; NOTES.md v30): each tile in two allocations, columns 0-255 in
-    lat_ring and 256-511 in hi_ring, so that its producer's conversion meets no barrier of Triton's (whose barrier
-    analysis compares whole allocations); q.K^T and P.V run on each half, acc a pair of [heads, 256] halves.
     Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
@@ -767,12 +750,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     else:
         kv = lat_ring.index(b)
     fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
-    if HALVES:
-        kv_hi = hi_ring.index(b)
-        qk = warpgroup_mma(q_lat.slice(0, 256, dim=1), kv.permute((1, 0)), zero_s, is_async=True)
-        qk = warpgroup_mma(q_lat.slice(256, 256, dim=1), kv_hi.permute((1, 0)), qk, is_async=True)
-    else:
-        qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
+    qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
     qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
@@ -787,14 +765,7 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
-        if HALVES:
-            acc_lo, acc_hi = acc
-            a_half = gl.convert_layout(acc_alpha, HEADS_O_HALF_ROWS)[:, None]
-            acc_lo = warpgroup_mma(p_tile, kv, acc_lo * a_half, is_async=True)
-            acc_hi = warpgroup_mma(p_tile, kv_hi, acc_hi * a_half, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc_lo, acc_hi])
-        else:
-            acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
+        acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
     else:
         p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
         l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
@@ -803,11 +774,10 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
 
 
 @gluon.jit
-def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr = False,
-                 HALVES: gl.constexpr = False):
+def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.constexpr = False):
     """The 64-head kernels' state before the first step: running max, sum, O and the zero S tile a step's q.K^T
     starts from (S split by rows between the warpgroups: BLOCK_N / 2 rows each). P_SMEM: max and sum in S's own
-    layout, the sum per element. HALVES: O as a pair of [heads, 256] halves (`_heads_step`)."""
+    layout, the sum per element."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     if P_SMEM:
@@ -816,12 +786,8 @@ def _heads_state(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.conste
     else:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=HEADS_P_ROWS)
         l_i = gl.zeros([BLOCK_H], gl.float32, layout=HEADS_P_ROWS)
-    if HALVES:
-        acc = (gl.zeros([BLOCK_H, 256], gl.float32, layout=HEADS_O_HALF),
-               gl.zeros([BLOCK_H, 256], gl.float32, layout=HEADS_O_HALF))
-    else:
-        acc = gl.zeros([BLOCK_H, 512], gl.float32, layout=HEADS_O_L)
-    return m_i, l_i, acc, gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    return m_i, l_i, gl.zeros([BLOCK_H, 512], gl.float32, layout=HEADS_O_L), gl.zeros([BLOCK_H, BLOCK_N], gl.float32,
+                                                                                      layout=S_L)
 
 
 @gluon.jit
@@ -874,65 +840,11 @@ def _sparse_mla_wgmma_sm90_kernel(
 
 @gluon.jit
 def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr = False,
-                 HALVES: gl.constexpr = False):
+                 stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr = False):
     """The 64-head kernels' result: out = acc / l (or the split's normalized partial) and lse, O [heads, 512].
     PART_F16: the partial in fp16, each head scaled by a power of two into [2^14, 2^15) (sparse_mla's
-    `partial_scale_plane`; the row max spans both warpgroups' columns), columns in `stored_column` order. HALVES:
-    acc is a pair of halves [heads, 256] (`_heads_step`), stored by `_store_half`."""
+    `partial_scale_plane`; the row max spans both warpgroups' columns), columns in `stored_column` order."""
     inv_l, lse2 = _softmax_totals(l_i, m_i, 1.0)
-    if HALVES:
-        acc_lo, acc_hi = acc
-        inv_h = gl.convert_layout(inv_l, HEADS_O_HALF_ROWS)
-        part = t * num_splits + s
-        if SPLIT and PART_F16:
-            heads_h = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_O_HALF_ROWS)
-            mul = _pow2_into_f16_range(gl.maximum(gl.max(gl.abs(acc_lo), 1), gl.max(gl.abs(acc_hi), 1)) * inv_h)
-            gl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads_h, 1.0 / mul,
-                     mask=heads_h < num_heads)
-            inv_h = inv_h * mul
-        _store_half(OUT, PART_O, acc_lo, inv_h, 0, t, part, pid_h, num_heads, stride_ot, stride_oh, BLOCK_H, SPLIT,
-                    PART_F16)
-        _store_half(OUT, PART_O, acc_hi, inv_h, 256, t, part, pid_h, num_heads, stride_ot, stride_oh, BLOCK_H, SPLIT,
-                    PART_F16)
-        heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_P_ROWS)
-        if SPLIT:
-            gl.store(PART_LSE + part * num_heads + heads_l, lse2, mask=heads_l < num_heads)
-        else:
-            gl.store(LSE + t * stride_lt + heads_l, lse2 * 0.6931471805599453, mask=heads_l < num_heads)
-    else:
-        _store_whole(OUT, LSE, PART_O, PART_LSE, acc, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                     stride_oh, stride_lt, BLOCK_H, SPLIT, PART_F16)
-
-
-@gluon.jit
-def _store_half(OUT, PART_O, acc, inv_h, col0: gl.constexpr, t, part, pid_h, num_heads, stride_ot, stride_oh,
-                BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr):
-    """Columns col0 .. col0 + 255 of the 64-head kernels' result from one half of O (`_store_heads`, HALVES):
-    acc [heads, 256] times inv_h (1 / l, times the head's power of two for fp16 partials, whose columns go in
-    `stored_column` order as `_store_whole` stores them)."""
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_O_HALF_ROWS)
-    cols = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, HEADS_O_HALF))
-    v = acc * inv_h[:, None]
-    if SPLIT and PART_F16:
-        v = gl.reshape(v.to(gl.float16), [BLOCK_H, 16, 2, 4, 2])
-        v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 3, 2, 4]), [BLOCK_H, 256]), HEADS_F16_STORE_HALF)
-        rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, HEADS_F16_STORE_HALF))
-        stored = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, HEADS_F16_STORE_HALF))
-        gl.store(PART_O + (part * num_heads + rows[:, None]) * 512 + stored[None, :], v,
-                 mask=(rows < num_heads)[:, None])
-    elif SPLIT:
-        gl.store(PART_O + (part * num_heads + heads[:, None]) * 512 + cols[None, :], v,
-                 mask=(heads < num_heads)[:, None])
-    else:
-        gl.store(OUT + t * stride_ot + heads[:, None] * stride_oh + cols[None, :], v.to(OUT.dtype.element_ty),
-                 mask=(heads < num_heads)[:, None])
-
-
-@gluon.jit
-def _store_whole(OUT, LSE, PART_O, PART_LSE, acc, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                 stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, PART_F16: gl.constexpr):
-    """`_store_heads` of O [heads, 512] whole."""
     inv_r = gl.convert_layout(inv_l, HEADS_O_ROWS)
     inv_l = inv_r[:, None]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=HEADS_O_ROWS)
@@ -993,14 +905,12 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-                       hi_ring=None, HALVES: gl.constexpr = False):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
     from p_tile (`_heads_step`). F16_TILE: q scaled a head (`_stage_q_wgmma`), the scores' scale a head with it
-    (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says. HALVES: the ring's tiles in two allocations,
-    lat_ring and hi_ring (`_heads_step`)."""
+    (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     if DIAG != 3 and DIAG != 1:
@@ -1014,7 +924,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     S_COLS: gl.constexpr = gl.SliceLayout(0, S_L)
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
-    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM, HALVES)
+    m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
     # (the fp16 tile's last 2^-e, 2^e and e: O is kept in units of the step's 2^e, `_heads_step`)
     unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
     pow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -1032,7 +942,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                 pow_prev, unpow_prev = pow_h, unpow_h
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile, P_SMEM,
-                                        F16_TILE, POW2, pow_h, ratio, hi_ring, HALVES)
+                                        F16_TILE, POW2, pow_h, ratio)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -1043,7 +953,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
         l_i = gl.convert_layout(l_i, HEADS_P_ROWS)
         m_i = gl.convert_layout(m_i, HEADS_P_ROWS)
     _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_heads, num_splits, stride_ot, stride_oh,
-                 stride_lt, BLOCK_H, SPLIT, PART_F16, HALVES)
+                 stride_lt, BLOCK_H, SPLIT, PART_F16)
 
 
 @gluon.jit
@@ -1110,8 +1020,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
 @gluon.jit
 def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t, n_start,
                        n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True, hi_ring=None,
-                       HALVES: gl.constexpr = False):
+                       STAGES: gl.constexpr, DIAG: gl.constexpr = 0, POW2: gl.constexpr = True):
     """The fp8_ds_mla producer warpgroup of `_sparse_mla_wgmma_cv_sm90_kernel`: once the consumers have freed ring slot
     b, it gathers step i's e4m3 rows (cp.async) into the UPPER half of the slot's 16-bit tile, the rope and the scales
     into theirs, waits for its own copies and dequantizes in place. The tile is 8 column blocks of 8 KB (128-byte
@@ -1119,9 +1028,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
     raw rows, so every thread reads both first, then a barrier, then the stores. Then `full[b]`. An fp16 tile (POW2) is
     divided by the step's power of two (`_step_pow2`), which the producer leaves in place of chunk 0's scales for the
     consumers. (ws_diag 2: neither gathers nor conversion; 3: no conversion; 4: no gathers; 1: both, the consumers skip
-    their step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.) HALVES
-    (NOTES.md v30): the tiles in two allocations, columns 0-255 in kv_ring and 256-511 in hi_ring, the raw rows
-    (raw_halves) in hi_ring's slot b (`_convert_halves`)."""
+    their step; 6: as 4, converting bytes held in registers instead of the raw rows in shared memory.)"""
     LAT8: gl.constexpr = WG_LAT8
     ROPE_L: gl.constexpr = WG_ROPE
     SCALE_L: gl.constexpr = WG_SCALE
@@ -1146,10 +1053,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                 tile.slice(c * 128, 128, dim=1).store(
                     _scaled(r, scale_ring.index(4 * b + c).load(gl.SliceLayout(1, DQ)), DT))
         elif DIAG != 2:
-            if HALVES:
-                raw = raw_halves.index(b)
-            else:
-                raw = raw_halves.index(2 * b + 1)
+            raw = raw_halves.index(2 * b + 1)
             if DIAG != 4:
                 sl_lat, sl_rope, sl_scale = _request_step(
                     KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end, raw,
@@ -1157,10 +1061,7 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
                     SCALE_L, True)
                 async_copy.wait_group(0)
                 gl.thread_barrier()            # every producer thread's copies have landed
-            if DIAG != 3 and HALVES:
-                _convert_halves(raw, kv_ring.index(b), hi_ring.index(b), rope_ring.index(b), scale_ring, scale_stages,
-                                b, BLOCK_N, DT, POW2, DQ)
-            elif DIAG != 3:
+            if DIAG != 3:
                 tile = kv_ring.index(b)
                 # chunks 0-1 into the free lower half with the scales as stored -- the fp16 tile's common case, a
                 # step within `_step_pow2`'s window (e = 0), whose power of two is reduced beside them
@@ -1194,45 +1095,6 @@ def _wgmma_cv_producer(KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, sc
 
 
 @gluon.jit
-def _side_by_side(a, b):
-    """Two [rows, 128] tensors as one [rows, 256] (a's columns first): registers renamed, no value moved -- so that
-    one store writes two chunks, one access to their allocation for Triton's barrier analysis."""
-    return gl.convert_layout(gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [a.shape[0], 2 * a.shape[1]]),
-                             WG_DQ_PAIR)
-
-
-@gluon.jit
-def _convert_halves(raw, lo, hi, rope, scale_ring, scale_stages, b, BLOCK_N: gl.constexpr, DT: gl.constexpr,
-                    POW2: gl.constexpr, DQ: gl.constexpr):
-    """The HALVES producer's conversion of ring slot b (NOTES.md v30): chunks 0-1 of the raw rows raw (in hi) into lo
-    with the scales as stored, while the fp16 tile's power of two is reduced (`_step_pow2`; a step outside its window
-    converts them again, divided by 2^e, and the rope part alike); then every thread reads chunks 2-3's bytes, ONE
-    barrier, and they overwrite the raw rows in hi. Each pair of chunks is one store (`_side_by_side`), and lo, hi,
-    the scales and the rope part are four allocations: Triton adds no barrier of its own."""
-    if DT == gl.float16 and POW2:
-        pow_bits = _step_pow2(scale_stages.index(b))    # (first: its latency hides behind chunks 0-1)
-    lo.store(_side_by_side(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ),
-                           _dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ)))
-    if DT == gl.float16 and POW2:
-        unscale = ((254 << 23) - pow_bits).to(gl.float32, bitcast=True)
-        if pow_bits != 127 << 23:      # a step outside the window (every warp took the same e)
-            lo.store(_side_by_side(_dequantized(raw, scale_ring.index(4 * b), 0, DT, DQ, unscale),
-                                   _dequantized(raw, scale_ring.index(4 * b + 1), 1, DT, DQ, unscale)))
-            _rope_unscaled(rope, unscale, DQ)
-    else:
-        unscale = 1.0
-    r2 = raw.slice(256, 128, dim=1).load(DQ)      # (bytes, not values: half the registers)
-    r3 = raw.slice(384, 128, dim=1).load(DQ)
-    s2 = scale_ring.index(4 * b + 2).load(gl.SliceLayout(1, DQ)) * unscale
-    s3 = scale_ring.index(4 * b + 3).load(gl.SliceLayout(1, DQ)) * unscale
-    gl.thread_barrier()            # every thread has read the raw rows that chunks 2-3 overwrite
-    hi.store(_side_by_side(_scaled(r2, s2, DT), _scaled(r3, s3, DT)))
-    if DT == gl.float16 and POW2:  # (every scale is read by now: 2^e for the consumers, `_stored_pow2`)
-        scale_ring.index(4 * b).store(gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, DQ))
-                                      + pow_bits.to(gl.float32, bitcast=True))
-
-
-@gluon.jit
 def _sparse_mla_wgmma_cv_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
@@ -1240,7 +1102,6 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-    HALVES: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1253,9 +1114,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the producer
     gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's dequantization two
     instructions per two values (`_scaled`), each step divided by its power of two (`_step_pow2`; POW2 False, a private
-    A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28. HALVES: each tile in two allocations,
-    columns 0-255 and 256-511 (the raw rows in the second), so that the producer's conversion meets only the barriers
-    it needs (`_convert_halves`; NOTES.md v30)."""
+    A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1270,18 +1129,8 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     s = gl.program_id(2)
     n_start, n_end, num_steps = _split_rows(s, rows_per_split, topk, BLOCK_N)
 
-    if HALVES:
-        TILE_DT: gl.constexpr = gl.float16 if F16_TILE else Q.dtype.element_ty
-        SM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_lat, q_rope = _q_wgmma_buffers(Q.dtype.element_ty, BLOCK_H, SM, TILE_DT)
-        rope_ring = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, BLOCK_N, 64], SM)
-        kv_ring = gl.allocate_shared_memory(TILE_DT, [STAGES, BLOCK_N, 256], SM)   # columns 0-255
-        hi_ring = gl.allocate_shared_memory(TILE_DT, [STAGES, BLOCK_N, 256], SM)   # 256-511, first the raw rows
-        raw_halves = hi_ring._reinterpret(gl.uint8, [STAGES, BLOCK_N, 512], RAW8)
-    else:
-        q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, BLOCK_H, BLOCK_N, STAGES, False, F16_TILE)
-        raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
-        hi_ring = kv_ring
+    q_lat, q_rope, kv_ring, rope_ring, _, _, _ = _heads_buffers(Q, BLOCK_H, BLOCK_N, STAGES, False, F16_TILE)
+    raw_halves = kv_ring._reinterpret(gl.uint8, [STAGES * 2, BLOCK_N, 512], RAW8)  # slot b's upper half: 2b + 1
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
@@ -1291,10 +1140,10 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2, hi_ring, HALVES)),
+                              F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                              POW2, hi_ring, HALVES)),
+                              POW2)),
     ], [4], [WS64_CONVERTER_REGS])
 
 
@@ -2462,8 +2311,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
-    if cfg.get("_halves") and "HALVES" in kernel.arg_names:    # (a private A/B switch, NOTES.md v30)
-        extra["HALVES"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
