@@ -77,6 +77,24 @@ _HEADS_O = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr
 _HEADS_P = gl.DotOperandLayout(operand_index=0, parent=_HEADS_O, k_width=2)
 HEADS_O_L = gl.constexpr(_HEADS_O)
 HEADS_O_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_O))
+# The lazy rescale of O (NOTES.md v30; FlashAttention-4's conditional rescale): the running max moves only when a
+# step's max exceeds it by more than LAZY_TAU (log2 units), so p <= 2^LAZY_TAU and on most steps every head's alpha
+# is 1; a warp whose rows all have alpha 1 then skips O's multiply (`_lazy_rescaled`).
+LAZY_TAU = gl.constexpr(8.0)
+
+
+def _lazy_rescale_asm(n: int) -> str:
+    """PTX for `_lazy_rescaled` on a thread's n accumulator values ($0..$n-1, tied to inputs $n..$2n-1) and their
+    alphas ($2n..$3n-1): values 0 and 2 of the wgmma accumulator are its two rows (r, r + 8), so the warp votes on
+    their alphas and branches around the n multiplies when none differs from 1."""
+    muls = "".join(f"mul.f32 ${j}, ${j}, ${2 * n + j}; " for j in range(n))
+    return ("{ .reg .pred a, b; "
+            f"setp.neu.f32 a, ${2 * n}, 0f3F800000; setp.neu.f32 b, ${2 * n + 2}, 0f3F800000; or.pred a, a, b; "
+            f"vote.sync.any.pred a, a, 0xffffffff; @!a bra.uni skip; {muls}skip: }}")
+
+
+LAZY_RESCALE_ASM = gl.constexpr(_lazy_rescale_asm(128))
+LAZY_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 128 + [str(j) for j in range(128)] + ["f"] * 128))
 HEADS_P_A = gl.constexpr(_HEADS_P)
 HEADS_P_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_P))
 HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
@@ -298,6 +316,25 @@ def _masked_scores(s_tile, slots, num_slots, qk_scale_log2, AXIS: gl.constexpr):
     """The scores in log2 units, -inf where the slot is -1 or past the cache (rows along AXIS)."""
     ok = (slots >= 0) & (slots < num_slots)
     return gl.where(gl.expand_dims(ok, 1 - AXIS), s_tile * qk_scale_log2, float("-inf"))
+
+
+@gluon.jit
+def _online_softmax_lazy(s_tile, slots, num_slots, qk_scale_log2, m_i, l_acc, AXIS: gl.constexpr):
+    """`_online_softmax` keeping the running max until a step's exceeds it by more than LAZY_TAU: p <= 2^LAZY_TAU
+    (fp16 / bf16 and the float32 sums hold it), alpha 1 on the steps that keep it (`_lazy_rescaled`)."""
+    s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, AXIS)
+    tile_max = gl.max(s_tile, AXIS)
+    return _softmax_update(s_tile, gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i), m_i, l_acc, AXIS)
+
+
+@gluon.jit
+def _lazy_rescaled(acc, alpha):
+    """O [heads, 512] (the 64-head kernels' accumulator, HEADS_O_L) times alpha [heads] (HEADS_O_ROWS) -- skipped by
+    each warp none of whose rows' alpha differs from 1 (`_online_softmax_lazy`): 128 multiplies a thread a step
+    off the path between the softmax and P.V on most steps."""
+    a, _ = gl.broadcast(alpha[:, None], acc)
+    return gl.inline_asm_elementwise(LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32,
+                                     is_pure=True, pack=128)
 
 
 @gluon.jit
@@ -724,7 +761,7 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
                 P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, pow_h=None,
-                o_ratio=None):
+                o_ratio=None, LAZY: gl.constexpr = False):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -739,7 +776,8 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so that P <= 1 is fp16-safe and no step's P
     falls to fp16's subnormals for another step's power of two (NOTES.md v29). POW2 False: a private A/B switch,
     NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond 65504.
-    Returns (m, l, acc)."""
+    LAZY (with P_SMEM; NOTES.md v30): the running max kept until a step's exceeds it by 2^LAZY_TAU, O's rescale
+    skipped by the warps whose heads all keep it (`_online_softmax_lazy`, `_lazy_rescaled`). Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -756,16 +794,22 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
         if F16_TILE and POW2:
-            p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2 * gl.expand_dims(pow_h, 1),
-                                                   m_i, l_i, 1)
-            acc_alpha = alpha * o_ratio
+            qk_scale_log2 = qk_scale_log2 * gl.expand_dims(pow_h, 1)
+        if LAZY:
+            p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
         else:
             p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+        if F16_TILE and POW2:
+            acc_alpha = alpha * o_ratio
+        else:
             acc_alpha = alpha
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
+        if LAZY:
+            acc = warpgroup_mma(p_tile, kv, _lazy_rescaled(acc, gl.convert_layout(acc_alpha, HEADS_O_ROWS)))
+        else:
+            acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
     else:
         p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
         l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
@@ -905,7 +949,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+                       LAZY: gl.constexpr = False):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -942,7 +987,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                 pow_prev, unpow_prev = pow_h, unpow_h
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile, P_SMEM,
-                                        F16_TILE, POW2, pow_h, ratio)
+                                        F16_TILE, POW2, pow_h, ratio, LAZY)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -985,7 +1030,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False, LAZY: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -1011,7 +1056,8 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM,
+                              False, True, LAZY)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -1102,6 +1148,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+    LAZY: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1140,7 +1187,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2)),
+                              F16_TILE, POW2, LAZY)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
                               POW2)),
@@ -2311,6 +2358,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
+    if cfg.get("_lazy") and cfg.get("p_smem"):      # (a private A/B switch, NOTES.md v30)
+        extra["LAZY"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
