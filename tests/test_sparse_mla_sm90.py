@@ -478,12 +478,9 @@ WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
-# ... the P-through-shared-memory forms with the lazy rescale of O (_lazy, NOTES.md v30)
-WGMMA_WSPL, WGMMA_CVPL, WGMMA_CV16L = ({**cfg, "_lazy": True} for cfg in (WGMMA_WSP, WGMMA_CVP, WGMMA_CV16))
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_WSPL, WGMMA_CVPL,
-                                             WGMMA_CV16L],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "ws64pl", "cv64pl", "cv64f16l"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_WSP],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "ws64p"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -578,7 +575,8 @@ def test_gluon_wgmma_ws_p_smem_build_exchanges_no_scores(fp8, converter):
     """p_smem (NOTES.md v16, the default): the consumers' step keeps S where wgmma left it -- no layout conversion of
     the scores (the exchange build's runs 4 rounds of STS.128 / BAR / LDS.128 through a 4 KB buffer) --, P is
     stored once with stmatrix (STSM) and read by P.V's wgmma from shared memory; fewer CTA barriers, the same 40 wgmma,
-    no spill, one CTA a SM (<= 227 KB with the 8 KB P tile)."""
+    no spill, one CTA a SM (<= 227 KB with the 8 KB P tile). And O's rescale is lazy (v30): one warp vote a step,
+    whose branch skips O's 128 multiplies a thread before P.V."""
     plain = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, _sass=True)
     ps = _sm90_build(ws=True, converter=converter, BLOCK_H=64, BLOCK_N=64, FP8=fp8, num_warps=8, P_SMEM=True,
                      _sass=True)
@@ -587,6 +585,12 @@ def test_gluon_wgmma_ws_p_smem_build_exchanges_no_scores(fp8, converter):
     assert ps["BAR"] < plain["BAR"]
     pv = [i for i in ps["_sass"] if i.startswith("HGMMA.64x256x16")]     # P.V: both operands descriptors
     assert pv and all(re.match(r"HGMMA\S+ R\d+, gdesc\[\w+\]", i) for i in pv)
+    votes = [k for k, i in enumerate(ps["_sass"]) if i.startswith("VOTE.ANY")]
+    assert len(votes) == 1 and ps["_sass"][votes[0] + 1].startswith("BRA")
+    skipped = ps["_sass"][votes[0] + 2:]
+    skipped = skipped[:next(k for k, i in enumerate(skipped) if i.startswith("HGMMA.64x256x16"))]
+    assert sum(i.startswith("FMUL") for i in skipped) == 128
+    assert not any(i.startswith("VOTE.ANY") for i in plain["_sass"])
 
 
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
@@ -611,12 +615,10 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
-      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_WSPL)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16,
-                                                         WGMMA_WSPL, WGMMA_CVPL, WGMMA_CV16L))],
-    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "bf16-ws64pl", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp16-ws64pl",
-         "fp8-wg64", "fp8-ws64", "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16", "fp8-ws64pl", "fp8-cv64pl",
-         "fp8-cv64f16l"])
+      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16))],
+    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
+         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -630,7 +632,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p", "ws64pl"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -639,8 +641,7 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP,
-           "ws64pl": WGMMA_WSPL}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -681,8 +682,7 @@ def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("outlier_scale", [2.0**10, 2.0**20, 2.0**30])
-@pytest.mark.parametrize("wcfg", [WGMMA_CV16, WGMMA_CV16L], ids=["cv64f16", "cv64f16l"])
-def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale, wcfg):
+def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale):
     """NOTES.md v28's cross-step limit, gone since O is kept relative to the step's power of two (v29): one row of
     zero latent values and a huge scale among scales of 0.01 -- its step's power of two is 2^10-2^30 above the
     others' -- leaves the other steps of the split as the tile's reference has them (v28's form, P relative to 2^e,
@@ -700,19 +700,19 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
     slots = torch.randint(1, num_slots, (T, topk), generator=g, dtype=torch.int32)
     slots[:, 100] = 0                                                        # the outlier in each token's 2nd step
     q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
-    out, lse = run_poisoned(q, cache, slots, _config=wcfg)
+    out, lse = run_poisoned(q, cache, slots, _config=WGMMA_CV16)
     check(out, lse, _f16_dequantized_ref(q, cache, slots), torch.bfloat16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,wcfg", [("native", WGMMA_WSP), ("native", WGMMA_WSPL), ("fp8_ds_mla", WGMMA_CV16),
-                                         ("fp8_ds_mla", WGMMA_CV16L), ("fp8_ds_mla", WGMMA_CVPL)],
-                         ids=["bf16-ws64p", "bf16-ws64pl", "fp8-cv64f16", "fp8-cv64f16l", "fp8-cv64pl"])
+@pytest.mark.parametrize("layout,wcfg", [("native", WGMMA_WSP), ("fp8_ds_mla", WGMMA_WSP), ("fp8_ds_mla", WGMMA_CVP),
+                                         ("fp8_ds_mla", WGMMA_CV16), ("native", WGMMA_WS)],
+                         ids=["bf16-ws64p", "fp8-ws64p", "fp8-cv64p", "fp8-cv64f16", "bf16-ws64"])
 def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg):
     """Each token's rows in order of their score summed over heads, rising (the running max moves at most steps,
-    mostly by less than the lazy rescale's 2^8 -- kept, p up to 2^8 -- sometimes by more) and falling (only at the
-    first step): the 64-head P-through-shared-memory forms, with and without the lazy rescale, match the
-    reference."""
+    mostly by less than the lazy rescale's 2^8 -- kept, p up to 2^8 -- sometimes by more; NOTES.md v30) and falling
+    (only at the first step): the 64-head P-through-shared-memory forms, which rescale O lazily, match the reference
+    (as the exchange-of-S form does, which rescales at every step)."""
     q, cache, slots, _ = make_case(4, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
     kv = (dequantize_fp8_ds_mla(cache) if layout == "fp8_ds_mla" else cache).view(-1, 576).float()
     score = torch.einsum("thd,tkd->tk", q.float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])
@@ -1135,10 +1135,9 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16),
-                                         ("native", WGMMA_WSPL), ("fp8_ds_mla", WGMMA_CV16L)],
+                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16)],
                          ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
-                              "fp8-cv64f16", "bf16-ws64pl", "fp8-cv64f16l"])
+                              "fp8-cv64f16"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):
@@ -1153,7 +1152,7 @@ def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wcfg", [WGMMA_WS, WGMMA_WSP, WGMMA_WSPL], ids=["ws64", "ws64p", "ws64pl"])
+@pytest.mark.parametrize("wcfg", [WGMMA_WS, WGMMA_WSP], ids=["ws64", "ws64p"])
 def test_gpu_gluon_fp16_partials_keep_values_beyond_fp16_range(wcfg):
     """A bf16 cache reaching 1e6 (q scaled down as much): the warp-specialized kernel's fp16 partials, scaled a head,
     give the reference's output where unscaled fp16 would overflow."""

@@ -81,14 +81,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws64cps16u", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                   "f16_tile": True, "_f16_pow2": False}),
-                  # ... both P-through-shared-memory forms with the lazy rescale of O (a private A/B switch, NOTES.md
-                  # v30): the 16-bit / loader form, the fp16 converter form
-                  ("ws64psl", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                               "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                               "_lazy": True}),
-                  ("ws64cps16l", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
-                                  "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                  "f16_tile": True, "_lazy": True}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),

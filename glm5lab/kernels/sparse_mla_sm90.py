@@ -761,7 +761,7 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
                 P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, pow_h=None,
-                o_ratio=None, LAZY: gl.constexpr = False):
+                o_ratio=None):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -769,15 +769,16 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     diagnostic: the products read kv_deq as it stands). P_SMEM (NOTES.md v16): no exchange of S -- Triton's
     layout conversion ran it in 4 rounds through a 4 KB buffer, 8 CTA barriers a step, with 5-6-way bank conflicts
     (ncu) --; the row max is reduced across the warpgroups and P [heads, rows] is stored once into p_tile, the A
-    operand of P.V. F16_TILE (the converter form's, with P_SMEM; NOTES.md v28): its producer left the step's tile
-    in fp16 divided by the step's power of two, the rope part alike, and 2^e in scale_ring (`_step_pow2`); q's
-    latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`) that the step's pow_h = 2^e (a head
-    vector) multiplies: the online softmax over the true scores, and O kept in units of the step's 2^e (acc rescaled
-    by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so that P <= 1 is fp16-safe and no step's P
-    falls to fp16's subnormals for another step's power of two (NOTES.md v29). POW2 False: a private A/B switch,
-    NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they are, which overflow fp16 beyond 65504.
-    LAZY (with P_SMEM; NOTES.md v30): the running max kept until a step's exceeds it by 2^LAZY_TAU, O's rescale
-    skipped by the warps whose heads all keep it (`_online_softmax_lazy`, `_lazy_rescaled`). Returns (m, l, acc)."""
+    operand of P.V; and O is rescaled lazily (NOTES.md v30): a head's running max moves only when a step's exceeds
+    it by more than LAZY_TAU (P <= 2^8), and each warp whose heads all keep theirs skips O's multiply
+    (`_online_softmax_lazy`, `_lazy_rescaled`). F16_TILE (the converter form's, with P_SMEM; NOTES.md v28): its
+    producer left the step's tile in fp16 divided by the step's power of two, the rope part alike, and 2^e in
+    scale_ring (`_step_pow2`); q's latent part is in fp16, qk_scale_log2 a [heads, 1] column (`_qk_scale_heads`)
+    that the step's pow_h = 2^e (a head vector) multiplies: the online softmax over the true scores, and O kept in
+    units of the step's 2^e (acc rescaled by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so
+    that P <= 2^8 is fp16-safe and no step's P falls to fp16's subnormals for another step's power of two (NOTES.md
+    v29). POW2 False: a private A/B switch, NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they
+    are, which overflow fp16 beyond 65504. Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -793,23 +794,17 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
+        # and the running max is kept until a step's exceeds it by 2^LAZY_TAU: O's rescale, skipped by each warp
+        # whose heads all keep it (NOTES.md v30)
         if F16_TILE and POW2:
             qk_scale_log2 = qk_scale_log2 * gl.expand_dims(pow_h, 1)
-        if LAZY:
-            p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
-        else:
-            p, alpha, m_new, l_i = _online_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+        p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
         if F16_TILE and POW2:
-            acc_alpha = alpha * o_ratio
-        else:
-            acc_alpha = alpha
+            alpha = alpha * o_ratio
         p_tile.store(p.to(DT))
         fence_async_shared()
         gl.thread_barrier()
-        if LAZY:
-            acc = warpgroup_mma(p_tile, kv, _lazy_rescaled(acc, gl.convert_layout(acc_alpha, HEADS_O_ROWS)))
-        else:
-            acc = warpgroup_mma(p_tile, kv, acc * gl.convert_layout(acc_alpha, HEADS_O_ROWS)[:, None])
+        acc = warpgroup_mma(p_tile, kv, _lazy_rescaled(acc, gl.convert_layout(alpha, HEADS_O_ROWS)))
     else:
         p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
         l_i = l_i * alpha + gl.sum(p, 1)   # (l as a vector here: the per-column l_acc above goes unused)
@@ -949,8 +944,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-                       LAZY: gl.constexpr = False):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -987,7 +981,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                 pow_prev, unpow_prev = pow_h, unpow_h
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile, P_SMEM,
-                                        F16_TILE, POW2, pow_h, ratio, LAZY)
+                                        F16_TILE, POW2, pow_h, ratio)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
@@ -1030,15 +1024,15 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
-    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False, LAZY: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
-    P_SMEM: P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the
-    loader gathers (NOTES.md v23)."""
+    P_SMEM: P.V's A operand through shared memory, O rescaled lazily (`_heads_step`, NOTES.md v16, v30). The
+    consumers stage q while the loader gathers (NOTES.md v23)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1056,8 +1050,7 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM,
-                              False, True, LAZY)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -1148,7 +1141,6 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
-    LAZY: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1187,7 +1179,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2, LAZY)),
+                              F16_TILE, POW2)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
                               POW2)),
@@ -2358,8 +2350,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
-    if cfg.get("_lazy") and cfg.get("p_smem"):      # (a private A/B switch, NOTES.md v30)
-        extra["LAZY"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
