@@ -1021,8 +1021,9 @@ def test_gluon_wgmma_cv_sm90_fp16_tile_build_dequantizes_in_fp16():
     of a step outside the power of two's window), instead of through fp32 (the bf16 tile's 256 HADD2.F32, FMUL);
     the same 40 wgmma a step, and the shared memory of one CTA a SM; the step's scales reduced by one warp-wide
     integer max (REDUX, NOTES.md v29); without the power of two (the private switch) the build has fewer
-    instructions, no reduction and no second conversion. The fp16 builds spill a little (24 bytes each since v29;
-    the bf16 tile's none): a bound, so that more does not come unnoticed."""
+    instructions, no reduction and no second conversion. The fp16 builds spill a little (the default 16 bytes since
+    v30's lazy rescale, 24 in v29; without the power of two 24; the bf16 tile's none): a bound, so that more does not
+    come unnoticed."""
     base = dict(ws=True, converter=True, BLOCK_H=64, BLOCK_N=64, FP8=True, num_warps=8, P_SMEM=True, PART_F16=True)
     bf16, f16, unsafe = (_sm90_build(**base, **extra) for extra in ({}, {"F16_TILE": True},
                                                                    {"F16_TILE": True, "POW2": False}))
@@ -1031,7 +1032,7 @@ def test_gluon_wgmma_cv_sm90_fp16_tile_build_dequantizes_in_fp16():
         assert rep["HMUL2"] >= 128 and rep.get("HADD2", 0) == 0 < bf16["HADD2"]
     assert bf16.get("HMUL2", 0) == 0 and unsafe["HMUL2"] == 128 < f16["HMUL2"] and unsafe["F2FP"] < bf16["F2FP"]
     assert unsafe["loop"] < f16["loop"] and f16["REDUX"] == 1 and "REDUX" not in unsafe and "REDUX" not in bf16
-    assert bf16["stack"] == 0 and f16["stack"] <= 24 and unsafe["stack"] <= 24
+    assert bf16["stack"] == 0 and f16["stack"] <= 16 and unsafe["stack"] <= 24
 
 
 def test_fp16_tile_is_the_converter_forms_and_its_default():

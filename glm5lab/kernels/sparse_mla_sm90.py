@@ -2073,8 +2073,8 @@ WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": Fals
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of 16-bit tiles and
 # dequantizes there, the consumers running the 16-bit step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448); since v28 the
-# tiles are fp16 by default (`f16_tile_pays`; that build spills 24 bytes since v29's REDUX: one local load a producer
-# step, one a consumer step; v28's 32 bytes took 3 + 3 a producer step)
+# tiles are fp16 by default (`f16_tile_pays`; that build spills 16 bytes since v30's lazy rescale: one local load a
+# producer step, one a consumer step; v29's 24 bytes as many, v28's 32 took 3 + 3 a producer step)
 WGMMA_CV_CONFIG = {**WGMMA_WS_CONFIG, "converter": True}
 # ... which sparse_mla_attention runs for fp8_ds_mla when a split covers at least this many rows of the top-k (its
 # producer's first gathers and conversion are not hidden, so short splits lose). H200, NOTES.md v15 runs 1-2, us
