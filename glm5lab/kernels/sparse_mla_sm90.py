@@ -794,8 +794,8 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
         # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        # and the running max is kept until a step's exceeds it by 2^LAZY_TAU: O's rescale, skipped by each warp
-        # whose heads all keep it (NOTES.md v30)
+        # and the running max is kept until a step's exceeds it by LAZY_TAU (log2 units): O's rescale, skipped by
+        # each warp whose heads all keep it (NOTES.md v30)
         if F16_TILE and POW2:
             qk_scale_log2 = qk_scale_log2 * gl.expand_dims(pow_h, 1)
         p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
