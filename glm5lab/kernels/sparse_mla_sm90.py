@@ -332,6 +332,7 @@ def _lazy_rescaled(acc, alpha):
     """O [heads, 512] (the 64-head kernels' accumulator, HEADS_O_L) times alpha [heads] (HEADS_O_ROWS) -- skipped by
     each warp none of whose rows' alpha differs from 1 (`_online_softmax_lazy`): 128 multiplies a thread a step
     off the path between the softmax and P.V on most steps."""
+    gl.static_assert(acc.shape[0] * acc.shape[1] == 128 * 32 * gl.num_warps(), "128 accumulator values a thread")
     a, _ = gl.broadcast(alpha[:, None], acc)
     return gl.inline_asm_elementwise(LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32,
                                      is_pure=True, pack=128)
