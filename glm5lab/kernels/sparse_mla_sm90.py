@@ -83,18 +83,19 @@ HEADS_O_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_O))
 LAZY_TAU = gl.constexpr(8.0)
 
 
-def _lazy_rescale_asm(n: int) -> str:
-    """PTX for `_lazy_rescaled` on a thread's n accumulator values ($0..$n-1, tied to inputs $n..$2n-1) and their
-    alphas ($2n..$3n-1): values 0 and 2 of the wgmma accumulator are its two rows (r, r + 8), so the warp votes on
-    their alphas and branches around the n multiplies when none differs from 1."""
+def _lazy_rescale_asm(n: int) -> tuple:
+    """PTX and its constraints for `_lazy_rescaled` on a thread's n accumulator values ($0..$n-1, tied to inputs
+    $n..$2n-1) and their alphas ($2n..$3n-1): values 0 and 2 of the wgmma accumulator are its two rows (r, r + 8),
+    so the warp votes on their alphas and branches around the n multiplies when none differs from 1."""
     muls = "".join(f"mul.f32 ${j}, ${j}, ${2 * n + j}; " for j in range(n))
-    return ("{ .reg .pred a, b; "
-            f"setp.neu.f32 a, ${2 * n}, 0f3F800000; setp.neu.f32 b, ${2 * n + 2}, 0f3F800000; or.pred a, a, b; "
-            f"vote.sync.any.pred a, a, 0xffffffff; @!a bra.uni skip; {muls}skip: }}")
+    asm = ("{ .reg .pred a, b; "
+           f"setp.neu.f32 a, ${2 * n}, 0f3F800000; setp.neu.f32 b, ${2 * n + 2}, 0f3F800000; or.pred a, a, b; "
+           f"vote.sync.any.pred a, a, 0xffffffff; @!a bra.uni skip; {muls}skip: }}")
+    return asm, ",".join(["=f"] * n + [str(j) for j in range(n)] + ["f"] * n)
 
 
-LAZY_RESCALE_ASM = gl.constexpr(_lazy_rescale_asm(128))
-LAZY_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 128 + [str(j) for j in range(128)] + ["f"] * 128))
+LAZY_VALUES = gl.constexpr(128)     # O's values a consumer thread holds: [64 heads, 512] over two warpgroups
+LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in _lazy_rescale_asm(LAZY_VALUES.value))
 HEADS_P_A = gl.constexpr(_HEADS_P)
 HEADS_P_ROWS = gl.constexpr(gl.SliceLayout(1, _HEADS_P))
 HEADS_P_COLS = gl.constexpr(gl.SliceLayout(0, _HEADS_P))
@@ -332,10 +333,11 @@ def _lazy_rescaled(acc, alpha):
     """O [heads, 512] (the 64-head kernels' accumulator, HEADS_O_L) times alpha [heads] (HEADS_O_ROWS) -- skipped by
     each warp none of whose rows' alpha differs from 1 (`_online_softmax_lazy`): 128 multiplies a thread a step
     off the path between the softmax and P.V on most steps."""
-    gl.static_assert(acc.shape[0] * acc.shape[1] == 128 * 32 * gl.num_warps(), "128 accumulator values a thread")
+    gl.static_assert(acc.shape[0] * acc.shape[1] == LAZY_VALUES * 32 * gl.num_warps(),
+                     "the accumulator values a thread holds are the PTX's")
     a, _ = gl.broadcast(alpha[:, None], acc)
     return gl.inline_asm_elementwise(LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32,
-                                     is_pure=True, pack=128)
+                                     is_pure=True, pack=LAZY_VALUES)
 
 
 @gluon.jit
