@@ -478,9 +478,12 @@ WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
+# ... and with P against the kept max (a private switch, NOTES.md v31): the fp16 tile's form and the loader / 16-bit one
+WGMMA_CV16K, WGMMA_WSPK = {**WGMMA_CV16, "_kept_p": True}, {**WGMMA_WSP, "_kept_p": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
-FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_WSP],
-                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "ws64p"])
+FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_WSP, WGMMA_CV16K,
+                                             WGMMA_WSPK],
+                                    ids=["wg64", "ws64", "cv64", "cv64p", "cv64f16", "ws64p", "cv64f16k", "ws64pk"])
 
 
 def _bf16_dequantized_ref(q, cache, slots):
@@ -623,10 +626,12 @@ def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,dtype,wcfg", [
     *((layout, dtype, wcfg) for layout, dtype in (("native", torch.bfloat16), ("native", torch.float16))
-      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP)),
-    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16))],
-    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp16-wg64", "fp16-ws64", "fp16-ws64p", "fp8-wg64", "fp8-ws64",
-         "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16"])
+      for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_WSPK)),
+    *(("fp8_ds_mla", torch.bfloat16, wcfg) for wcfg in (WGMMA, WGMMA_WS, WGMMA_WSP, WGMMA_CV, WGMMA_CVP, WGMMA_CV16,
+                                                         WGMMA_CV16K, WGMMA_WSPK))],
+    ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "bf16-ws64pk", "fp16-wg64", "fp16-ws64", "fp16-ws64p",
+         "fp16-ws64pk", "fp8-wg64", "fp8-ws64", "fp8-ws64p", "fp8-cv64", "fp8-cv64p", "fp8-cv64f16", "fp8-cv64f16k",
+         "fp8-ws64pk"])
 @pytest.mark.parametrize("H", [17, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 130])
 def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
@@ -640,7 +645,7 @@ def test_gpu_gluon_wgmma_real_shapes(layout, dtype, wcfg, H, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p"])
+@pytest.mark.parametrize("tile", ["wg64", "wg64n32", "ws64", "ws64p", "ws64pk"])
 @pytest.mark.parametrize("topk,splits", [(512, 1), (1000, 3), (77, 5), (2048, 32)])
 def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     """bf16 cache: odd top-k, forced splits, both step sizes, both 64-head kernels; slot 0 (the fallback of -1 /
@@ -649,7 +654,8 @@ def test_gpu_gluon_wgmma_odd_topk_splits_and_skipped_rows(tile, topk, splits):
     slots[slots == 0] = 1
     ref = sparse_mla_reference(q, cache, torch.where(slots >= 65536, -1, slots), SCALE)
     cache.view(-1, 576)[0] = float("nan")
-    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP}[tile]
+    cfg = {"wg64": WGMMA, "wg64n32": {**WGMMA, "block_n": 32}, "ws64": WGMMA_WS, "ws64p": WGMMA_WSP,
+           "ws64pk": WGMMA_WSPK}[tile]
     out, lse = run_poisoned(q, cache, slots, num_splits=splits, _config=cfg)
     check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
 
@@ -690,7 +696,8 @@ def test_gpu_gluon_wgmma_fp8_q_and_scale_ranges(wcfg, q_mag, scale_range):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("outlier_scale", [2.0**10, 2.0**20, 2.0**30])
-def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale):
+@pytest.mark.parametrize("wcfg", [WGMMA_CV16, WGMMA_CV16K], ids=["cv64f16", "cv64f16k"])
+def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale, wcfg):
     """NOTES.md v28's cross-step limit, gone since O is kept relative to the step's power of two (v29): one row of
     zero latent values and a huge scale among scales of 0.01 -- its step's power of two is 2^10-2^30 above the
     others' -- leaves the other steps of the split as the tile's reference has them (v28's form, P relative to 2^e,
@@ -709,30 +716,38 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
     slots = torch.randint(1, num_slots, (T, topk), generator=g, dtype=torch.int32)
     slots[:, 100] = 0                                                        # the outlier in each token's 2nd step
     q, cache, slots = q.cuda(), cache.cuda(), slots.cuda()
-    out, lse = run_poisoned(q, cache, slots, num_splits=1, _config=WGMMA_CV16)
+    out, lse = run_poisoned(q, cache, slots, num_splits=1, _config=wcfg)
     check(out, lse, _f16_dequantized_ref(q, cache, slots), torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA_WSP), ("fp8_ds_mla", WGMMA_WSP), ("fp8_ds_mla", WGMMA_CVP),
-                                         ("fp8_ds_mla", WGMMA_CV16), ("native", WGMMA_WS)],
-                         ids=["bf16-ws64p", "fp8-ws64p", "fp8-cv64p", "fp8-cv64f16", "bf16-ws64"])
-def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg):
+                                         ("fp8_ds_mla", WGMMA_CV16), ("native", WGMMA_WS), ("native", WGMMA_WSPK),
+                                         ("fp8_ds_mla", WGMMA_WSPK), ("fp8_ds_mla", WGMMA_CV16K)],
+                         ids=["bf16-ws64p", "fp8-ws64p", "fp8-cv64p", "fp8-cv64f16", "bf16-ws64", "bf16-ws64pk",
+                              "fp8-ws64pk", "fp8-cv64f16k"])
+@pytest.mark.parametrize("spread", [1.0, 64.0], ids=["kept-moves", "large-moves"])
+def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg, spread):
     """One split a token (32 steps a program), heads 0-31 sharing one q and each token's rows in order of their
-    score, rising (those heads' running max moves at every step, mostly by less than the lazy rescale's threshold
-    of 8 in log2 units -- kept, p up to 2^8 --, asserted below) and falling (only at the first step); heads 32-63
-    in no order: the 64-head P-through-shared-memory forms, which rescale O lazily (NOTES.md v30), match the
-    reference, as the exchange-of-S form does, which rescales at every step."""
+    score, rising (those heads' running max moves at every step -- with q as drawn mostly by less than the lazy
+    rescale's threshold of 8 in log2 units, so kept, p up to 2^8; with q 64 times larger by more, so that the kept
+    max is wrong at every step and P against it (`_kept_p`, NOTES.md v31) must be redone; both asserted below) and
+    falling (only at the first step); heads 32-63 in no order: the 64-head P-through-shared-memory forms, which
+    rescale O lazily (NOTES.md v30), match the reference, as the exchange-of-S form does, which rescales at every
+    step."""
     q, cache, slots, _ = make_case(4, 64, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    q[:, :32] = q[:, :1]
+    q[:, :32] = q[:, :1] * spread
     kv = (dequantize_fp8_ds_mla(cache) if layout == "fp8_ds_mla" else cache).view(-1, 576).float()
     valid = (slots >= 0) & (slots < kv.shape[0])
     score = torch.einsum("td,tkd->tk", q[:, 0].float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])
     score = torch.where(valid, score * SCALE * 1.4426950408889634, float("-inf"))      # log2 units, as the kernel
     rising = torch.gather(slots, 1, score.argsort(dim=1))
-    step_max = torch.sort(score, dim=1).values.view(4, 32, 64).amax(dim=2).cummax(dim=1).values
+    step_max = torch.sort(score, dim=1).values.view(4, 32, 64).amax(dim=2)
     moves = step_max[:, 1:] - step_max[:, :-1]
-    assert bool(((moves > 0) & (moves <= 8)).any()), "no step keeps a moved max: the lazy path goes untested"
+    if spread == 1.0:
+        assert bool(((moves > 0) & (moves <= 8)).any()), "no step keeps a moved max: the lazy path goes untested"
+    else:
+        assert int((moves > 8).sum()) >= 8, "too few steps move the max beyond the threshold"
     for ordered in (rising, rising.flip(1).contiguous()):
         if layout == "fp8_ds_mla":
             ref = _tile_ref(wcfg)(q, cache, ordered)
@@ -1153,9 +1168,10 @@ def test_gpu_gluon_wgmma_ws_timing_diagnostics_run_to_completion(layout, diag, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout,wcfg", [("native", WGMMA), ("native", WGMMA_WS), ("native", WGMMA_WSP),
                                          ("fp8_ds_mla", WGMMA), ("fp8_ds_mla", WGMMA_WS), ("fp8_ds_mla", WGMMA_CV),
-                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16)],
+                                         ("fp8_ds_mla", WGMMA_CVP), ("fp8_ds_mla", WGMMA_CV16),
+                                         ("fp8_ds_mla", WGMMA_CV16K), ("native", WGMMA_WSPK)],
                          ids=["bf16-wg64", "bf16-ws64", "bf16-ws64p", "fp8-wg64", "fp8-ws64", "fp8-cv64", "fp8-cv64p",
-                              "fp8-cv64f16"])
+                              "fp8-cv64f16", "fp8-cv64f16k", "bf16-ws64pk"])
 @pytest.mark.parametrize("partials", ["fp16", "fp32"])
 @pytest.mark.parametrize("H,T,splits", [(64, 8, 16), (128, 4, 8), (33, 3, 5), (64, 2, 32), (128, 2, 32)])
 def test_gpu_gluon_wgmma_split_partials_match_reference(layout, wcfg, partials, H, T, splits):

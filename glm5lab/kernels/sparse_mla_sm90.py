@@ -94,6 +94,11 @@ def _lazy_rescale_asm(n: int) -> tuple:
     return asm, ",".join(["=f"] * n + [str(j) for j in range(n)] + ["f"] * n)
 
 
+# ... and P against the kept max (`_kept_max_softmax`, NOTES.md v31): the eight consumer warps' flags [4 head blocks,
+# 2 warpgroups], every thread holding all eight (no reduction across warps to read them)
+KEPT_FLAGS_ALL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [1, 0], [2, 0]], lane_bases=[[0, 0]] * 5, warp_bases=[[0, 0]] * 3, block_bases=[],
+    shape=[4, 2]))
 LAZY_VALUES = gl.constexpr(128)     # O's values a consumer thread holds: [64 heads, 512] over two warpgroups
 LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in _lazy_rescale_asm(LAZY_VALUES.value))
 HEADS_P_A = gl.constexpr(_HEADS_P)
@@ -338,6 +343,56 @@ def _lazy_rescaled(acc, alpha):
     a, _ = gl.broadcast(alpha[:, None], acc)
     return gl.inline_asm_elementwise(LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32,
                                      is_pure=True, pack=LAZY_VALUES)
+
+
+@gluon.jit
+def _kept_max_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_rows, p_tile, p_flags):
+    """`_online_softmax_lazy` for the 64-head consumers without a reduction across the warpgroups on most steps
+    (NOTES.md v31): P is computed against the KEPT max and stored at once, each warp flags whether any of its scores
+    exceeds the kept max by more than LAZY_TAU, and P's own barrier carries the flags. Only when a flag is up (the
+    first step, a moved max: CTA-uniform, every thread reads all eight) the step's max is reduced across the
+    warpgroups and P is computed and stored again, behind a second barrier. l is kept per head and warpgroup
+    (l_rows [heads, 2], `_kept_rows`): P need not live past its store. Returns (alpha, new max, l_rows) with P in
+    p_tile, ready for P.V."""
+    s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, 1)
+    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    p = gl.exp2(s_tile - gl.expand_dims(m_ref, 1))
+    p_tile.store(p.to(p_tile.dtype))
+    l_new = l_rows + _kept_rows(p, gl.sum)
+    # a warp's flag: any of its 16 heads x 32 rows above the kept max + LAZY_TAU (rows 16 w..16 w + 15, columns
+    # 32 g..32 g + 31: the reductions stay in the warp)
+    up = (s_tile > gl.expand_dims(m_i + LAZY_TAU, 1)).to(gl.int32)
+    p_flags.store(gl.max(gl.reshape(_kept_rows(up, gl.max), [4, 16, 2]), 1))
+    fence_async_shared()
+    gl.thread_barrier()
+    alpha = gl.full_like(m_i, 1.0)
+    m_new = m_i
+    if _warp_uniform(gl.max(gl.max(p_flags.load(KEPT_FLAGS_ALL), 1), 0)) != 0:
+        tile_max = gl.max(s_tile, 1)
+        m_new = gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s_tile - gl.expand_dims(m_safe, 1))
+        p_tile.store(p.to(p_tile.dtype))
+        a_rows = gl.convert_layout(alpha, gl.SliceLayout(1, l_rows.type.layout))
+        l_new = l_rows * gl.expand_dims(a_rows, 1) + _kept_rows(p, gl.sum)
+        fence_async_shared()
+        gl.thread_barrier()
+    return alpha, m_new, l_new
+
+
+@gluon.jit
+def _warp_uniform(x):
+    """x (an int32 scalar every thread of the warp holds alike) through a warp vote, so that ptxas knows a branch on
+    it is uniform (or it keeps the wgmma descriptors in ordinary registers around it, and spills them)."""
+    return gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; "
+                                     "selp.s32 $0, 1, 0, p; }", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _kept_rows(x, reduce: gl.constexpr):
+    """A [heads, rows] score tile reduced over each warpgroup's 32 columns, in-warp: [heads, 2]."""
+    return reduce(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), 2)
 
 
 @gluon.jit
@@ -764,7 +819,7 @@ def _rope_unscaled(rope, unscale, L: gl.constexpr):
 def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols, num_slots, qk_scale_log2, m_i,
                 l_i, acc, zero_s, FP8: gl.constexpr, DEQUANT: gl.constexpr = True, p_tile=None,
                 P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True, pow_h=None,
-                o_ratio=None):
+                o_ratio=None, KEPT_P: gl.constexpr = False, p_flags=None, opaque0=0):
     """One 64-row step of the 64-head kernels on ring slot b (its rows in shared memory): S = q.K^T split by rows
     between the warpgroups, the scores moved once into P.V's A-operand layout (each warp then holds whole head
     rows: row max and sum in-warp), the online softmax, P.V split by columns. fp8_ds_mla: the slot's e4m3 chunks
@@ -792,6 +847,9 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     else:
         kv = lat_ring.index(b)
     fence_async_shared()          # shared-memory writes (cp.async / st.shared) -> wgmma reads
+    if KEPT_P:   # (q's wgmma descriptors rebuilt each step from an index that is 0, but not to the compiler: ptxas
+        #          kept them across the loop, beside the rare path's registers, and spilled them)
+        q_lat = q_lat._reinterpret(q_lat.dtype, [1, q_lat.shape[0], q_lat.shape[1]], q_lat.type.layout).index(opaque0)
     qk = warpgroup_mma(q_lat, kv.permute((1, 0)), zero_s)
     qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
     if P_SMEM:
@@ -801,12 +859,17 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
         # each warp whose heads all keep it (NOTES.md v30)
         if F16_TILE and POW2:
             qk_scale_log2 = qk_scale_log2 * gl.expand_dims(pow_h, 1)
-        p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
-        if F16_TILE and POW2:
-            alpha = alpha * o_ratio
-        p_tile.store(p.to(DT))
-        fence_async_shared()
-        gl.thread_barrier()
+        if KEPT_P:
+            alpha, m_new, l_i = _kept_max_softmax(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, p_tile, p_flags)
+            if F16_TILE and POW2:
+                alpha = alpha * o_ratio
+        else:
+            p, alpha, m_new, l_i = _online_softmax_lazy(qk, cur_cols, num_slots, qk_scale_log2, m_i, l_i, 1)
+            if F16_TILE and POW2:
+                alpha = alpha * o_ratio
+            p_tile.store(p.to(DT))
+            fence_async_shared()
+            gl.thread_barrier()
         acc = warpgroup_mma(p_tile, kv, _lazy_rescaled(acc, gl.convert_layout(alpha, HEADS_O_ROWS)))
     else:
         p, alpha, m_new, _ = _online_softmax_step(qk, cur_cols, num_slots, qk_scale_log2, m_i, 0.0, HEADS_P_A)
@@ -947,7 +1010,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                        num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
                        DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, p_tile=None,
-                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True):
+                       P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+                       KEPT_P: gl.constexpr = False, p_flags=None):
     """The two consumer warpgroups: q staged first, while the loader already gathers (NOTES.md v23); then for each
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
@@ -967,6 +1031,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     COLS: gl.constexpr = S_COLS if P_SMEM else HEADS_P_COLS
     sl_cols = _slots(slot_row, n_start, n_end, BLOCK_N, COLS)
     m_i, l_i, acc, zero_s = _heads_state(BLOCK_H, BLOCK_N, P_SMEM)
+    if KEPT_P:
+        l_i = _kept_rows(l_i, gl.sum)         # (l per head and warpgroup, `_kept_max_softmax`)
     # (the fp16 tile's last 2^-e, 2^e and e: O is kept in units of the step's 2^e, `_heads_step`)
     unpow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
     pow_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -984,11 +1050,13 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
                 pow_prev, unpow_prev = pow_h, unpow_h
             m_i, l_i, acc = _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_cols,
                                         num_slots, qk_scale, m_i, l_i, acc, zero_s, FP8, DIAG != 5, p_tile, P_SMEM,
-                                        F16_TILE, POW2, pow_h, ratio)
+                                        F16_TILE, POW2, pow_h, ratio, KEPT_P, p_flags, i // num_steps)
         gl.thread_barrier()               # both warpgroups are done with slot b (and the bf16 tile)
         mbarrier.arrive(empty.index(b), count=1)
     if P_SMEM:
         l_i = gl.sum(l_i, 1)
+        if KEPT_P:                        # (a [heads, 2] sum: another slice of S's layout)
+            l_i = gl.convert_layout(l_i, gl.SliceLayout(1, S_L))
         if F16_TILE and POW2:             # (O is in units of the last step's 2^e: O / (l / 2^e) = O * 2^e / l, and
             l_i = l_i * unpow_prev        # lse = (m + e) + log2(l / 2^e) = m + log2(l))
             m_i = m_i + e_prev
@@ -1022,12 +1090,23 @@ def _p_tile(q_lat, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, P_SMEM: gl.cons
 
 
 @gluon.jit
+def _p_flags(p_tile, KEPT_P: gl.constexpr):
+    """KEPT_P: the consumer warps' flags of a step (`_kept_max_softmax`, [4, 2] int32); otherwise p_tile stands in."""
+    if KEPT_P:
+        flags = gl.allocate_shared_memory(gl.int32, [4, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:
+        flags = p_tile
+    return flags
+
+
+@gluon.jit
 def _sparse_mla_wgmma_ws_sm90_kernel(
     Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, FP8: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, P_SMEM: gl.constexpr = False,
+    KEPT_P: gl.constexpr = False,
 ):
     """The 64-head wgmma kernel, warp-specialized (NOTES.md v12): a loader warpgroup issues the gathers into the
     ring (cp.async, arriving on an mbarrier when they land) while the two consumer warpgroups run the same step as
@@ -1048,12 +1127,14 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     q_lat, q_rope, lat_ring, rope_ring, scale_ring, scale_stages, kv_deq = _heads_buffers(
         Q, BLOCK_H, BLOCK_N, STAGES, FP8)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
+    p_flags = _p_flags(p_tile, KEPT_P)
     full, empty = _handover_barriers(STAGES, 4 * 32)      # full[b]: every loader thread's copies have landed
     gl.warp_specialize([
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM)),
+                              stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, FP8, DIAG, PART_F16, p_tile, P_SMEM,
+                              False, True, KEPT_P, p_flags)),
         (_wgmma_ws_loader, (KV, SLOTS, lat_ring, rope_ring, scale_stages, full, empty, t, n_start, n_end, num_steps,
                             num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, FP8, DIAG)),
     ], [4], [WS64_LOADER_REGS])
@@ -1144,6 +1225,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PART_F16: gl.constexpr = False, RAW_SWIZZLE: gl.constexpr = True,
     P_SMEM: gl.constexpr = False, F16_TILE: gl.constexpr = False, POW2: gl.constexpr = True,
+    KEPT_P: gl.constexpr = False,
 ):
     """64-head tiles of an fp8_ds_mla cache with the dequantization OFF the consumers (NOTES.md v15): the two consumer
     warpgroups run the 16-bit form of the warp-specialized step on a 2-slot ring of bf16 (F16_TILE: fp16) tiles, while a
@@ -1176,13 +1258,14 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], VEC)
     scale_stages = scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], RAW)
     p_tile = _p_tile(q_lat, BLOCK_H, BLOCK_N, P_SMEM)
+    p_flags = _p_flags(p_tile, KEPT_P)
     full, empty = _handover_barriers(STAGES, 1)
     gl.warp_specialize([
         (_wgmma_ws_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv_ring, rope_ring, scale_ring, rope_ring,
                               full, empty, SLOTS + t * stride_st, n_start, n_end, num_steps, num_slots, qk_scale_log2,
                               t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, False, DIAG, PART_F16, p_tile, P_SMEM,
-                              F16_TILE, POW2)),
+                              F16_TILE, POW2, KEPT_P, p_flags)),
         (_wgmma_cv_producer, (KV, SLOTS, kv_ring, raw_halves, rope_ring, scale_ring, scale_stages, full, empty, t,
                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
                               POW2)),
@@ -2353,6 +2436,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
+    if cfg.get("_kept_p") and cfg.get("p_smem"):      # (a private A/B switch, NOTES.md v31)
+        extra["KEPT_P"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
