@@ -65,7 +65,9 @@ def run_poisoned(q, cache, slots, **kw):
     return o, l
 
 
-def check(out, lse, ref, dtype):
+def check(out, lse, ref, dtype, lse_rel=0.0):
+    """out within a few units of dtype's rounding of the reference; lse within 2e-5 (plus lse_rel of |lse|: scores of
+    hundreds carry float32's relative rounding, ~1e-7 a sum of 576 products)."""
     ref_out, ref_lse = ref
     o = out.double().cpu()
     assert not torch.isnan(o).any(), "unwritten (NaN-poisoned) output elements"
@@ -78,7 +80,7 @@ def check(out, lse, ref, dtype):
     assert torch.equal(torch.isneginf(l), empty), "empty rows must give lse = -inf, and only they"
     assert bool((o[empty.nonzero(as_tuple=True)] == 0).all()), "empty rows must give out = 0"
     if bool((~empty).any()):
-        assert float((l - ref_lse)[~empty].abs().max()) <= 2e-5
+        assert float(((l - ref_lse).abs() - lse_rel * ref_lse.abs())[~empty].max()) <= 2e-5
 
 
 CASES = [(dt, lay, splits, merge)

@@ -726,12 +726,13 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
                                          ("fp8_ds_mla", WGMMA_WSPK), ("fp8_ds_mla", WGMMA_CV16K)],
                          ids=["bf16-ws64p", "fp8-ws64p", "fp8-cv64p", "fp8-cv64f16", "bf16-ws64", "bf16-ws64pk",
                               "fp8-ws64pk", "fp8-cv64f16k"])
-@pytest.mark.parametrize("spread", [1.0, 64.0], ids=["kept-moves", "large-moves"])
+@pytest.mark.parametrize("spread", [1.0, 16.0], ids=["kept-moves", "large-moves"])
 def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg, spread):
     """One split a token (32 steps a program), heads 0-31 sharing one q and each token's rows in order of their
     score, rising (those heads' running max moves at every step -- with q as drawn mostly by less than the lazy
-    rescale's threshold of 8 in log2 units, so kept, p up to 2^8; with q 64 times larger by more, so that the kept
-    max is wrong at every step and P against it (`_kept_p`, NOTES.md v31) must be redone; both asserted below) and
+    rescale's threshold of 8 in log2 units, so kept, p up to 2^8; with q 16 times larger often by more, so that P
+    against the kept max (`_kept_p`, NOTES.md v31) must be redone; both asserted below, and lse's tolerance then
+    grows with its size, ~200) and
     falling (only at the first step); heads 32-63 in no order: the 64-head P-through-shared-memory forms, which
     rescale O lazily (NOTES.md v30), match the reference, as the exchange-of-S form does, which rescales at every
     step."""
@@ -755,7 +756,7 @@ def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg, spread):
             ref = tuple(x.cpu() for x in sparse_mla_reference(q, cache, torch.where(ordered >= 65536, -1, ordered),
                                                                SCALE))
         out, lse = run_poisoned(q, cache, ordered, num_splits=1, _config=wcfg)
-        check(out, lse, ref, torch.bfloat16)
+        check(out, lse, ref, torch.bfloat16, lse_rel=0.0 if spread == 1.0 else 1e-6)
 
 
 @pytest.mark.gpu
