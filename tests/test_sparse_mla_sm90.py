@@ -62,6 +62,7 @@ def _sm90_build(_sass=False, **consts) -> dict:
             text = (Path(dump) / "config0" / "sass.txt").read_text()
             line["report"]["_sass"] = [re.sub(r"^@!?U?P\w+\s+", "", t)
                                        for t in re.findall(r"/\*[0-9a-f]+\*/\s+(.*?);", text)]
+            line["report"]["_sass_at"] = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+(.*?);", text)]
     return line["report"]
 
 
@@ -477,9 +478,10 @@ WGMMA_CV = dict(sparse_mla_sm90.WGMMA_CV_CONFIG)  # its fp8_ds_mla form, dequant
 WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True, "f16_tile": False}
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
-WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True}
-# ... and with P against the kept max (a private switch, NOTES.md v31): the fp16 tile's form and the loader / 16-bit one
-WGMMA_CV16K, WGMMA_WSPK = {**WGMMA_CV16, "_kept_p": True}, {**WGMMA_WSP, "_kept_p": True}
+WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True, "kept_p": False}
+# ... and with P against the kept max (kept_p, NOTES.md v31; the fp16 tile's default up to one wave): that form and the
+# loader / 16-bit one
+WGMMA_CV16K, WGMMA_WSPK = {**WGMMA_CV16, "kept_p": True}, {**WGMMA_WSP, "kept_p": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
 FP8_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS, WGMMA_CV, WGMMA_CVP, WGMMA_CV16, WGMMA_WSP, WGMMA_CV16K,
                                              WGMMA_WSPK],
@@ -602,6 +604,39 @@ def _skipped_o_multiplies(sass: list) -> int:
     skipped = sass[branch + 1:]
     return sum(i.startswith("FMUL") for i in skipped[:next(k for k, i in enumerate(skipped)
                                                             if i.startswith("HGMMA.64x256x16"))])
+
+
+def _barriers_from_s_to_pv(sass_at: list) -> int:
+    """CTA barriers a 64-head consumer step crosses from q.K^T's last wgmma to P.V's first on its common path: every
+    forward conditional branch in between taken (the kept-max build's uniform branch around its rare path, the lazy
+    rescale's around O's multiplies, lane branches around single stores)."""
+    pv = next(k for k, (_, t) in enumerate(sass_at) if "HGMMA.64x256x16" in t)
+    k = max(j for j in range(pv) if "HGMMA.64x32x16" in sass_at[j][1])
+    at = {a: j for j, (a, _) in enumerate(sass_at)}
+    bars = 0
+    while k < pv:
+        a, t = sass_at[k]
+        bars += "BAR.SYNC" in t
+        branch = re.match(r"@!?P\d\s+BRA\s+0x([0-9a-f]+)", t)
+        if branch and a < int(branch.group(1), 16) and at.get(int(branch.group(1), 16), pv + 1) <= pv:
+            k = at[int(branch.group(1), 16)]
+        else:
+            k += 1
+    return bars
+
+
+@pytest.mark.parametrize("form", ["converter-fp16-tile", "16bit"])
+def test_gluon_kept_max_build_crosses_one_barrier_from_s_to_pv(form):
+    """P against the kept max (kept_p, NOTES.md v31): the consumers' common path from S's last wgmma to P.V's first
+    crosses ONE CTA barrier (P's, which carries the warps' flags), where the build without it crosses P's and the
+    row max's reduction across the warpgroups (2-3 more); the rare path's barriers lie behind a uniform branch. No
+    spill (q's wgmma descriptors are rebuilt each step: kept across the loop, ptxas spilled them, 296 bytes)."""
+    extra = {"converter": True, "F16_TILE": True, "FP8": True} if form == "converter-fp16-tile" else {"FP8": False}
+    base = dict(ws=True, BLOCK_H=64, BLOCK_N=64, num_warps=8, P_SMEM=True, PART_F16=True, **extra)
+    kept, plain = _sm90_build(_sass=True, KEPT_P=True, **base), _sm90_build(_sass=True, **base)
+    assert kept["stack"] == 0 and kept["HGMMA"] == 40 and kept["smem"] <= 227 * 1024
+    assert _barriers_from_s_to_pv(kept["_sass_at"]) == 1
+    assert _barriers_from_s_to_pv(plain["_sass_at"]) >= 3
 
 
 def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
@@ -731,7 +766,7 @@ def test_gpu_gluon_wgmma_rows_sorted_by_score(layout, wcfg, spread):
     """One split a token (32 steps a program), heads 0-31 sharing one q and each token's rows in order of their
     score, rising (those heads' running max moves at every step -- with q as drawn mostly by less than the lazy
     rescale's threshold of 8 in log2 units, so kept, p up to 2^8; with q 16 times larger often by more, so that P
-    against the kept max (`_kept_p`, NOTES.md v31) must be redone; both asserted below, and lse's tolerance then
+    against the kept max (`kept_p`, NOTES.md v31) must be redone; both asserted below, and lse's tolerance then
     grows with its size, ~200) and
     falling (only at the first step); heads 32-63 in no order: the 64-head P-through-shared-memory forms, which
     rescale O lazily (NOTES.md v30), match the reference, as the exchange-of-S form does, which rescales at every
@@ -1085,6 +1120,26 @@ def test_fp16_tile_is_the_converter_forms_and_its_default():
             sm90.check_tile(cfg, fp8)
 
 
+def test_kept_max_runs_by_default_in_the_fp16_tile_up_to_one_wave():
+    """P against the kept max (kept_p, NOTES.md v31): by default in the converter form's fp16 tile when the grid is at
+    most one program a SM (it gained up to 8% there and lost up to 5% at eight waves), never in the loader form or the
+    bf16 tile; a kept_p tile without P through shared memory, or a timing diagnostic, is refused."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+
+    f16 = {**sm90.WGMMA_CV_CONFIG, "f16_tile": True}
+    assert sm90.kept_max_pays(True, f16, 132, 132) and sm90.kept_max_pays(True, f16, 1, 132)
+    assert not sm90.kept_max_pays(True, f16, 133, 132)
+    assert not sm90.kept_max_pays(True, {**f16, "f16_tile": False}, 64, 132)
+    assert not sm90.kept_max_pays(True, sm90.WGMMA_WS_CONFIG, 64, 132)
+    assert not sm90.kept_max_pays(False, f16, 64, 132)
+    sm90.check_tile({**f16, "kept_p": True}, True)
+    sm90.check_tile({**sm90.WGMMA_WS_CONFIG, "kept_p": True}, False)
+    for cfg in ({**f16, "kept_p": True, "p_smem": False, "f16_tile": False}, {**sm90.WGMMA_CONFIG, "kept_p": True},
+                {**sm90.WGMMA_WS_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}):
+        with pytest.raises(Glm5labError, match="kept_p=True is the warp-specialized 64-head consumers' option"):
+            sm90.check_tile(cfg, True)
+
+
 def test_converter_form_runs_by_default_for_long_fp8_splits_only():
     """fp8_ds_mla, 17-128 heads: the converter form where a split covers >= CONVERTER_MIN_ROWS rows (NOTES.md v15:
     faster from 16 steps a split, slower at 4-8), the loader form below, never for bf16/fp16 or other tiles."""
@@ -1099,18 +1154,20 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,T,converter", [(64, 130, True), (128, 40, True), (64, 8, False)])
-def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypatch):
-    """The default 64-head fp8_ds_mla call (converter form with its fp16 tile at long splits -- 64 x 130 and 128 x
-    40 run unsplit or in 2 splits --, the loader form with its bf16 tile at 64 x 8's 16 splits) against the
-    reference of its tile's rounding."""
+@pytest.mark.parametrize("H,T,converter,kept", [(64, 130, True, True), (128, 40, True, True), (64, 8, False, False),
+                                               (128, 130, True, False)])
+def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, kept, monkeypatch):
+    """The default 64-head fp8_ds_mla call (converter form with its fp16 tile at long splits -- 64 x 130, 128 x 40 and
+    128 x 130 run unsplit --, P against the kept max up to one wave of programs (130 and 80 of them, not 260), the
+    loader form with its bf16 tile at 64 x 8's 16 splits) against the reference of its tile's rounding."""
     seen = []
     launch = sparse_mla_sm90.launch
     monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a: (
-        seen.append((cfg["converter"], cfg.get("f16_tile", False))), launch(grid, args, cfg, *a)))
+        seen.append((cfg["converter"], cfg.get("f16_tile", False), cfg.get("kept_p", False))),
+        launch(grid, args, cfg, *a)))
     q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots)
-    assert seen == [(converter, converter)]
+    assert seen == [(converter, converter, kept)]
     check(out, lse, _tile_ref({"f16_tile": converter})(q, cache, slots), torch.bfloat16)
 
 

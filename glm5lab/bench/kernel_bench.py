@@ -77,18 +77,18 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # v28), and without its power of two a step (a private A/B switch: values beyond fp16 overflow)
                   ("ws64cps16", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                  "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                 "f16_tile": True}),
+                                 "f16_tile": True, "kept_p": False}),
                   ("ws64cps16u", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                  "f16_tile": True, "_f16_pow2": False}),
+                                  "f16_tile": True, "_f16_pow2": False, "kept_p": False}),
                   # ... P against the kept max, the row max reduced across the warpgroups only when a warp flags
-                  # a move (a private A/B switch, NOTES.md v31): the fp16 tile's form and the 16-bit / loader form
+                  # a move (NOTES.md v31; the fp16 tile's default up to one wave): that form and the 16-bit / loader one
                   ("ws64cps16k", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                  "f16_tile": True, "_kept_p": True}),
+                                  "f16_tile": True, "kept_p": True}),
                   ("ws64psk", {"rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
                                "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                               "_kept_p": True}),
+                               "kept_p": True}),
                   # <= 16 heads, bf16/fp16: the rows-as-M wgmma kernel (the default at small batches)
                   ("rows64", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 2,
                               "resident": 1}),

@@ -359,10 +359,11 @@ def _kept_max_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_rows, p_ti
     p = gl.exp2(s_tile - gl.expand_dims(m_ref, 1))
     p_tile.store(p.to(p_tile.dtype))
     l_new = l_rows + _kept_rows(p, gl.sum)
-    # a warp's flag: any of its 16 heads x 32 rows above the kept max + LAZY_TAU (rows 16 w..16 w + 15, columns
-    # 32 g..32 g + 31: the reductions stay in the warp)
-    up = (s_tile > gl.expand_dims(m_i + LAZY_TAU, 1)).to(gl.int32)
-    p_flags.store(gl.max(gl.reshape(_kept_rows(up, gl.max), [4, 16, 2]), 1))
+    # a warp's flag: any of its 16 heads' maxima over its 32 rows above the kept max + LAZY_TAU (heads 16 w..16 w +
+    # 15, rows 32 g..32 g + 31: the reductions stay in the warp)
+    w_max = _kept_rows(s_tile, gl.max)
+    up = (w_max > gl.expand_dims(gl.convert_layout(m_i + LAZY_TAU, gl.SliceLayout(1, w_max.type.layout)), 1))
+    p_flags.store(gl.max(gl.reshape(up.to(gl.int32), [4, 16, 2]), 1))
     fence_async_shared()
     gl.thread_barrier()
     alpha = gl.full_like(m_i, 1.0)
@@ -836,7 +837,9 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     units of the step's 2^e (acc rescaled by alpha * o_ratio, o_ratio = 2^(the previous step's e - e), exact), so
     that P <= 2^8 is fp16-safe and no step's P falls to fp16's subnormals for another step's power of two (NOTES.md
     v29). POW2 False: a private A/B switch, NOTES.md v28 -- no power of two, the tile's values e4m3 x scale as they
-    are, which overflow fp16 beyond 65504. Returns (m, l, acc)."""
+    are, which overflow fp16 beyond 65504. KEPT_P (with P_SMEM; NOTES.md v31): P against the kept max, the row max
+    reduced across the warpgroups only on the steps a warp flags (`_kept_max_softmax`; l then [heads, 2]); opaque0:
+    the step's 0 the compiler cannot see, for q's descriptors. Returns (m, l, acc)."""
     DT: gl.constexpr = q_lat.dtype
     if FP8:
         if DEQUANT:
@@ -1016,7 +1019,8 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     step, wait for ring slot b, the 64-head step on it (`_heads_step`, as the one-CTA kernel runs it), then `empty[b]`
     back to the loader. (ws_diag 1 / 3: no step and no q; 5: the step without dequantizing.) P_SMEM: P.V's A operand
     from p_tile (`_heads_step`). F16_TILE: q scaled a head (`_stage_q_wgmma`), the scores' scale a head with it
-    (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says."""
+    (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says. KEPT_P: P against the kept max, the warps' flags in
+    p_flags (`_kept_max_softmax`)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     if DIAG != 3 and DIAG != 1:
@@ -1113,8 +1117,9 @@ def _sparse_mla_wgmma_ws_sm90_kernel(
     `_sparse_mla_wgmma_sm90_kernel` -- which otherwise issues the next step's copies itself and waits for its own
     at a CTA barrier (ncu, v8: 30% of the stalls at barriers). Same shared memory (one CTA of 12 warps a SM), same
     arithmetic and outputs. DIAG: a timing diagnostic (WS_DIAGNOSTICS 2, 3, 5), wrong results on purpose.
-    P_SMEM: P.V's A operand through shared memory, O rescaled lazily (`_heads_step`, NOTES.md v16, v30). The
-    consumers stage q while the loader gathers (NOTES.md v23)."""
+    P_SMEM: P.V's A operand through shared memory, O rescaled lazily (`_heads_step`, NOTES.md v16, v30); KEPT_P with
+    it: P against the kept max (`_kept_max_softmax`, v31). The consumers stage q while the loader gathers (NOTES.md
+    v23)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a loader warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -1238,7 +1243,8 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     P.V's A operand through shared memory (`_heads_step`, NOTES.md v16). The consumers stage q while the producer
     gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's dequantization two
     instructions per two values (`_scaled`), each step divided by its power of two (`_step_pow2`; POW2 False, a private
-    A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28."""
+    A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28. KEPT_P: P against the kept max
+    (`_kept_max_softmax`, NOTES.md v31; by default up to one wave of programs, `kept_max_pays`)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -2196,6 +2202,19 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
     return f16_tile_fits(fp8, cfg)
 
 
+# P against the kept max (`_kept_max_softmax`, NOTES.md v31): on most steps no reduction across the consumer
+# warpgroups (three CTA barriers fewer on the path from S to P.V). H200, v31 call 2 (21 interleaved rounds, x
+# FlashMLA's fp8 decode, the converter form's fp16 tile without -> with it): one wave or less gains -- 64 heads x 32 /
+# 64 / 128 tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054, 128 heads x 32 / 64 1.067 / 0.962 -> 1.139 / 0.982
+# --, more waves do not: 64 heads x 256 / 512 1.031 / 1.049 -> 1.048 / 1.049, 128 heads x 128 / 256 / 512 0.987 /
+# 1.007 / 1.011 -> 0.980 / 0.977 / 0.971 (why is not measured). The loader form and bf16 lost everywhere (call 1:
+# 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16). So the fp16 tile takes it up to one wave of programs.
+def kept_max_pays(fp8: bool, cfg: dict, programs: int, num_sms: int) -> bool:
+    """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
+    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM."""
+    return f16_tile_fits(fp8, cfg) and bool(cfg.get("f16_tile")) and programs <= num_sms
+
+
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
 # CTA a SM). H200, NOTES.md v8 runs 8-9: 1-8 tokens equal or faster than the mma.sync tile in both runs, by up
 # to 2.8 us (16 heads x 1 / 8 tokens 10.1-10.2 / 14.6 us against 11.0-12.4 / 16.7-17.4), 32 tokens 2-8% slower.
@@ -2375,6 +2394,10 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
                            f"converter={cfg.get('converter', False)}, p_smem={cfg.get('p_smem', False)} and "
                            f"ws_diag={cfg.get('ws_diag', 0)}")
+    if cfg.get("kept_p") and not (cfg.get("ws") and cfg.get("p_smem") and not cfg.get("ws_diag")):
+        raise Glm5labError("kept_p=True is the warp-specialized 64-head consumers' option with P through shared memory "
+                           f"(NOTES.md v31); got it with ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)} "
+                           f"and ws_diag={cfg.get('ws_diag', 0)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
@@ -2436,7 +2459,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
         extra["POW2"] = bool(cfg["_f16_pow2"])
-    if cfg.get("_kept_p") and cfg.get("p_smem"):      # (a private A/B switch, NOTES.md v31)
+    if cfg.get("kept_p"):
         extra["KEPT_P"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True

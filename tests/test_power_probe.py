@@ -1,0 +1,37 @@
+"""The power probe's arithmetic (glm5lab.bench.power_probe) on made-up reads, and its refusal without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm5lab.bench import power_probe
+
+
+def _read(clock, power, reasons, energy_mj):
+    return {"clock": clock, "power": power, "reasons": reasons, "energy_mj": energy_mj}
+
+
+def test_block_stats_takes_medians_the_cap_share_and_energy_per_call():
+    reads = [_read(1980, 500, 0, 1000.0), _read(1800, 650, 0x4, 1300.0), _read(1700, 690, 0x4 | 0x1, 1700.0)]
+    got = power_probe.block_stats([10.0, 12.0, 11.0], reads, calls=2000)
+    assert got["time_us"] == 11.0 and got["sm_clock_mhz"] == 1800 and got["power_w"] == 650
+    assert got["power_capped"] == pytest.approx(2 / 3)
+    assert got["energy_uj_per_call"] == pytest.approx(700.0 * 1e3 / 2000)     # 700 mJ over 2000 calls
+
+
+def test_rows_of_gives_one_long_format_row_a_form_and_metric():
+    blocks = [{"time_us": t, "sm_clock_mhz": 1900.0 - t, "power_w": 600.0, "power_capped": 0.5,
+               "energy_uj_per_call": 2 * t} for t in (10.0, 20.0, 30.0, 40.0, 50.0)]
+    rows = power_probe.rows_of({"a": blocks, "b": blocks[:1]}, "H128_T512_K2048")
+    assert len(rows) == 2 * 5
+    t = next(r for r in rows if r["implementation"] == "a" and r["metric"] == "time_us")
+    assert (t["p50"], t["value"], t["unit"]) == (30.0, 30.0, "us") and t["p20"] < 30.0 < t["p80"]
+    one = next(r for r in rows if r["implementation"] == "b" and r["metric"] == "energy_uj_per_call")
+    assert one["p20"] == one["p50"] == one["p80"] == 20.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_power_probe_refuses_without_a_gpu(tmp_path, capsys):
+    assert power_probe.main(["--out", str(tmp_path / "p.csv")]) == 1
+    assert "needs a GPU" in capsys.readouterr().err
+    assert not (tmp_path / "p.csv").exists()
