@@ -122,9 +122,10 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
+WS8X2OK = {**WS8X2O, "kept_p": True}           # ... with P^T against the kept max (NOTES.md v31)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o"]
+                WS8X2, WS8X2O, WS8X2OK]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O], ids=["default", "ws8", "ws8x2", "ws8x2o"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
@@ -132,11 +133,15 @@ WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
 # ... with three products in flight on both sides (the default once the top-k is not split, since v20)
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
+# ... both with P^T against the kept max (NOTES.md v31)
+WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
-FP8_AT_8_HEADS = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3],
-                                         ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3"])
-# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls)
-PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3], ids=["ws8x2pp", "ws8x2pp3"])
+FP8_AT_8_HEADS = pytest.mark.parametrize(
+    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K],
+    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k"])
+# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
+PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
+                                              ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
 
 
 @pytest.mark.gpu
@@ -192,7 +197,7 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3], ids=["ws8x2p", "ws8x2pp", "ws8x2pp3"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3, WS8X2PP3K], ids=["ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2pp3k"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -205,18 +210,47 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
 
 
 @pytest.mark.gpu
-@PERSISTENT_DEFAULTS
-def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg):
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok"])
+@pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
+def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """Each token's rows in order of their score, rising (the running max moves at every step, so O^T is rescaled
-    at every step) and falling (only at the first): both forms of the persistent 8-head tile match the reference."""
-    q, cache, slots, _ = make_case(6, 8, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    at every step; with q 16 times larger by more than the kept max's threshold of 8 in log2 units at most steps, so
+    that P^T against the kept max (NOTES.md v31) is redone there, and lse's tolerance grows with its size) and
+    falling (only at the first): the dual-consumer forms (8 heads persistent, 16 heads) match the reference."""
+    H = 16 if pcfg.get("block_h") == 16 else 8
+    q, cache, slots, _ = make_case(6, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    q = (q.float() * spread).to(torch.bfloat16)
     kv = dequantize_fp8_ds_mla(cache).view(-1, 576).float()
     score = torch.einsum("thd,tkd->tk", q.float(), kv[slots.clamp(0, kv.shape[0] - 1).long()])   # (all heads)
     rising = torch.gather(slots, 1, score.argsort(dim=1))
     for ordered in (rising, rising.flip(1).contiguous()):
         ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), torch.where(ordered >= 65536, -1, ordered), SCALE)
         out, lse = run_poisoned(q, cache, ordered, _config={**GLUON, **pcfg})
-        check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16)
+        check(out, lse, tuple(x.cpu() for x in ref), torch.bfloat16, lse_rel=0.0 if spread == 1.0 else 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK], ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o",
+                                                                         "ws8x2ok"])
+def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
+    """Each token's rows in order of their chunk scales, which grow 4x a 64-row step (1e-6 to ~1e13 over 32 steps):
+    r, the unit O^T is kept in, moves every step -- and with P^T against the kept max (NOTES.md v31) by more than
+    its slack of 16 every other step, so that P^T is redone there; the dual-consumer forms match the reference."""
+    H = 16 if pcfg.get("block_h") == 16 else 8
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_slots, T, topk = 4096, 3, 2048
+    cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
+    cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
+    step = torch.arange(num_slots) // 64 % 32                               # slot k's step when taken in order
+    scales = 1e-6 * 4.0 ** step.double()[:, None] * (1 + torch.rand(num_slots, 4, generator=g, dtype=torch.float64))
+    cache[:, 512:528] = scales.float().contiguous().view(torch.uint8)
+    cache[:, 528:] = (torch.randn(num_slots, 64, generator=g) * 0.1).to(torch.bfloat16).view(torch.uint8)
+    q = (torch.randn(T, H, 576, generator=g) * 3e-15).to(torch.bfloat16)   # (scores ~1 at the largest scales)
+    slots = ((torch.arange(topk)[None, :] + topk * torch.arange(T)[:, None]) % num_slots).to(torch.int32)
+    ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
+    out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -1134,10 +1168,14 @@ def test_kept_max_runs_by_default_in_the_fp16_tile_up_to_one_wave():
     assert not sm90.kept_max_pays(False, f16, 64, 132)
     sm90.check_tile({**f16, "kept_p": True}, True)
     sm90.check_tile({**sm90.WGMMA_WS_CONFIG, "kept_p": True}, False)
-    for cfg in ({**f16, "kept_p": True, "p_smem": False, "f16_tile": False}, {**sm90.WGMMA_CONFIG, "kept_p": True},
-                {**sm90.WGMMA_WS_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}):
-        with pytest.raises(Glm5labError, match="kept_p=True is the warp-specialized 64-head consumers' option"):
-            sm90.check_tile(cfg, True)
+    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "kept_p": True}, True)           # (and the dual consumers', v31)
+    sm90.check_tile({**sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, "kept_p": True}, True, 8)
+    for cfg, fp8 in (({**f16, "kept_p": True, "p_smem": False, "f16_tile": False}, True),
+                     ({**sm90.WGMMA_CONFIG, "kept_p": True}, True), ({**sm90.ROWS_FP8_CONFIG, "kept_p": True}, True),
+                     ({**sm90.WGMMA_WS_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}, True),
+                     ({**sm90.ROWS_FP8_DUAL_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}, True)):
+        with pytest.raises(Glm5labError, match="kept_p=True is an option of the warp-specialized 64-head consumers"):
+            sm90.check_tile(cfg, fp8)
 
 
 def test_converter_form_runs_by_default_for_long_fp8_splits_only():

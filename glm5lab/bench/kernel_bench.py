@@ -118,6 +118,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # v20, consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
+                  # ... the dual-consumer defaults with P^T against the kept max (NOTES.md v31)
+                  ("ws8x2ok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                               "dual_consumers": True, "pipe": "o", "kept_p": True}),
+                  ("ws8x2ppk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                "resident": 1, "dual_consumers": True, "pipe": "so", "kept_p": True}),
+                  ("ws8x2pp3k", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "kept_p": True}),
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),

@@ -99,6 +99,11 @@ def _lazy_rescale_asm(n: int) -> tuple:
 KEPT_FLAGS_ALL = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [1, 0], [2, 0]], lane_bases=[[0, 0]] * 5, warp_bases=[[0, 0]] * 3, block_bases=[],
     shape=[4, 2]))
+# ... the dual consumers' form (`_kept_max_rows`): a consumer's four warps' flags [4], every thread holding all four,
+# and how far a chunk scale may pass the kept r before r moves (P^T = p * s_c / r <= 2^8 x 2^4 in fp16)
+ROWS_FLAGS_ALL = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1], [2]], lane_bases=[[0]] * 5, warp_bases=[[0]] * 2, block_bases=[], shape=[4]))
+KEPT_R_SLACK = gl.constexpr(16.0)
 LAZY_VALUES = gl.constexpr(128)     # O's values a consumer thread holds: [64 heads, 512] over two warpgroups
 LAZY_RESCALE_ASM, LAZY_RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in _lazy_rescale_asm(LAZY_VALUES.value))
 HEADS_P_A = gl.constexpr(_HEADS_P)
@@ -1568,13 +1573,23 @@ def _fp8_rows_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv16, rope1
 def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r):
     """The fp8 rows consumers' P^T into its four chunk tiles, each chunk's probabilities times its scale over r (fp16),
     visible to the async proxy and to every warp before O^T's products read them. Returns the tiles."""
-    p_t0, p_t1, p_t2, p_t3 = p_ts
+    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r)
+    fence_async_shared()
+    gl.thread_barrier()
+    return p_t0, p_t1, p_t2, p_t3
+
+
+@gluon.jit
+def _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r):
+    """`_store_p_chunks`'s stores alone."""
+    p_t0 = p_ts[0]
+    p_t1 = p_ts[1]
+    p_t2 = p_ts[2]
+    p_t3 = p_ts[3]
     p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
     p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
     p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
     p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
-    fence_async_shared()
-    gl.thread_barrier()
     return p_t0, p_t1, p_t2, p_t3
 
 
@@ -1720,7 +1735,7 @@ PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0):
+                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
@@ -1753,12 +1768,17 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
-    col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
-    p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
-    r_new = gl.maximum(r_i, gl.max(col_scale, 0))
-    keep = (alpha * (r_i / r_new))[None, :]
-    inv_r = 1.0 / r_new
-    p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
+    if KEPT_P:
+        m_i, l_acc, r_new, acc0, acc1, acc2, acc3, p_t0, p_t1, p_t2, p_t3 = _kept_max_rows(
+            s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts)
+        keep = 1.0                            # (O^T rescaled in `_kept_max_rows`, on the steps that move)
+    else:
+        col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
+        p, alpha, m_i, l_acc = _softmax_update(s_t, col_max, m_i, l_acc, 0)
+        r_new = gl.maximum(r_i, gl.max(col_scale, 0))
+        keep = (alpha * (r_i / r_new))[None, :]
+        inv_r = 1.0 / r_new
+        p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
                                                  _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2)
@@ -1768,6 +1788,43 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
         acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts):
+    """The dual consumers' softmax with P^T against the KEPT max and r (NOTES.md v31; `_kept_max_softmax` is the
+    64-head form): P^T stored at once as p * s_c / r with p against the running max as it stands, each warp flagging
+    a score above it by more than LAZY_TAU or a chunk scale above r times KEPT_R_SLACK (P^T <= 2^8 x 2^4 in fp16), the
+    flags carried by P^T's own barrier. Only when a flag is up (the first step; a moved max or scale; CTA-uniform:
+    every thread reads all four) the scores' max and the scales' over the rows are reduced across the warps, P^T is
+    stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four chunks, P^T's four tiles)."""
+    H: gl.constexpr = s_t.shape[1]
+    p_flags = p_ts[4]
+    m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+    p = gl.exp2(s_t - gl.expand_dims(m_ref, 0))
+    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_i)
+    up = (s_t > gl.expand_dims(m_i + LAZY_TAU, 0)) | gl.expand_dims(scale_max > r_i * KEPT_R_SLACK, 1)
+    p_flags.store(gl.max(gl.max(gl.reshape(up.to(gl.int32), [4, 16, H]), 2), 1))     # (rows 16 w .. 16 w + 15)
+    fence_async_shared()
+    gl.thread_barrier()
+    l_new = l_acc + p
+    m_new = m_i
+    r_new = r_i
+    if _warp_uniform(gl.max(p_flags.load(ROWS_FLAGS_ALL), 0)) != 0:
+        col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
+        step_r = gl.max(col_scale, 0)
+        r_new = gl.where(step_r > r_i * KEPT_R_SLACK, step_r, r_i)
+        p, alpha, m_new, l_new = _softmax_update(s_t, gl.where(col_max > m_i + LAZY_TAU, col_max, m_i), m_i, l_acc,
+                                                 0)
+        _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_new)
+        keep = (alpha * (r_i / r_new))[None, :]
+        acc0 = acc0 * keep
+        acc1 = acc1 * keep
+        acc2 = acc2 * keep
+        acc3 = acc3 * keep
+        fence_async_shared()
+        gl.thread_barrier()
+    return m_new, l_new, r_new, acc0, acc1, acc2, acc3, p_t0, p_t1, p_t2, p_t3
 
 
 @gluon.jit
@@ -1814,7 +1871,7 @@ def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0):
+                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -1830,7 +1887,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, KEPT_P)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -1858,10 +1915,15 @@ def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
 
 
 @gluon.jit
-def _p_chunks(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
-    """A dual consumer's four P^T chunks (`_p_chunk`)."""
-    return (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
-            _p_chunk(BLOCK_N, BLOCK_H))
+def _p_chunks(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, KEPT_P: gl.constexpr = False):
+    """A dual consumer's four P^T chunks (`_p_chunk`); KEPT_P: and its four warps' flags (`_kept_max_rows`)."""
+    if KEPT_P:
+        chunks = (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
+                  _p_chunk(BLOCK_N, BLOCK_H), gl.allocate_shared_memory(gl.int32, [4], ROWS_VEC))
+    else:
+        chunks = (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
+                  _p_chunk(BLOCK_N, BLOCK_H))
+    return chunks
 
 
 @gluon.jit
@@ -1914,7 +1976,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
                        stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        SPLIT: gl.constexpr, ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr,
-                       PIPE: gl.constexpr = 0):
+                       PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
@@ -1933,7 +1995,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -1953,7 +2015,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -1975,8 +2037,8 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
-    p_a = _p_chunks(BLOCK_N, BLOCK_H)
-    p_b = _p_chunks(BLOCK_N, BLOCK_H)
+    p_a = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
+    p_b = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
     merged = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(merged, count=1)
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
@@ -1988,12 +2050,12 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
                               p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
                               num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
                               stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0,
-                              DIAG, PIPE)),
+                              DIAG, PIPE, KEPT_P)),
         (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
                               num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
                               stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1,
-                              DIAG, PIPE)),
+                              DIAG, PIPE, KEPT_P)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -2051,7 +2113,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh,
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0):
+                             WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
+                             KEPT_P: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -2066,7 +2129,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         q_unscale = _stage_q_rows(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ST_L, True)
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE)
+            num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
+            KEPT_P)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -2090,7 +2154,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -2115,8 +2179,8 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H], RAW)
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
-    p_a = _p_chunks(BLOCK_N, BLOCK_H)
-    p_b = _p_chunks(BLOCK_N, BLOCK_H)
+    p_a = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
+    p_b = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
     handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     taken = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(handed, count=1)            # warpgroup 1's state is in merge_acc
@@ -2127,12 +2191,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE, KEPT_P)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
@@ -2394,10 +2458,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
                            f"converter={cfg.get('converter', False)}, p_smem={cfg.get('p_smem', False)} and "
                            f"ws_diag={cfg.get('ws_diag', 0)}")
-    if cfg.get("kept_p") and not (cfg.get("ws") and cfg.get("p_smem") and not cfg.get("ws_diag")):
-        raise Glm5labError("kept_p=True is the warp-specialized 64-head consumers' option with P through shared memory "
-                           f"(NOTES.md v31); got it with ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)} "
-                           f"and ws_diag={cfg.get('ws_diag', 0)}")
+    if cfg.get("kept_p") and (cfg.get("ws_diag") or not ((cfg.get("ws") and cfg.get("p_smem"))
+                                                         or (cfg.get("rows") and fp8 and cfg.get("dual_consumers")))):
+        raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
+                           "memory and of the dual-consumer fp8_ds_mla kernels (NOTES.md v31); got it with "
+                           f"ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)}, rows={cfg.get('rows', False)}, "
+                           f"dual_consumers={cfg.get('dual_consumers', False)} and ws_diag={cfg.get('ws_diag', 0)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
