@@ -120,9 +120,10 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 # ------------------------------------------------------------------------------------------------ on the GPU
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
-WS8X2O = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG   # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19)
+# ... its dual-consumer form (NOTES.md v17), O^T's products async (v19), P^T against the kept max (v31: the default)
+WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
+WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-WS8X2OK = {**WS8X2O, "kept_p": True}           # ... with P^T against the kept max (NOTES.md v31)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
@@ -853,7 +854,7 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
         # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
         # 16 at <= 8 heads
-        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2O))
+        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2OK))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == dual
         # ... at <= 8 heads with three products in flight once the top-k is not split (v20)
@@ -978,7 +979,7 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
-    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
+    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
     for pipe in ("", "o", "so", "s3o3"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
@@ -1157,7 +1158,7 @@ def test_fp16_tile_is_the_converter_forms_and_its_default():
 def test_kept_max_runs_by_default_in_the_fp16_tile_up_to_one_wave():
     """P against the kept max (kept_p, NOTES.md v31): by default in the converter form's fp16 tile when the grid is at
     most one program a SM (it gained up to 8% there and lost up to 5% at eight waves), never in the loader form or the
-    bf16 tile; a kept_p tile without P through shared memory, or a timing diagnostic, is refused."""
+    bf16 tile, and in the 16-head dual-consumer tile; a kept_p tile of another kernel is refused."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     f16 = {**sm90.WGMMA_CV_CONFIG, "f16_tile": True}
@@ -1166,14 +1167,17 @@ def test_kept_max_runs_by_default_in_the_fp16_tile_up_to_one_wave():
     assert not sm90.kept_max_pays(True, {**f16, "f16_tile": False}, 64, 132)
     assert not sm90.kept_max_pays(True, sm90.WGMMA_WS_CONFIG, 64, 132)
     assert not sm90.kept_max_pays(False, f16, 64, 132)
+    # ... and elsewhere as its tile says: the 16-head dual-consumer tile yes (v31 call 3), its 8-head tiles no
+    assert sm90.kept_max_pays(True, sm90.ROWS_FP8_DUAL_CONFIG, 1000, 132)
+    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_CONFIG, 64, 132)
+    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, 64, 132)
     sm90.check_tile({**f16, "kept_p": True}, True)
     sm90.check_tile({**sm90.WGMMA_WS_CONFIG, "kept_p": True}, False)
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "kept_p": True}, True)           # (and the dual consumers', v31)
     sm90.check_tile({**sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, "kept_p": True}, True, 8)
     for cfg, fp8 in (({**f16, "kept_p": True, "p_smem": False, "f16_tile": False}, True),
                      ({**sm90.WGMMA_CONFIG, "kept_p": True}, True), ({**sm90.ROWS_FP8_CONFIG, "kept_p": True}, True),
-                     ({**sm90.WGMMA_WS_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}, True),
-                     ({**sm90.ROWS_FP8_DUAL_CONFIG, "kept_p": True, "_diagnostic": True, "ws_diag": 2}, True)):
+                     ({**sm90.ROWS_FP8_DUAL_CONFIG, "kept_p": True}, False)):
         with pytest.raises(Glm5labError, match="kept_p=True is an option of the warp-specialized 64-head consumers"):
             sm90.check_tile(cfg, fp8)
 
@@ -1316,6 +1320,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged["dual_consumers"] == tile["dual_consumers"], (name, fp8, H, T)
                     assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
                     assert merged["pipe"] == tile["pipe"], (name, fp8, H, T)
+                    assert merged["kept_p"] == tile["kept_p"], (name, fp8, H, T)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():

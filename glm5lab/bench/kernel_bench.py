@@ -160,10 +160,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers, block_h and pipe: the <= 16-head fp8_ds_mla default is the dual-consumer form
-# (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), and a tile laid over it
-# must not inherit any of them
-GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", **cfg}) for n, cfg in GLUON_VARIANTS]
+# every tile names dual_consumers, block_h, pipe and kept_p: the <= 16-head fp8_ds_mla default is the dual-consumer
+# form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), its 16-head tile takes
+# P^T against the kept max (v31), and a tile laid over it must not inherit any of them
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, **cfg})
+                  for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
                     **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}

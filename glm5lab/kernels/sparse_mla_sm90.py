@@ -2209,11 +2209,11 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
 # H200 (NOTES.md v7): 2 stages 1.15-1.23x the Triton kernel at 128-512 tokens (fp8), 1.07-1.18x (bf16); 3 stages
 # (one CTA a SM) and 64-row steps on 8 warps 0.6-1.0x.
 DEFAULT_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 32,
-                  "num_warps": 4, "stages": 2, "dual_consumers": False, "pipe": ""}
+                  "num_warps": 4, "stages": 2, "dual_consumers": False, "pipe": "", "kept_p": False}
 
 
 WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False, "p_smem": False, "block_h": 64,
-                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
+                "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": "", "kept_p": False}
 
 # 17-128 heads (the default): the same step warp-specialized, a loader warpgroup beside the two consumer warpgroups
 # (12 warps, one CTA a SM; sm90 build: loader 56 registers, consumers 224, no spill for bf16/fp16, one 8-byte spill
@@ -2225,7 +2225,7 @@ WGMMA_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "converter": False,
 # fp8_ds_mla (loader form) 24.5 / 134.4 / 515.1 -> 22.3 / 125.2 / 482.7, converter form 128.3 / 486.6 -> 125.5 / 475.0;
 # 128 heads bf16 192.4 / 771.6 -> 177.5 / 765.2, converter form 244.8 / 941.3 -> 237.5 / 922.3).
 WGMMA_WS_CONFIG = {"impl": "gluon", "rows": False, "ws": True, "converter": False, "p_smem": True, "block_h": 64,
-                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": ""}
+                   "block_n": 64, "num_warps": 8, "stages": 2, "dual_consumers": False, "pipe": "", "kept_p": False}
 # ... its fp8_ds_mla form with a producer warpgroup that gathers each step into a 2-slot ring of 16-bit tiles and
 # dequantizes there, the consumers running the 16-bit step (NOTES.md v15; sm90 build: producer 88 registers, consumers
 # 208, no spill, 227,364 bytes of shared memory -- with the p_smem P tile 231,972 of the SM's 232,448); since v28 the
@@ -2275,8 +2275,11 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
 # 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16). So the fp16 tile takes it up to one wave of programs.
 def kept_max_pays(fp8: bool, cfg: dict, programs: int, num_sms: int) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
-    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM."""
-    return f16_tile_fits(fp8, cfg) and bool(cfg.get("f16_tile")) and programs <= num_sms
+    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM; elsewhere as its tile says
+    (ROWS_FP8_DUAL_CONFIG's 16-head tile: yes)."""
+    if f16_tile_fits(fp8, cfg) and cfg.get("f16_tile"):
+        return programs <= num_sms
+    return bool(cfg.get("kept_p", False))
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -2285,14 +2288,14 @@ def kept_max_pays(fp8: bool, cfg: dict, programs: int, num_sms: int) -> bool:
 # Up to ROWS_MAX_PROGRAMS programs (tokens x head tiles).
 ROWS_MAX_PROGRAMS = 16
 ROWS_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
+               "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "kept_p": False}
 
 # <= 16 heads of a bf16/fp16 cache, from there up to one wave (one program a SM): the mma.sync kernel with 64-row
 # steps on 4 warps (168 KB of shared memory, one CTA a SM, 48 B of spill in the sm90 build), split only to fill the
 # SMs. H200, NOTES.md v9 run 3 (position effect removed): 79.4 / 80.2 us at 8 / 16 heads x 128 tokens, 0.91 of the
 # roofline (the 32-row tile: 83.3 / 89.9 us), equal at 32 tokens, 4% slower at 512 (four waves): so one wave only.
 ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "kept_p": False}
 
 # <= 16 heads of an fp8_ds_mla cache: the warp-specialized rows-as-M kernel (218 KB of shared memory, one CTA of
 # 12 warps a SM). H200, NOTES.md v9 runs 7-8 (its one-producer form) against the 32-row mma.sync tile: 8 heads 11.0 /
@@ -2302,7 +2305,7 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": ""}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "kept_p": False}
 FP8_ROWS_MIN_TOKENS = 4
 # ... its dual-consumer form (NOTES.md v17): no converter and no fp16 copy of the rows -- two consumer warpgroups
 # convert the staged e4m3 bytes into wgmma's register operand themselves, each on every other step; 4 stages of raw
@@ -2312,7 +2315,9 @@ FP8_ROWS_MIN_TOKENS = 4
 # 47.3 / 79.9-80.9 / 306.8-311.3). So the default at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens.
 # O^T's products pipelined (pipe "o": consumers at 224 registers, the loader at 56; v19 call 1, interleaved, 16 heads
 # x 32 / 128 / 512 tokens 28.3 / 63.1 / 253.5 us against 28.7 / 66.1 / 266.0).
-ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "o"}
+# P^T against the kept max and r (`_kept_max_rows`, NOTES.md v31 call 3, interleaved, x FlashMLA's fp8 decode, 16 heads
+# x 32 / 128 / 512 tokens): 1.726 / 1.858 / 1.899 -> 1.741 / 1.864 / 1.960 (0.658 -> 0.678 of the roofline at 512).
+ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "o", "kept_p": True}
 FP8_DUAL_MIN_TOKENS = 64
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
 # (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
@@ -2322,7 +2327,9 @@ FP8_DUAL_MIN_TOKENS = 64
 # So the default at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS tokens (at 8 tokens 15.0 against 14.8). Both products
 # pipelined ("pipe": "so", v18 call 10, interleaved): 18.3 / 54.6 / 207.6 against 18.9 / 57.3 / 218.6 at 16 / 128 /
 # 512 tokens.
-ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so"}
+# (the kept max: "so" 2.014 / 2.041 / 2.178 -> 2.016 / 2.073 / 2.202x at 32 / 128 / 512 tokens, "s3o3" 1.941 / 2.086 /
+# 2.285 -> 1.958 / 2.035 / 2.252x, its build spilling 56 bytes: not taken at 8 heads; v31 call 3)
+ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
 FP8_PERSISTENT_MIN_TOKENS = 16
 # ... with three products in flight on both sides (pipe "s3o3", NOTES.md v20: consumers at 224 registers, the loader
 # at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 2-3 (interleaved), us at 16 / 32 / 64 / 96 / 128 /
@@ -2458,12 +2465,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
                            f"converter={cfg.get('converter', False)}, p_smem={cfg.get('p_smem', False)} and "
                            f"ws_diag={cfg.get('ws_diag', 0)}")
-    if cfg.get("kept_p") and (cfg.get("ws_diag") or not ((cfg.get("ws") and cfg.get("p_smem"))
-                                                         or (cfg.get("rows") and fp8 and cfg.get("dual_consumers")))):
+    if cfg.get("kept_p") and not ((cfg.get("ws") and cfg.get("p_smem"))
+                                  or (cfg.get("rows") and fp8 and cfg.get("dual_consumers"))):
         raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
                            "memory and of the dual-consumer fp8_ds_mla kernels (NOTES.md v31); got it with "
-                           f"ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)}, rows={cfg.get('rows', False)}, "
-                           f"dual_consumers={cfg.get('dual_consumers', False)} and ws_diag={cfg.get('ws_diag', 0)}")
+                           f"ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)}, rows={cfg.get('rows', False)} "
+                           f"and dual_consumers={cfg.get('dual_consumers', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
