@@ -2,8 +2,8 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kpower: kernel
-#                                           # experiments (2b)
+#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kpower:
+#                                           # kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
 # was taken from, so every result row names it -- either GLM5LAB_GIT_SHA=<sha> in the command, or, before the call,

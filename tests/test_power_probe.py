@@ -11,19 +11,22 @@ def _read(clock, power, reasons, energy_mj):
     return {"clock": clock, "power": power, "reasons": reasons, "energy_mj": energy_mj}
 
 
-def test_block_stats_takes_medians_the_cap_share_and_energy_per_call():
-    reads = [_read(1980, 500, 0, 1000.0), _read(1800, 650, 0x4, 1300.0), _read(1700, 690, 0x4 | 0x1, 1700.0)]
-    got = power_probe.block_stats([10.0, 12.0, 11.0], reads, calls=2000)
-    assert got["time_us"] == 11.0 and got["sm_clock_mhz"] == 1800 and got["power_w"] == 650
-    assert got["power_capped"] == pytest.approx(2 / 3)
+def test_block_stats_takes_medians_the_cap_share_energy_per_call_and_busy_share():
+    reads = [_read(1980, 500, 0, 1100.0), _read(1800, 650, 0x4, 1300.0), _read(1700, 690, 0x4 | 0x1, 1600.0)]
+    got = power_probe.block_stats(800.0, 2000, 1.0, reads, _read(1980, 100, 0, 1000.0), _read(1700, 690, 0x4, 1700.0))
+    assert got["time_us"] == pytest.approx(400.0) and got["sm_clock_mhz"] == 1800 and got["power_w"] == 650
+    assert got["power_capped"] == pytest.approx(2 / 3)                 # (the sampler's reads, not the ends)
     assert got["energy_uj_per_call"] == pytest.approx(700.0 * 1e3 / 2000)     # 700 mJ over 2000 calls
+    assert got["busy"] == pytest.approx(0.8)
+    short = power_probe.block_stats(1.0, 10, 1.0, [], _read(1980, 100, 0, 0.0), _read(1900, 300, 0, 1.0))
+    assert short["sm_clock_mhz"] == 1940 and short["power_w"] == 200   # (no read in between: the two ends)
 
 
 def test_rows_of_gives_one_long_format_row_a_form_and_metric():
     blocks = [{"time_us": t, "sm_clock_mhz": 1900.0 - t, "power_w": 600.0, "power_capped": 0.5,
-               "energy_uj_per_call": 2 * t} for t in (10.0, 20.0, 30.0, 40.0, 50.0)]
+               "energy_uj_per_call": 2 * t, "busy": 0.99} for t in (10.0, 20.0, 30.0, 40.0, 50.0)]
     rows = power_probe.rows_of({"a": blocks, "b": blocks[:1]}, "H128_T512_K2048")
-    assert len(rows) == 2 * 5
+    assert len(rows) == 2 * 6
     t = next(r for r in rows if r["implementation"] == "a" and r["metric"] == "time_us")
     assert (t["p50"], t["value"], t["unit"]) == (30.0, 30.0, "us") and t["p20"] < 30.0 < t["p80"]
     one = next(r for r in rows if r["implementation"] == "b" and r["metric"] == "energy_uj_per_call")

@@ -294,6 +294,24 @@ def graph_timer(calls, replays: int = 10):
     turn)."""
     import torch
 
+    graph = capture_graph(calls)
+
+    def one_timing() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    return one_timing
+
+
+def capture_graph(calls):
+    """`calls` (one call per input set) run once on a side stream (compilation, allocation), then captured in a CUDA
+    graph and replayed once; returns the graph (`graph_timer`, `power_probe`)."""
+    import torch
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -307,16 +325,7 @@ def graph_timer(calls, replays: int = 10):
             c()
     graph.replay()
     torch.cuda.synchronize()
-
-    def one_timing() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / (replays * len(calls))
-    return one_timing
+    return graph
 
 
 def interleaved_rows(shape: str, samples: dict, min_bytes: dict, bw_gbps: float | None = None) -> tuple[list, dict]:

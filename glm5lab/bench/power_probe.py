@@ -3,10 +3,12 @@
 The interleaved rounds of the kernel benchmark time short CUDA-graph replays; at the large shapes they run under
 the H200's software power cap (results/kernels/NOTES.md v22 call 3: clocks 1650-1845 MHz instead of ~1980). Two
 forms of one kernel can then differ by the energy each call draws as much as by their paths: NOTES.md v31 found P
-against the kept max up to 8% faster at one wave of programs and up to 5% slower at eight. This keeps each form
-busy for a block of seconds at a time, forms alternating block by block, and reads NVML around every timing: time
-per call, SM clock, power, clock-event reasons (bit 0x4: the software power cap) and energy per call (NVML's
-energy counter over the block / the calls in it).
+against the kept max up to 8% faster at one wave of programs and up to 4% slower at eight. This keeps each form
+busy for a block of seconds at a time -- its CUDA graph replayed back to back, one synchronization at the block's
+end -- forms alternating block by block, while a second thread reads NVML every 50 ms: time per call (the block's
+GPU time over its calls), SM clock, power, clock-event reasons (bit 0x4: the software power cap), energy per call
+(NVML's energy counter across the block over its calls) and how busy the GPU was (GPU time over wall time).
+(v31 call 3 ran an earlier form that read NVML between 10-replay timings, leaving the GPU idle 40-75% of the time.)
 
     python -m glm5lab.bench.power_probe --out results/kernels/power_probe_h200.csv --heads 128 --tokens 512 \
         --forms ws64cps16 ws64cps16k
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import statistics
 import sys
+import threading
 import time
 
 from glm5lab.errors import Glm5labError, one_line_errors
@@ -26,16 +30,23 @@ NVML_CLOCK_SM = 1
 
 
 class Nvml:
-    """The few NVML reads this needs, through libnvidia-ml directly (no Python binding on the device image)."""
+    """The few NVML reads this needs, through libnvidia-ml directly (no Python binding on the device image); the
+    device found by the CUDA device's UUID (NVML's indices need not follow CUDA_VISIBLE_DEVICES), else index."""
 
-    def __init__(self, index: int = 0):
+    def __init__(self, index: int = 0, uuid: str | None = None):
         try:
             self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError as exc:
-            raise Glm5labError(f"NVML (libnvidia-ml.so.1) is not loadable here: {exc}") from None
-        self._ok(self.lib.nvmlInit_v2(), "nvmlInit")
-        self.handle = ctypes.c_void_p()
-        self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)), "device handle")
+            self._ok(self.lib.nvmlInit_v2(), "nvmlInit")
+            self.handle = ctypes.c_void_p()
+            if uuid:
+                self._ok(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(self.handle)), "device by UUID")
+            else:
+                self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)), "device handle")
+            lib = self.lib
+            self._reads = (lib.nvmlDeviceGetClockInfo, lib.nvmlDeviceGetPowerUsage,
+                           lib.nvmlDeviceGetCurrentClocksEventReasons, lib.nvmlDeviceGetTotalEnergyConsumption)
+        except (OSError, AttributeError) as exc:
+            raise Glm5labError(f"NVML (libnvidia-ml.so.1) is not usable here: {exc}") from None
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -44,26 +55,60 @@ class Nvml:
 
     def read(self) -> dict:
         """SM clock (MHz), power (W), clock-event reasons (bit mask), energy since the driver loaded (mJ)."""
+        clock_of, power_of, reasons_of, energy_of = self._reads
         clock, power = ctypes.c_uint(), ctypes.c_uint()
         reasons, energy = ctypes.c_ulonglong(), ctypes.c_ulonglong()
-        self._ok(self.lib.nvmlDeviceGetClockInfo(self.handle, NVML_CLOCK_SM, ctypes.byref(clock)), "SM clock")
-        self._ok(self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(power)), "power")
-        self._ok(self.lib.nvmlDeviceGetCurrentClocksEventReasons(self.handle, ctypes.byref(reasons)), "reasons")
-        self._ok(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(energy)), "energy")
+        self._ok(clock_of(self.handle, NVML_CLOCK_SM, ctypes.byref(clock)), "SM clock")
+        self._ok(power_of(self.handle, ctypes.byref(power)), "power")
+        self._ok(reasons_of(self.handle, ctypes.byref(reasons)), "reasons")
+        self._ok(energy_of(self.handle, ctypes.byref(energy)), "energy")
         return {"clock": float(clock.value), "power": power.value / 1e3, "reasons": int(reasons.value),
                 "energy_mj": float(energy.value)}
 
+    def close(self) -> None:
+        self.lib.nvmlShutdown()
 
-def block_stats(timings_us: list, reads: list, calls: int) -> dict:
-    """One block of sustained replays: the median time a call, the median clock and power of the reads taken
-    between timings, the share of reads with the power cap's reason (0x4) set, and the energy per call (uJ) from the
-    first to the last read."""
-    import statistics
 
-    energy = (reads[-1]["energy_mj"] - reads[0]["energy_mj"]) * 1e3 / max(calls, 1)
-    return {"time_us": statistics.median(timings_us), "sm_clock_mhz": statistics.median(r["clock"] for r in reads),
+def block_stats(gpu_ms: float, calls: int, wall_s: float, reads: list, first: dict, last: dict) -> dict:
+    """One block of back-to-back replays: the GPU time a call, the median clock and power of the sampler's reads,
+    the share of them with the power cap's reason (0x4) set, the energy per call (uJ: NVML's counter from just
+    before the block to just after its end, over its calls) and the GPU's busy fraction (GPU time over wall time)."""
+    reads = reads or [first, last]
+    return {"time_us": gpu_ms * 1e3 / calls, "sm_clock_mhz": statistics.median(r["clock"] for r in reads),
             "power_w": statistics.median(r["power"] for r in reads),
-            "power_capped": sum(bool(r["reasons"] & 0x4) for r in reads) / len(reads), "energy_uj_per_call": energy}
+            "power_capped": sum(bool(r["reasons"] & 0x4) for r in reads) / len(reads),
+            "energy_uj_per_call": (last["energy_mj"] - first["energy_mj"]) * 1e3 / calls,
+            "busy": gpu_ms / 1e3 / wall_s}
+
+
+def sustained_block(graph, calls_a_replay: int, seconds: float, nvml: Nvml, every_s: float = 0.05) -> dict:
+    """`graph` replayed back to back for `seconds` (launches queued, one synchronization at the end) while a
+    thread reads NVML every `every_s`; `block_stats` of it."""
+    import torch
+
+    reads, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(every_s):
+            reads.append(nvml.read())
+
+    torch.cuda.synchronize()
+    first = nvml.read()
+    t0 = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start.record()
+    replays = 0
+    while time.perf_counter() - t0 < seconds:
+        graph.replay()
+        replays += 1
+    end.record()
+    end.synchronize()
+    wall_s = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    return block_stats(start.elapsed_time(end), replays * calls_a_replay, wall_s, reads, first, nvml.read())
 
 
 def rows_of(samples: dict, shape: str) -> list:
@@ -71,7 +116,7 @@ def rows_of(samples: dict, shape: str) -> list:
     from glm5lab.bench.timing import quantiles
 
     units = {"time_us": "us", "sm_clock_mhz": "MHz", "power_w": "W", "power_capped": "fraction",
-             "energy_uj_per_call": "uJ"}
+             "energy_uj_per_call": "uJ", "busy": "fraction"}
     rows = []
     for form, blocks in samples.items():
         for metric, unit in units.items():
@@ -87,7 +132,7 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     default) kept busy `seconds` a block, forms alternating, `rounds` blocks each; rows appended to out_csv."""
     import torch
 
-    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, graph_timer
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import need_gpu
     from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
@@ -99,41 +144,40 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     unknown = [f for f in forms if f != "glm5lab" and f not in known]
     if unknown:
         raise Glm5labError(f"unknown form(s) {unknown}; expected 'glm5lab' or names from {list(known)}")
-    nvml = Nvml(torch.cuda.current_device())
+    dev = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
+    nvml = Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
     gen = torch.Generator(device="cuda").manual_seed(1234)
     cache = quantize_fp8_ds_mla(torch.randn(num_slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
     scale = mla_softmax_scale()
     all_rows = []
-    for H in heads:
-        for T in tokens:
-            n_sets = max(1, min(32, math.ceil(150e6 / (T * topk * 656))))
-            sets = [(torch.randn(T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                     torch.randint(0, num_slots, (T, topk), device="cuda", dtype=torch.int32, generator=gen))
-                    for _ in range(n_sets)]
-            timers = {}
-            for form in forms:
-                cfg = None if form == "glm5lab" else {**known[form], "impl": "gluon"}
-                calls = [lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale, _config=cfg)
-                         for q, s in sets]
-                timers[form] = (graph_timer(calls, replays=10), 10 * len(calls))
-            samples = {f: [] for f in forms}
-            for r in range(rounds):
-                for j in range(len(forms)):
-                    form = forms[(r + j) % len(forms)]
-                    timer, calls_a_timing = timers[form]
-                    reads, timings = [nvml.read()], []
-                    t_end = time.perf_counter() + seconds
-                    while time.perf_counter() < t_end:
-                        timings.append(timer())
-                        reads.append(nvml.read())
-                    samples[form].append(block_stats(timings, reads, calls_a_timing * len(timings)))
-            rows = rows_of(samples, f"H{H}_T{T}_K{topk}")
-            append_rows(out_csv, rows, command=command)
-            all_rows += rows
-            for form in forms:
-                blk = samples[form]
-                print(f"H{H} T{T} {form:>14}: " + "  ".join(
-                    f"{k} {sorted(b[k] for b in blk)[len(blk) // 2]:.4g}" for k in blk[0]), flush=True)
+    try:
+        for H in heads:
+            for T in tokens:
+                n_sets = max(1, min(32, math.ceil(150e6 / (T * topk * 656))))
+                sets = [(torch.randn(T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
+                         torch.randint(0, num_slots, (T, topk), device="cuda", dtype=torch.int32, generator=gen))
+                        for _ in range(n_sets)]
+                graphs = {}
+                for form in forms:
+                    cfg = None if form == "glm5lab" else {**known[form], "impl": "gluon"}
+                    graphs[form] = capture_graph([lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale,
+                                                                                                 _config=cfg)
+                                                  for q, s in sets])
+                samples = {f: [] for f in forms}
+                for r in range(rounds):
+                    for j in range(len(forms)):
+                        form = forms[(r + j) % len(forms)]
+                        samples[form].append(sustained_block(graphs[form], len(sets), seconds, nvml))
+                rows = rows_of(samples, f"H{H}_T{T}_K{topk}")
+                append_rows(out_csv, rows, command=command)
+                all_rows += rows
+                for form in forms:
+                    blk = samples[form]
+                    print(f"H{H} T{T} {form:>14}: " + "  ".join(
+                        f"{k} {statistics.median(b[k] for b in blk):.4g}" for k in blk[0]), flush=True)
+    finally:
+        nvml.close()
     return all_rows
 
 

@@ -355,8 +355,8 @@ def _kept_max_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_rows, p_ti
     """`_online_softmax_lazy` for the 64-head consumers without a reduction across the warpgroups on most steps
     (NOTES.md v31): P is computed against the KEPT max and stored at once, each warp flags whether any of its scores
     exceeds the kept max by more than LAZY_TAU, and P's own barrier carries the flags. Only when a flag is up (the
-    first step, a moved max: CTA-uniform, every thread reads all eight) the step's max is reduced across the
-    warpgroups and P is computed and stored again, behind a second barrier. l is kept per head and warpgroup
+    first step, a moved max; uniform over the consumers' partition: every thread reads all eight) the step's max is
+    reduced across the warpgroups and P is computed and stored again, behind a second barrier. l is kept per head and warpgroup
     (l_rows [heads, 2], `_kept_rows`): P need not live past its store. Returns (alpha, new max, l_rows) with P in
     p_tile, ready for P.V."""
     s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, 1)
@@ -862,9 +862,9 @@ def _heads_step(q_lat, q_rope, lat_ring, rope_ring, scale_ring, kv_deq, b, cur_c
     qk = warpgroup_mma(q_rope, rope_ring.index(b).permute((1, 0)), qk)
     if P_SMEM:
         # each warpgroup keeps its 32 columns of S: the row max is the one reduction across them, l stays per
-        # element (l_i: [heads, rows], summed at the end), and P goes once through shared memory as P.V's A operand
-        # and the running max is kept until a step's exceeds it by LAZY_TAU (log2 units): O's rescale, skipped by
-        # each warp whose heads all keep it (NOTES.md v30)
+        # element (l_i: [heads, rows], summed at the end; KEPT_P: [heads, 2]), and P goes once through shared memory
+        # as P.V's A operand and the running max is kept until a step's exceeds it by LAZY_TAU (log2 units): O's
+        # rescale, skipped by each warp whose heads all keep it (NOTES.md v30)
         if F16_TILE and POW2:
             qk_scale_log2 = qk_scale_log2 * gl.expand_dims(pow_h, 1)
         if KEPT_P:
@@ -1026,6 +1026,7 @@ def _wgmma_ws_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, lat_ring, r
     from p_tile (`_heads_step`). F16_TILE: q scaled a head (`_stage_q_wgmma`), the scores' scale a head with it
     (`_qk_scale_heads`), the step's fp16 tile as `_heads_step` says. KEPT_P: P against the kept max, the warps' flags in
     p_flags (`_kept_max_softmax`)."""
+    gl.static_assert(P_SMEM or not KEPT_P, "P against the kept max takes P through shared memory")
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_N // 2, 16])
     if DIAG != 3 and DIAG != 1:
@@ -1741,7 +1742,9 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
     warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v20): S^T's (PIPE_S) / O^T's (PIPE_O)
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
-    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`)."""
+    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`). KEPT_P (NOTES.md v31):
+    P^T against the kept max and r, the reduction across the warps only on flagged steps (`_kept_max_rows`; p_ts then
+    carries the warps' flags as its fifth buffer)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1795,9 +1798,9 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
     """The dual consumers' softmax with P^T against the KEPT max and r (NOTES.md v31; `_kept_max_softmax` is the
     64-head form): P^T stored at once as p * s_c / r with p against the running max as it stands, each warp flagging
     a score above it by more than LAZY_TAU or a chunk scale above r times KEPT_R_SLACK (P^T <= 2^8 x 2^4 in fp16), the
-    flags carried by P^T's own barrier. Only when a flag is up (the first step; a moved max or scale; CTA-uniform:
-    every thread reads all four) the scores' max and the scales' over the rows are reduced across the warps, P^T is
-    stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four chunks, P^T's four tiles)."""
+    flags carried by P^T's own barrier. Only when a flag is up (the first step; a moved max or scale; uniform over
+    the consumer's warpgroup: every thread reads all four) the scores' max and the scales' over the rows are reduced
+    across the warps, P^T is stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four chunks, P^T's four tiles)."""
     H: gl.constexpr = s_t.shape[1]
     p_flags = p_ts[4]
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -1874,7 +1877,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
                     PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
-    Returns its softmax state (m, l, r, O^T in four chunks)."""
+    KEPT_P: as `_fp8_dual_step`. Returns its softmax state (m, l, r, O^T in four chunks)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
@@ -1980,7 +1983,8 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
-    (`_state_stage`), and warpgroup 0 merges the two and writes the result."""
+    (`_state_stage`), and warpgroup 0 merges the two and writes the result. KEPT_P: P^T against the kept max
+    (`_kept_max_rows`, NOTES.md v31; the 16-head tile's default)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
@@ -2023,7 +2027,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
     and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18). Consumer 0 stages q while the loader gathers
-    (NOTES.md v23)."""
+    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
@@ -2118,7 +2122,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
-    warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item."""
+    warpgroup 0 merges the two and writes the item's result while warpgroup 1 goes on with the next item. KEPT_P: P^T
+    against the kept max (`_kept_max_rows`, NOTES.md v31; not a default of the 8-head tiles)."""
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     g = 0
@@ -2163,7 +2168,8 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     tokens: one item a program 218-220 us, its gathers alone 188; persistent 212, its gathers alone 180 -- the
     gather ceiling -- and its consumers alone 164). Each consumer stages q itself (its own buffers); warpgroup 1's
     state goes to warpgroup 0 through a buffer of its own (not a stage: the ring goes on). ~207 KB of shared
-    memory; launched on min(items, SMs) programs (`launch`)."""
+    memory; launched on min(items, SMs) programs (`launch`). KEPT_P: P^T against the kept max (`_kept_max_rows`,
+    NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 8, "the 8-head tile (wgmma N = 8; <= 8 heads)")
@@ -2267,19 +2273,30 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
 
 
 # P against the kept max (`_kept_max_softmax`, NOTES.md v31): on most steps no reduction across the consumer
-# warpgroups (three CTA barriers fewer on the path from S to P.V). H200, v31 call 2 (21 interleaved rounds, x
+# warpgroups (two or three CTA barriers fewer on the path from S to P.V). H200, v31 call 2 (21 interleaved rounds, x
 # FlashMLA's fp8 decode, the converter form's fp16 tile without -> with it): one wave or less gains -- 64 heads x 32 /
 # 64 / 128 tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054, 128 heads x 32 / 64 1.067 / 0.962 -> 1.139 / 0.982
 # --, more waves do not: 64 heads x 256 / 512 1.031 / 1.049 -> 1.048 / 1.049, 128 heads x 128 / 256 / 512 0.987 /
 # 1.007 / 1.011 -> 0.980 / 0.977 / 0.971 (why is not measured). The loader form and bf16 lost everywhere (call 1:
 # 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16). So the fp16 tile takes it up to one wave of programs.
+def kept_fits(fp8: bool, cfg: dict) -> bool:
+    """Whether a Gluon call can take P against the kept max (`check_tile` refuses it elsewhere): the warp-specialized
+    64-head consumers with P through shared memory, or the dual-consumer fp8_ds_mla kernels; not a timing
+    diagnostic (on whatever bytes the ring holds the rare path fires at random)."""
+    return not cfg.get("ws_diag") and bool((cfg.get("ws") and cfg.get("p_smem"))
+                                           or (cfg.get("rows") and fp8 and cfg.get("dual_consumers")))
+
+
 def kept_max_pays(fp8: bool, cfg: dict, programs: int, num_sms: int) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
-    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM; elsewhere as its tile says
-    (ROWS_FP8_DUAL_CONFIG's 16-head tile: yes)."""
+    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM; the dual-consumer kernel's 16-head
+    tile; nothing else (an override of the default tile that leaves its kept_p in place gets False where it does
+    not fit)."""
+    if not kept_fits(fp8, cfg):
+        return False
     if f16_tile_fits(fp8, cfg) and cfg.get("f16_tile"):
         return programs <= num_sms
-    return bool(cfg.get("kept_p", False))
+    return bool(cfg.get("rows") and cfg.get("dual_consumers") and cfg["block_h"] == 16)
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -2316,7 +2333,8 @@ FP8_ROWS_MIN_TOKENS = 4
 # O^T's products pipelined (pipe "o": consumers at 224 registers, the loader at 56; v19 call 1, interleaved, 16 heads
 # x 32 / 128 / 512 tokens 28.3 / 63.1 / 253.5 us against 28.7 / 66.1 / 266.0).
 # P^T against the kept max and r (`_kept_max_rows`, NOTES.md v31 call 3, interleaved, x FlashMLA's fp8 decode, 16 heads
-# x 32 / 128 / 512 tokens): 1.726 / 1.858 / 1.899 -> 1.741 / 1.864 / 1.960 (0.658 -> 0.678 of the roofline at 512).
+# x 32 / 128 / 512 tokens): 1.726 / 1.858 / 1.899 -> 1.741 / 1.864 / 1.960 (0.658 -> 0.678 of the roofline at 512);
+# its sm90 build spills 24 bytes (3 LDL + 3 STL a step; none without).
 ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "o", "kept_p": True}
 FP8_DUAL_MIN_TOKENS = 64
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
@@ -2465,12 +2483,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache, "
                            f"converter={cfg.get('converter', False)}, p_smem={cfg.get('p_smem', False)} and "
                            f"ws_diag={cfg.get('ws_diag', 0)}")
-    if cfg.get("kept_p") and not ((cfg.get("ws") and cfg.get("p_smem"))
-                                  or (cfg.get("rows") and fp8 and cfg.get("dual_consumers"))):
-        raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
-                           "memory and of the dual-consumer fp8_ds_mla kernels (NOTES.md v31); got it with "
-                           f"ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)}, rows={cfg.get('rows', False)} "
-                           f"and dual_consumers={cfg.get('dual_consumers', False)}")
     if cfg.get("p_smem") and not cfg.get("ws"):
         raise Glm5labError("p_smem=True is the warp-specialized 64-head kernel's consumer option (P through shared "
                            f"memory); got it with ws={cfg.get('ws', False)}")
@@ -2504,6 +2516,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            "1-4 of the fp8_ds_mla rows-as-M kernel (2-3 of its dual-consumer form), 2-3 of the "
                            "warp-specialized 64-head kernel, 5 of "
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
+    if cfg.get("kept_p") and not kept_fits(fp8, cfg):
+        raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
+                           "memory and of the dual-consumer fp8_ds_mla kernels, not of a timing diagnostic (NOTES.md "
+                           f"v31); got it with ws={cfg.get('ws', False)}, p_smem={cfg.get('p_smem', False)}, "
+                           f"rows={cfg.get('rows', False)}, dual_consumers={cfg.get('dual_consumers', False)} and "
+                           f"ws_diag={cfg.get('ws_diag', 0)}")
 
 
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
