@@ -77,10 +77,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # v28), and without its power of two a step (a private A/B switch: values beyond fp16 overflow)
                   ("ws64cps16", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                  "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                 "f16_tile": True, "kept_p": False}),
+                                 "f16_tile": True}),
                   ("ws64cps16u", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
-                                  "f16_tile": True, "_f16_pow2": False, "kept_p": False}),
+                                  "f16_tile": True, "_f16_pow2": False}),
                   # ... P against the kept max, the row max reduced across the warpgroups only when a warp flags
                   # a move (NOTES.md v31; the fp16 tile's default up to one wave): that form and the 16-bit / loader one
                   ("ws64cps16k", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,

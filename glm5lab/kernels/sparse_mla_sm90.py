@@ -334,7 +334,13 @@ def _online_softmax_lazy(s_tile, slots, num_slots, qk_scale_log2, m_i, l_acc, AX
     """`_online_softmax` keeping the running max until a step's exceeds it by more than LAZY_TAU: p <= 2^LAZY_TAU
     (fp16 / bf16 and the float32 sums hold it), alpha 1 on the steps that keep it (`_lazy_rescaled`)."""
     s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, AXIS)
-    tile_max = gl.max(s_tile, AXIS)
+    return _lazy_update(s_tile, gl.max(s_tile, AXIS), m_i, l_acc, AXIS)
+
+
+@gluon.jit
+def _lazy_update(s_tile, tile_max, m_i, l_acc, AXIS: gl.constexpr):
+    """`_softmax_update` under the lazy rule: the running max moves to the tile's only when that exceeds it by more
+    than LAZY_TAU (`_online_softmax_lazy`, and the dual consumers' rare path in `_kept_max_rows`)."""
     return _softmax_update(s_tile, gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i), m_i, l_acc, AXIS)
 
 
@@ -356,9 +362,9 @@ def _kept_max_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_rows, p_ti
     (NOTES.md v31): P is computed against the KEPT max and stored at once, each warp flags whether any of its scores
     exceeds the kept max by more than LAZY_TAU, and P's own barrier carries the flags. Only when a flag is up (the
     first step, a moved max; uniform over the consumers' partition: every thread reads all eight) the step's max is
-    reduced across the warpgroups and P is computed and stored again, behind a second barrier. l is kept per head and warpgroup
-    (l_rows [heads, 2], `_kept_rows`): P need not live past its store. Returns (alpha, new max, l_rows) with P in
-    p_tile, ready for P.V."""
+    reduced across the warpgroups and P is computed and stored again, behind a second barrier. l is kept per head
+    and warpgroup (l_rows [heads, 2], `_kept_rows`): P need not live past its store. Returns (alpha, new max,
+    l_rows) with P in p_tile, ready for P.V."""
     s_tile = _masked_scores(s_tile, slots, num_slots, qk_scale_log2, 1)
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
     p = gl.exp2(s_tile - gl.expand_dims(m_ref, 1))
@@ -1800,7 +1806,8 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
     a score above it by more than LAZY_TAU or a chunk scale above r times KEPT_R_SLACK (P^T <= 2^8 x 2^4 in fp16), the
     flags carried by P^T's own barrier. Only when a flag is up (the first step; a moved max or scale; uniform over
     the consumer's warpgroup: every thread reads all four) the scores' max and the scales' over the rows are reduced
-    across the warps, P^T is stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four chunks, P^T's four tiles)."""
+    across the warps, P^T is stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four
+    chunks, P^T's four tiles)."""
     H: gl.constexpr = s_t.shape[1]
     p_flags = p_ts[4]
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -1817,8 +1824,7 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
         col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
         step_r = gl.max(col_scale, 0)
         r_new = gl.where(step_r > r_i * KEPT_R_SLACK, step_r, r_i)
-        p, alpha, m_new, l_new = _softmax_update(s_t, gl.where(col_max > m_i + LAZY_TAU, col_max, m_i), m_i, l_acc,
-                                                 0)
+        p, alpha, m_new, l_new = _lazy_update(s_t, col_max, m_i, l_acc, 0)
         _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_new)
         keep = (alpha * (r_i / r_new))[None, :]
         acc0 = acc0 * keep
@@ -1920,12 +1926,10 @@ def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
 @gluon.jit
 def _p_chunks(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, KEPT_P: gl.constexpr = False):
     """A dual consumer's four P^T chunks (`_p_chunk`); KEPT_P: and its four warps' flags (`_kept_max_rows`)."""
+    chunks = (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
+              _p_chunk(BLOCK_N, BLOCK_H))
     if KEPT_P:
-        chunks = (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
-                  _p_chunk(BLOCK_N, BLOCK_H), gl.allocate_shared_memory(gl.int32, [4], ROWS_VEC))
-    else:
-        chunks = (_p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H), _p_chunk(BLOCK_N, BLOCK_H),
-                  _p_chunk(BLOCK_N, BLOCK_H))
+        chunks = chunks + (gl.allocate_shared_memory(gl.int32, [4], ROWS_VEC),)
     return chunks
 
 
