@@ -38,3 +38,10 @@ def test_power_probe_refuses_without_a_gpu(tmp_path, capsys):
     assert power_probe.main(["--out", str(tmp_path / "p.csv")]) == 1
     assert "needs a GPU" in capsys.readouterr().err
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_power_probe_names_an_unknown_form_before_anything_else(tmp_path, capsys):
+    assert power_probe.main(["--out", str(tmp_path / "p.csv"), "--forms", "flashmla", "ws64cps16x"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown form(s) ['ws64cps16x']" in err and "flashmla" in err
+    assert not (tmp_path / "p.csv").exists()

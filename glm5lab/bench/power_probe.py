@@ -128,8 +128,9 @@ def rows_of(samples: dict, shape: str) -> list:
 
 def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps16k"), seconds: float = 1.0,
         rounds: int = 4, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
-    """Each (heads, tokens) shape: every form in `forms` (names of kernel_bench.GLUON_VARIANTS, or "glm5lab" for the
-    default) kept busy `seconds` a block, forms alternating, `rounds` blocks each; rows appended to out_csv."""
+    """Each (heads, tokens) shape: every form in `forms` (names of kernel_bench.GLUON_VARIANTS, "glm5lab" for the
+    default, or "flashmla" for FlashMLA's fp8 sparse decode on the same inputs) kept busy `seconds` a block, forms
+    alternating, `rounds` blocks each; rows appended to out_csv."""
     import torch
 
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph
@@ -139,11 +140,14 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     from glm5lab.kernels.sparse_mla import sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
-    need_gpu("the power probe")
     known = dict(GLUON_VARIANTS)
-    unknown = [f for f in forms if f != "glm5lab" and f not in known]
+    unknown = [f for f in forms if f not in ("glm5lab", "flashmla") and f not in known]
     if unknown:
-        raise Glm5labError(f"unknown form(s) {unknown}; expected 'glm5lab' or names from {list(known)}")
+        raise Glm5labError(f"unknown form(s) {unknown}; expected 'glm5lab', 'flashmla' or names from {list(known)}")
+    need_gpu("the power probe")
+    if "flashmla" in forms:
+        from glm5lab.bench import flashmla_anchor
+        flashmla_anchor.load()
     dev = torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
     nvml = Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
@@ -160,6 +164,10 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
                         for _ in range(n_sets)]
                 graphs = {}
                 for form in forms:
+                    if form == "flashmla":
+                        graphs[form] = capture_graph([flashmla_anchor.SparseDecodeFP8(q, cache, s, scale)
+                                                      for q, s in sets])
+                        continue
                     cfg = None if form == "glm5lab" else {**known[form], "impl": "gluon"}
                     graphs[form] = capture_graph([lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale,
                                                                                                  _config=cfg)
