@@ -55,6 +55,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+import os
+
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
 from glm5lab.kernels.sparse_mla import (STAMP_SLOTS, _pow2_into_f16_range, check_stamps, partial_scale_plane,
@@ -115,6 +117,7 @@ HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))      
 # The copy layouts of a 4-warp loader / producer warpgroup (one for each warp-specialized kernel): a warp's cp.async
 # covers 512 bytes of ONE row (NOTES.md v11: 64 bytes of eight rows was 8% slower), rope [rows, 64] 16-bit, the
 # scales [4 chunks, rows] float32
+_EXP_NO_ZFILL = gl.constexpr(os.environ.get("GLM5LAB_EXP_NO_ZFILL") == "1")   # EXPERIMENT v32: cp.async unmasked
 WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))        # [rows, 512] e4m3
 WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
 WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -202,7 +205,10 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
     rows = gl.where(ok, slots, 0).to(gl.int64)
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
-    async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
+    if _EXP_NO_ZFILL:
+        async_copy.async_copy_global_to_shared(buf, ptr)
+    else:
+        async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
 
 
 @gluon.jit
@@ -215,7 +221,10 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
     rows = gl.where(ok, sl_scale, 0).to(gl.int64)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
-    async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
+    if _EXP_NO_ZFILL:
+        async_copy.async_copy_global_to_shared(scale_buf, ptr)
+    else:
+        async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
     async_copy.commit_group()
 
 
