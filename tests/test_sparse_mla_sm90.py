@@ -540,7 +540,7 @@ WGMMA_WSP, WGMMA_CVP = {**WGMMA_WS, "p_smem": True}, {**WGMMA_CV, "p_smem": True
 WGMMA_WS, WGMMA_CV = {**WGMMA_WS, "p_smem": False}, {**WGMMA_CV, "p_smem": False, "f16_tile": False}
 # ... and the converter form with the dequantized tile and q's latent part in fp16 (f16_tile, NOTES.md v28-v29)
 WGMMA_CV16 = {**WGMMA_CVP, "f16_tile": True, "kept_p": False}
-# ... and with P against the kept max (kept_p, NOTES.md v31; the fp16 tile's default up to one wave): that form and the
+# ... and with P against the kept max (kept_p, NOTES.md v31; the fp16 tile's default since v32): that form and the
 # loader / 16-bit one
 WGMMA_CV16K, WGMMA_WSPK = {**WGMMA_CV16, "kept_p": True}, {**WGMMA_WSP, "kept_p": True}
 BOTH_WGMMA = pytest.mark.parametrize("wcfg", [WGMMA, WGMMA_WS], ids=["wg64", "ws64"])
@@ -1199,28 +1199,27 @@ def test_fp16_tile_is_the_converter_forms_and_its_default():
             sm90.check_tile(cfg, fp8)
 
 
-def test_kept_max_runs_by_default_in_the_fp16_tile_up_to_one_wave():
-    """P against the kept max (kept_p, NOTES.md v31): by default in the converter form's fp16 tile when the grid is at
-    most one program a SM (in the interleaved rounds it gained up to 8% there and lost up to 4% at eight waves),
-    never in the loader form or the bf16 tile, and in the 16-head dual-consumer tile; a kept_p tile of another kernel
-    or of a timing diagnostic is refused."""
+def test_kept_max_runs_by_default_in_the_fp16_tile():
+    """P against the kept max (kept_p, NOTES.md v31): by default in the converter form's fp16 tile at every grid size
+    (v32: faster at one wave and at eight, in the interleaved rounds and at sustained load), never in the loader
+    form or the bf16 tile, and in the 16-head dual-consumer tile; a kept_p tile of another kernel or of a timing
+    diagnostic is refused."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     f16 = {**sm90.WGMMA_CV_CONFIG, "f16_tile": True}
-    assert sm90.kept_max_pays(True, f16, 132, 132) and sm90.kept_max_pays(True, f16, 1, 132)
-    assert not sm90.kept_max_pays(True, f16, 133, 132)
-    assert not sm90.kept_max_pays(True, {**f16, "f16_tile": False}, 64, 132)
-    assert not sm90.kept_max_pays(True, sm90.WGMMA_WS_CONFIG, 64, 132)
-    assert not sm90.kept_max_pays(False, f16, 64, 132)
+    assert sm90.kept_max_pays(True, f16)
+    assert not sm90.kept_max_pays(True, {**f16, "f16_tile": False})
+    assert not sm90.kept_max_pays(True, sm90.WGMMA_WS_CONFIG)
+    assert not sm90.kept_max_pays(False, f16)
     # ... and elsewhere as its tile says: the 16-head dual-consumer tile yes (v31 call 3), its 8-head tiles no
-    assert sm90.kept_max_pays(True, sm90.ROWS_FP8_DUAL_CONFIG, 1000, 132)
-    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_CONFIG, 64, 132)
-    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, 64, 132)
+    assert sm90.kept_max_pays(True, sm90.ROWS_FP8_DUAL_CONFIG)
+    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_CONFIG)
+    assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG)
     # an override laid over the 16-head default that leaves its kept_p in place: False where it does not fit (the
     # review of v31: it was inherited, and check_tile refused the call), and under a timing diagnostic
     for over in ({"dual_consumers": False, "stages": 2, "pipe": ""}, {"_diagnostic": True, "ws_diag": 2}):
         merged = {**sm90.ROWS_FP8_DUAL_CONFIG, **over}
-        assert not sm90.kept_max_pays(True, merged, 64, 132)
+        assert not sm90.kept_max_pays(True, merged)
         sm90.check_tile({**merged, "kept_p": False}, True)
     sm90.check_tile({**f16, "kept_p": True}, True)
     sm90.check_tile({**sm90.WGMMA_WS_CONFIG, "kept_p": True}, False)
@@ -1249,11 +1248,11 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,T,converter,kept", [(64, 130, True, True), (128, 40, True, True), (64, 8, False, False),
-                                               (128, 130, True, False)])
+                                               (128, 130, True, True)])
 def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, kept, monkeypatch):
     """The default 64-head fp8_ds_mla call (converter form with its fp16 tile at long splits -- 64 x 130, 128 x 40 and
-    128 x 130 run unsplit --, P against the kept max up to one wave of programs (130 and 80 of them, not 260), the
-    loader form with its bf16 tile at 64 x 8's 16 splits) against the reference of its tile's rounding."""
+    128 x 130 run unsplit --, P against the kept max with it at every grid size (since v32: 130, 80 and 260 programs),
+    the loader form with its bf16 tile at 64 x 8's 16 splits) against the reference of its tile's rounding."""
     seen = []
     launch = sparse_mla_sm90.launch
     monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a: (

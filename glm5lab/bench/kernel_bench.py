@@ -82,7 +82,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                   "f16_tile": True, "_f16_pow2": False}),
                   # ... P against the kept max, the row max reduced across the warpgroups only when a warp flags
-                  # a move (NOTES.md v31; the fp16 tile's default up to one wave): that form and the 16-bit / loader one
+                  # a move (NOTES.md v31; the fp16 tile's default since v32): that form and the 16-bit / loader one
                   ("ws64cps16k", {"rows": False, "ws": True, "converter": True, "p_smem": True, "block_h": 64,
                                   "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                   "f16_tile": True, "kept_p": True}),

@@ -1043,7 +1043,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if gluon and "f16_tile" not in (_config or {}):
         cfg["f16_tile"] = sparse_mla_sm90.f16_tile_pays(fp8, cfg)
     if gluon and "kept_p" not in (_config or {}):
-        cfg["kept_p"] = sparse_mla_sm90.kept_max_pays(fp8, cfg, head_tiles * T * num_splits, _num_sms(q.device))
+        cfg["kept_p"] = sparse_mla_sm90.kept_max_pays(fp8, cfg)
     wants_f16 = _partials_f16(cfg, gluon)
     if merge == "auto" or gluon:   # the Gluon kernel has no fused merge (nor does the fp16 partials' form)
         merge = "separate" if (num_splits > FUSED_MERGE_MAX_SPLITS or gluon or wants_f16) else "fused"

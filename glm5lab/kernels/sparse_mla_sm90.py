@@ -55,8 +55,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-import os
-
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
 from glm5lab.kernels.sparse_mla import (STAMP_SLOTS, _pow2_into_f16_range, check_stamps, partial_scale_plane,
@@ -117,7 +115,6 @@ HEADS_DQ = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))      
 # The copy layouts of a 4-warp loader / producer warpgroup (one for each warp-specialized kernel): a warp's cp.async
 # covers 512 bytes of ONE row (NOTES.md v11: 64 bytes of eight rows was 8% slower), rope [rows, 64] 16-bit, the
 # scales [4 chunks, rows] float32
-_EXP_NO_ZFILL = gl.constexpr(os.environ.get("GLM5LAB_EXP_NO_ZFILL") == "1")   # EXPERIMENT v32: cp.async unmasked
 WG_LAT8 = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0]))        # [rows, 512] e4m3
 WG_LAT16 = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))        # [rows, 512] 16-bit
 WG_ROPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
@@ -205,10 +202,7 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
     rows = gl.where(ok, slots, 0).to(gl.int64)
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
-    if _EXP_NO_ZFILL:
-        async_copy.async_copy_global_to_shared(buf, ptr)
-    else:
-        async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
 
 
 @gluon.jit
@@ -221,10 +215,7 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
     rows = gl.where(ok, sl_scale, 0).to(gl.int64)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
-    if _EXP_NO_ZFILL:
-        async_copy.async_copy_global_to_shared(scale_buf, ptr)
-    else:
-        async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
+    async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
     async_copy.commit_group()
 
 
@@ -1265,7 +1256,7 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
     gathers (NOTES.md v23). F16_TILE: the ring's tiles and q's latent part in fp16, the producer's dequantization two
     instructions per two values (`_scaled`), each step divided by its power of two (`_step_pow2`; POW2 False, a private
     A/B switch: not, and values beyond 65,504 overflow) -- NOTES.md v28. KEPT_P: P against the kept max
-    (`_kept_max_softmax`, NOTES.md v31; by default up to one wave of programs, `kept_max_pays`)."""
+    (`_kept_max_softmax`, NOTES.md v31; the fp16 tile's default since v32, `kept_max_pays`)."""
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups (plus a producer warpgroup)")
     gl.static_assert(BLOCK_H == 64, "wgmma tiles are 64 heads")
     gl.static_assert(BLOCK_N == 64, "64-row steps")
@@ -2286,12 +2277,14 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
 
 
 # P against the kept max (`_kept_max_softmax`, NOTES.md v31): on most steps no reduction across the consumer
-# warpgroups (two or three CTA barriers fewer on the path from S to P.V). H200, v31 call 2 (21 interleaved rounds, x
-# FlashMLA's fp8 decode, the converter form's fp16 tile without -> with it): one wave or less gains -- 64 heads x 32 /
-# 64 / 128 tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054, 128 heads x 32 / 64 1.067 / 0.962 -> 1.139 / 0.982
-# --, more waves do not: 64 heads x 256 / 512 1.031 / 1.049 -> 1.048 / 1.049, 128 heads x 128 / 256 / 512 0.987 /
-# 1.007 / 1.011 -> 0.980 / 0.977 / 0.971 (why is not measured). The loader form and bf16 lost everywhere (call 1:
-# 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16). So the fp16 tile takes it up to one wave of programs.
+# warpgroups (two or three CTA barriers fewer on the path from S to P.V). H200, x FlashMLA's fp8 decode, the converter
+# form's fp16 tile without -> with it: v31 call 2 (21 interleaved rounds) read a gain up to one wave of programs (64
+# heads x 32 / 64 / 128 tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054) and none or a loss beyond (128 heads x
+# 512 1.011 -> 0.971); v32 found it faster at every size: call 2's rounds 64 heads x 128 / 512 1.002 / 1.042 -> 1.071 /
+# 1.119, 128 heads 0.985 / 0.999 -> 1.043 / 1.052, and at sustained load (`power_probe`, the GPU busy > 99.9% at its
+# power cap) 3.0-4.6% less time a call at 64-128 heads x 128-512 tokens, where FlashMLA's lies between the two. So
+# the fp16 tile takes it at every size. The loader form and bf16 lost everywhere (v31 call 1: 64 heads x 128 tokens
+# 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16).
 def kept_fits(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call can take P against the kept max (`check_tile` refuses it elsewhere): the warp-specialized
     64-head consumers with P through shared memory, or the dual-consumer fp8_ds_mla kernels; not a timing
@@ -2300,15 +2293,14 @@ def kept_fits(fp8: bool, cfg: dict) -> bool:
                                            or (cfg.get("rows") and fp8 and cfg.get("dual_consumers")))
 
 
-def kept_max_pays(fp8: bool, cfg: dict, programs: int, num_sms: int) -> bool:
+def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
-    (`f16_tile_fits` with f16_tile) when its grid is at most one program a SM; the dual-consumer kernel's 16-head
-    tile; nothing else (an override of the default tile that leaves its kept_p in place gets False where it does
-    not fit)."""
+    (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile; nothing else (an override of the
+    default tile that leaves its kept_p in place gets False where it does not fit)."""
     if not kept_fits(fp8, cfg):
         return False
     if f16_tile_fits(fp8, cfg) and cfg.get("f16_tile"):
-        return programs <= num_sms
+        return True
     return bool(cfg.get("rows") and cfg.get("dual_consumers") and cfg["block_h"] == 16)
 
 
