@@ -2,16 +2,17 @@
 
 The interleaved rounds of the kernel benchmark time short CUDA-graph replays; at the large shapes they run under
 the H200's software power cap (results/kernels/NOTES.md v22 call 3: clocks 1650-1845 MHz instead of ~1980). Two
-forms of one kernel can then differ by the energy each call draws as much as by their paths: NOTES.md v31 found P
-against the kept max up to 8% faster at one wave of programs and up to 4% slower at eight. This keeps each form
-busy for a block of seconds at a time -- its CUDA graph replayed back to back, one synchronization at the block's
-end -- forms alternating block by block, while a second thread reads NVML every 50 ms: time per call (the block's
-GPU time over its calls), SM clock, power, clock-event reasons (bit 0x4: the software power cap), energy per call
-(NVML's energy counter across the block over its calls) and how busy the GPU was (GPU time over wall time).
+forms of one kernel can then differ by the energy each call draws as much as by their paths (NOTES.md v31's rounds
+read P against the kept max up to 8% faster at one wave of programs and up to 4% slower at eight; v32's, and this
+probe, faster at every size). This keeps each form busy for a block of seconds at a time -- its CUDA graph replayed
+back to back, one synchronization at the block's end -- forms alternating block by block, while a second thread
+reads NVML every 50 ms: time per call (the block's GPU time over its calls), SM clock, power, clock-event reasons
+(bit 0x4: the software power cap), energy per call (NVML's energy counter across the block over its calls) and how
+busy the GPU was (GPU time over wall time). "flashmla" times FlashMLA's fp8 sparse decode on the same inputs.
 (v31 call 3 ran an earlier form that read NVML between 10-replay timings, leaving the GPU idle 40-75% of the time.)
 
     python -m glm5lab.bench.power_probe --out results/kernels/power_probe_h200.csv --heads 128 --tokens 512 \
-        --forms ws64cps16 ws64cps16k
+        --forms ws64cps16 ws64cps16k flashmla
 """
 from __future__ import annotations
 
