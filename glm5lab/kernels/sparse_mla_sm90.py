@@ -2278,13 +2278,12 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
 
 # P against the kept max (`_kept_max_softmax`, NOTES.md v31): on most steps no reduction across the consumer
 # warpgroups (two or three CTA barriers fewer on the path from S to P.V). H200, x FlashMLA's fp8 decode, the converter
-# form's fp16 tile without -> with it: v31 call 2 (21 interleaved rounds) read a gain up to one wave of programs (64
-# heads x 32 / 64 / 128 tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054) and none or a loss beyond (128 heads x
-# 512 1.011 -> 0.971); v32 found it faster at every size: call 2's rounds 64 heads x 128 / 512 1.002 / 1.042 -> 1.071 /
-# 1.119, 128 heads 0.985 / 0.999 -> 1.043 / 1.052, and at sustained load (`power_probe`, the GPU busy > 99.9% at its
-# power cap) 3.0-4.6% less time a call at 64-128 heads x 128-512 tokens, where FlashMLA's lies between the two. So
-# the fp16 tile takes it at every size. The loader form and bf16 lost everywhere (v31 call 1: 64 heads x 128 tokens
-# 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16).
+# form's fp16 tile without -> with it: v31's calls 1-2 read a gain up to one wave of programs (64 heads x 32 / 64 / 128
+# tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054) and none or a loss beyond (128 heads x 512 1.011 -> 0.971);
+# v32 call 3, the same command on another machine, a gain at every size (64 heads x 256 / 512 1.028 / 1.047 -> 1.103
+# / 1.120, 128 heads x 512 1.005 -> 1.054), and at sustained load (`power_probe`, the GPU busy > 99.9% at its power
+# cap) 3.0-4.6% less time a call at 64-128 heads x 128-512 tokens. So the fp16 tile takes it at every size. The
+# loader form and bf16 lost everywhere (v31 call 1: 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16).
 def kept_fits(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call can take P against the kept max (`check_tile` refuses it elsewhere): the warp-specialized
     64-head consumers with P through shared memory, or the dual-consumer fp8_ds_mla kernels; not a timing
