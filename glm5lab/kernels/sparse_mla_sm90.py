@@ -2296,11 +2296,9 @@ def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
     (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile; nothing else (an override of the
     default tile that leaves its kept_p in place gets False where it does not fit)."""
-    if not kept_fits(fp8, cfg):
-        return False
-    if f16_tile_fits(fp8, cfg) and cfg.get("f16_tile"):
-        return True
-    return bool(cfg.get("rows") and cfg.get("dual_consumers") and cfg["block_h"] == 16)
+    fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
+    dual_16 = cfg.get("rows") and cfg.get("dual_consumers") and cfg["block_h"] == 16
+    return kept_fits(fp8, cfg) and bool(fp16_tile or dual_16)
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
