@@ -57,8 +57,9 @@ part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --
 # 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)
 # (GLM5LAB_BENCH_FP8_V4=1 adds the fp8_ds_mla 'reload' kernel paths beside the default, same inputs)
 export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
-# (the suite's kernels part alone compiles for ~270-290 s on a fresh H200 and runs in ~80 s on a warm one, NOTES.md
-#  v32: the default budget leaves it its 330 s cap after the accuracy parts, and the part fits a 600 s call)
+# (the suite's kernels part compiles most of its time on a fresh H200: v32 call 4 killed it at 285 s two-thirds
+#  through, call 5 ran it in 67 s on the warm machine. On a fresh machine run it alone, BENCH_PARTS="kernels plots"
+#  BENCH_BUDGET_S=460 BENCH_S=520; the defaults keep the bench part inside a 600 s call)
 part bench ${BENCH_S:-560} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-520} \
   --results "$stage/results" --no-progress ${BENCH_PARTS:+--parts $BENCH_PARTS}
 # 2b. kernel experiments only (not in the default parts): the GPU tests of the Gluon kernel (kgluon) and of the

@@ -22,8 +22,8 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=524288)
     p.add_argument("--layout", default="fp8_ds_mla", choices=("fp8_ds_mla", "bf16"))
     p.add_argument("--config", default="{}", help="JSON _config for sparse_mla_attention")
-    p.add_argument("--variant", default="", help="a name from kernel_bench.GLUON_VARIANTS (its tile, impl gluon), "
-                   "instead of --config")
+    p.add_argument("--variant", default="", help="a name from kernel_bench.GLUON_VARIANTS (its tile, impl gluon; "
+                   "--config's keys over it)")
     p.add_argument("--calls", type=int, default=3)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
         variants = dict(GLUON_VARIANTS)
         if a.variant not in variants:
             raise SystemExit(f"unknown variant {a.variant!r}; expected one of {list(variants)}")
-        config = {**variants[a.variant], "impl": "gluon"}
+        config = {**variants[a.variant], **(config or {}), "impl": "gluon"}   # (--config overrides the variant's keys)
     g = torch.Generator(device="cuda").manual_seed(1234)
     kv = torch.randn(a.slots // 64, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
     cache = quantize_fp8_ds_mla(kv) if a.layout == "fp8_ds_mla" else kv

@@ -1247,9 +1247,8 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,T,converter,kept", [(64, 130, True, True), (128, 40, True, True), (64, 8, False, False),
-                                               (128, 130, True, True)])
-def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, kept, monkeypatch):
+@pytest.mark.parametrize("H,T,converter", [(64, 130, True), (128, 40, True), (64, 8, False), (128, 130, True)])
+def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypatch):
     """The default 64-head fp8_ds_mla call (converter form with its fp16 tile at long splits -- 64 x 130, 128 x 40 and
     128 x 130 run unsplit --, P against the kept max with it at every grid size (since v32: 130, 80 and 260 programs),
     the loader form with its bf16 tile at 64 x 8's 16 splits) against the reference of its tile's rounding."""
@@ -1260,7 +1259,7 @@ def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, kept, mo
         launch(grid, args, cfg, *a)))
     q, cache, slots, _ = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
     out, lse = run_poisoned(q, cache, slots)
-    assert seen == [(converter, converter, kept)]
+    assert seen == [(converter, converter, converter)]          # (the kept max wherever the fp16 tile runs)
     check(out, lse, _tile_ref({"f16_tile": converter})(q, cache, slots), torch.bfloat16)
 
 

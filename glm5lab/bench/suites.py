@@ -44,8 +44,8 @@ PARTS = [
     Part("model_accuracy", "tiny GLM-5: glm5lab decode path (GGUF) vs transformers", {"gpu": 90, "cpu": 300}),
     Part("gemm_streaming", "bf16 GEMM weight-streaming efficiency (projection input)", {"gpu": 30, "cpu": 30}),
     Part("kernels", "sparse-MLA kernel benchmark (kernel helper): glm5lab vs FlashMLA vs torch",
-         {"gpu": 330, "cpu": 240}),      # (gpu: 214-224 s on a cold H200 in v15, > 255 s in v16, 269 s in v31, > 285 s
-                                        # in v32 -- compile time; 79 s warm)
+         {"gpu": 450, "cpu": 240}),      # (gpu: 214-224 s on a cold H200 in v15, > 255 s in v16, 269 s in v31; v32:
+                                        # killed at 285 s two-thirds through -- compile time; 67 s warm)
     Part("indexer", "DSA indexer benchmark (indexer helper): Triton vs torch", {"gpu": 150, "cpu": 240}),
     Part("attention_stack", "GLM-5-shaped attention layer decode steps at real widths", {"gpu": 110, "cpu": 120}),
     Part("projection", "8x RTX PRO 6000 Blackwell roofline PROJECTION", {"gpu": 45, "cpu": 60}, False),

@@ -2280,10 +2280,11 @@ def f16_tile_pays(fp8: bool, cfg: dict) -> bool:
 # warpgroups (two or three CTA barriers fewer on the path from S to P.V). H200, x FlashMLA's fp8 decode, the converter
 # form's fp16 tile without -> with it: v31's calls 1-2 read a gain up to one wave of programs (64 heads x 32 / 64 / 128
 # tokens 1.185 / 1.148 / 1.006 -> 1.261 / 1.237 / 1.054) and none or a loss beyond (128 heads x 512 1.011 -> 0.971);
-# v32 call 3, the same command on another machine, a gain at every size (64 heads x 256 / 512 1.028 / 1.047 -> 1.103
-# / 1.120, 128 heads x 512 1.005 -> 1.054), and at sustained load (`power_probe`, the GPU busy > 99.9% at its power
-# cap) 3.0-4.6% less time a call at 64-128 heads x 128-512 tokens. So the fp16 tile takes it at every size. The
-# loader form and bf16 lost everywhere (v31 call 1: 64 heads x 128 tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16).
+# v32 call 3, the same command in another session (perhaps on the same machine as v32's calls 1-2), a gain at every
+# size (64 heads x 256 / 512 1.028 / 1.047 -> 1.103 / 1.120, 128 heads x 512 1.005 -> 1.054), and at sustained load
+# (`power_probe`, the GPU busy > 99.9% at its power cap) 2.9-4.7% less time a call at 64-128 heads x 128-512 tokens.
+# So the fp16 tile takes it at every size. The loader form and bf16 lost everywhere (v31 call 1: 64 heads x 128
+# tokens 0.930 -> 0.839 fp8, 0.916 -> 0.863 bf16).
 def kept_fits(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call can take P against the kept max (`check_tile` refuses it elsewhere): the warp-specialized
     64-head consumers with P through shared memory, or the dual-consumer fp8_ds_mla kernels; not a timing
