@@ -341,7 +341,13 @@ def _online_softmax_lazy(s_tile, slots, num_slots, qk_scale_log2, m_i, l_acc, AX
 def _lazy_update(s_tile, tile_max, m_i, l_acc, AXIS: gl.constexpr):
     """`_softmax_update` under the lazy rule: the running max moves to the tile's only when that exceeds it by more
     than LAZY_TAU (`_online_softmax_lazy`, and the dual consumers' rare path in `_kept_max_rows`)."""
-    return _softmax_update(s_tile, gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i), m_i, l_acc, AXIS)
+    return _softmax_update(s_tile, _lazy_max(tile_max, m_i), m_i, l_acc, AXIS)
+
+
+@gluon.jit
+def _lazy_max(tile_max, m_i):
+    """The lazy rule: the running max m_i moves to the tile's only when that exceeds it by more than LAZY_TAU."""
+    return gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i)
 
 
 @gluon.jit
@@ -381,7 +387,7 @@ def _kept_max_softmax(s_tile, slots, num_slots, qk_scale_log2, m_i, l_rows, p_ti
     m_new = m_i
     if _warp_uniform(gl.max(gl.max(p_flags.load(KEPT_FLAGS_ALL), 1), 0)) != 0:
         tile_max = gl.max(s_tile, 1)
-        m_new = gl.where(tile_max > m_i + LAZY_TAU, tile_max, m_i)
+        m_new = _lazy_max(tile_max, m_i)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s_tile - gl.expand_dims(m_safe, 1))
