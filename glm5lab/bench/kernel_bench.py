@@ -273,6 +273,21 @@ def V1_CONFIG(num_heads: int) -> dict:
     return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2, "fp8_path": "default"}
 
 
+def rotating_sets(tokens: int, topk: int) -> int:
+    """How many input sets a CUDA-graph timing rotates through: enough that their rows (656 bytes each) together pass
+    150 MB, over twice the H200's L2, so that a replay does not find the previous call's rows there; at most 32."""
+    return max(1, min(32, math.ceil(150e6 / (tokens * topk * 656))))
+
+
+def input_sets(tokens: int, heads: int, topk: int, num_slots: int, n_sets: int, gen, device="cuda") -> list:
+    """n_sets fresh (bf16 q [tokens, heads, 576], random slots [tokens, topk] over num_slots) input sets."""
+    import torch
+
+    return [(torch.randn(tokens, heads, 576, device=device, generator=gen).to(torch.bfloat16),
+             torch.randint(0, num_slots, (tokens, topk), device=device, dtype=torch.int32, generator=gen))
+            for _ in range(n_sets)]
+
+
 def graph_time_us(calls, replays: int = 10, repeats: int = 5) -> float:
     """Median GPU time of one call, from CUDA-graph replays of `calls` (one call per input set, run back to
     back). No launch or Python overhead is in it: this is the time a CUDA-graph-captured engine (vLLM's
@@ -474,10 +489,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             shape = f"H{H}_T{T}_K{prof.topk}"
             # input sets: set 0 for accuracy and do_bench; all of them (distinct rows, > 2x the L2 together)
             # for the CUDA-graph replay time, so replays do not find the previous call's rows in L2
-            n_sets = max(1, min(32, math.ceil(150e6 / (T * prof.topk * 656)))) if cuda else 1
-            sets = [(torch.randn(T, H, 576, device=dev, generator=gen).to(torch.bfloat16),
-                     torch.randint(0, prof.num_slots, (T, prof.topk), device=dev, dtype=torch.int32, generator=gen))
-                    for _ in range(n_sets)]
+            sets = input_sets(T, H, prof.topk, prof.num_slots, rotating_sets(T, prof.topk) if cuda else 1, gen, dev)
             q, slots = sets[0]
             n_acc = min(T, prof.accuracy_tokens)
             ref = {}

@@ -23,6 +23,7 @@ import sys
 
 import triton
 
+from glm5lab.bench.kernel_bench import input_sets
 from glm5lab.bench.timing import need_gpu
 from glm5lab.errors import Glm5labError, one_line_errors
 
@@ -66,16 +67,6 @@ def _caches(slots_n: int, gen):
     return {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
 
 
-def _input_sets(tokens: int, heads: int, topk: int, slots_n: int, n_sets: int, gen) -> list:
-    """n_sets fresh (bf16 q [tokens, heads, 576], random slots [tokens, topk]) input sets: rotating through them keeps
-    the previous call's rows out of L2."""
-    import torch
-
-    return [(torch.randn(tokens, heads, 576, device="cuda", generator=gen).to(torch.bfloat16),
-             torch.randint(0, slots_n, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen))
-            for _ in range(n_sets)]
-
-
 def _cuda_kernels(prof) -> list:
     """(start_us, end_us, name) of every GPU kernel a torch profiler recorded."""
     import torch
@@ -94,7 +85,7 @@ def _graph_us(cache, tokens: int, heads: int, topk: int, slots_n: int, n_sets: i
 
     scale = mla_softmax_scale()
     calls = [lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, **kw)
-             for q, s in _input_sets(tokens, heads, topk, slots_n, n_sets, gen)]
+             for q, s in input_sets(tokens, heads, topk, slots_n, n_sets, gen)]
     return graph_time_us(calls * max(1, -(-32 // len(calls))))
 
 
@@ -151,7 +142,7 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
     rows = []
     for lay, h, t, s in tqdm(jobs, desc="kernel split anatomy", disable=not verbose):
         call = [lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(), num_splits=s or None)
-                for q, sl in _input_sets(t, h, topk, slots_n, n_sets, gen)]
+                for q, sl in input_sets(t, h, topk, slots_n, n_sets, gen)]
         for c in call:
             c()
         torch.cuda.synchronize()
@@ -214,7 +205,7 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
     for lay, h, t, cfg in tqdm(jobs, desc="merge timeline", disable=not verbose):
         replay = graph_timer([lambda q=q, sl=sl: sparse_mla_attention(q, caches[lay], sl, mla_softmax_scale(),
                                                                       _config=dict(cfg))
-                              for q, sl in _input_sets(t, h, topk, slots_n, n_sets, gen)], 1)
+                              for q, sl in input_sets(t, h, topk, slots_n, n_sets, gen)], 1)
         replay()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             replay()
@@ -296,7 +287,7 @@ def phases(csv_path, command: str = "", verbose: bool = True, tokens=(1, 2), hea
     rows = []
     for h, t, cfg in tqdm([(h, t, c) for h in heads for t in tokens for c in configs], desc="phase stamps",
                           disable=not verbose):
-        sets = _input_sets(t, h, topk, slots_n, n_sets, gen)
+        sets = input_sets(t, h, topk, slots_n, n_sets, gen)
         bufs = [tuple(torch.full((most, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in "am")
                 for _ in sets]
         replay = graph_timer([lambda q=q, sl=sl, b=b: sparse_mla_attention(

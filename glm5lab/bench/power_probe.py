@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import math
 import statistics
 import sys
 import threading
@@ -134,7 +133,7 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     alternating, `rounds` blocks each; rows appended to out_csv."""
     import torch
 
-    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph, input_sets, rotating_sets
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import need_gpu
     from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
@@ -159,10 +158,7 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     try:
         for H in heads:
             for T in tokens:
-                n_sets = max(1, min(32, math.ceil(150e6 / (T * topk * 656))))
-                sets = [(torch.randn(T, H, 576, device="cuda", generator=gen).to(torch.bfloat16),
-                         torch.randint(0, num_slots, (T, topk), device="cuda", dtype=torch.int32, generator=gen))
-                        for _ in range(n_sets)]
+                sets = input_sets(T, H, topk, num_slots, rotating_sets(T, topk), gen)
                 graphs = {}
                 for form in forms:
                     if form == "flashmla":
