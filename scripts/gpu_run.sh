@@ -2,7 +2,7 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kpower:
+#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kptx kpower:
 #                                           # kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
@@ -77,6 +77,10 @@ part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out 
 part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
 part kphases ${KPHASES_S:-120} python3 -m glm5lab.bench.latency_anatomy --phases --out "$stage/results/kernels/phase_stamps_h200.csv" ${KPHASES_ARGS:-}
 part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_h200.csv" ${KMERGE_ARGS:-}
+# the kernel benchmark once as built and once a PTX edit (scripts/ptx_variant.py: PTX_EDITS, e.g. "alu_cvt")
+part kptx ${KPTX_S:-540} python3 scripts/ptx_variant.py --work /tmp/ptx_variant --edits ${PTX_EDITS:-alu_cvt} -- \
+  python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}_{edit}.csv" \
+  ${KERNEL_BENCH_ARGS:-}
 part kpower ${KPOWER_S:-120} python3 -m glm5lab.bench.power_probe --out "$stage/results/kernels/power_probe_h200.csv" ${KPOWER_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -410,9 +410,13 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
     return not (wide and layout == "fp8_ds_mla" and cfg["block_n"] != 64)
 
 
+LAYOUTS = ("bf16", "fp8_ds_mla")
+
+
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
-        fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None):
+        fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None,
+        layouts: tuple = LAYOUTS):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
@@ -420,7 +424,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     interleave (GPU only): after a shape's implementations are timed one after another, time their CUDA graphs
     again in that many interleaved rounds (`interleaved_rows`: metrics
     time_graph_interleaved, roofline_fraction_interleaved, speedup_vs_flashmla_interleaved); interleave_impls names
-    the implementations taken into the rounds (default: every CUDA-graph-timed one)."""
+    the implementations taken into the rounds (default: every CUDA-graph-timed one). layouts: the cache layouts
+    timed (default both; an A/B of fp8_ds_mla kernels compiles half as much with ("fp8_ds_mla",))."""
     import os
 
     import pandas as pd
@@ -549,7 +554,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
 
             min_bytes = {lay: sparse_mla_min_bytes(T, H, prof.topk, lay) for lay in ("bf16", "fp8_ds_mla")}
             flops = sparse_mla_flops(T, H, prof.topk)
-            impls = [i for i in impls if i[0] not in skip]
+            impls = [i for i in impls if i[0] not in skip and i[1] in layouts]
             graph_timers = {}    # (name, layout) -> the graph its time was taken from, for interleaved rounds
             shape_recs = {}      # ... and its summary record, which takes the rounds' p50s
             for recorded, (name, lay, factory, graphable) in timing_order(impls, cuda):
@@ -713,6 +718,7 @@ def main(argv=None) -> int:
                    help=f"also time the v5 variants (NOTES.md) at V5_SHAPES (env {V5_ENV}=1)")
     p.add_argument("--no-variants", action="store_true", help="skip the older tuning variants (v1 tiles, splits)")
     p.add_argument("--skip", nargs="*", default=(), help="implementations not to run, e.g. torch-gather")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="cache layouts to time")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
     p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
@@ -727,7 +733,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
-             fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave)
+             fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
+             layouts=tuple(args.layouts))
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")

@@ -1,0 +1,195 @@
+"""Time a kernel benchmark on PTX edited after Triton wrote it: what a change to one instruction's form costs, when
+Gluon has no way to ask for that form (NOTES.md v33).
+
+Two (or more) processes of the same command, each on a fresh Triton cache: the first as built, with Triton's IR dump
+on; then, for each edit, the dumped PTX of every kernel is edited and the command runs again with Triton's kernel
+override pointing at the edited files (TRITON_KERNEL_OVERRIDE: the override's PTX replaces the PTX stage, ptxas
+builds the cubin from it). The benchmark's own same-process reference (FlashMLA's kernels in kernel_bench) is what
+makes the processes comparable.
+
+    python3 scripts/ptx_variant.py --work /tmp/pv --edits alu_cvt l2_256 -- \
+        python3 -m glm5lab.bench.kernel_bench --out 'kb_{edit}.csv' --heads 8 --tokens 512 --no-variants --interleave 15
+
+`{edit}` in the command becomes the edit's name ("base" for the build as it is). --offline FILE.ptx instead edits one
+PTX file and prints what ptxas (Triton's, sm_90a) makes of each edit: registers, stack, the LDGSTS by predicate and
+the conversion's instructions; no GPU needed.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# `selp.b32 %rS, N, 0, %pM;` then the copy that takes %rS as its src-size (Triton's masked cp.async)
+_SELP = re.compile(r"selp\.b32\s+(%r\d+),\s*(\d+),\s*0,\s*(%p\d+);")
+_COPY = re.compile(r"(cp\.async\.c[ag]\.shared\.global)(\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0x[0-9a-f]+),\s*(%r\d+);")
+
+
+def ignore_src(ptx: str) -> str:
+    """Each masked cp.async in PTX's ignore-src form: a predicate (the mask negated) in place of the src-size
+    register that is 0 or the copy's size."""
+    mask_of = {m.group(1): m.group(3) for m in _SELP.finditer(ptx)}
+    count = 0
+
+    def repl(m):
+        nonlocal count
+        if m.group(3) not in mask_of:
+            return m.group(0)
+        count += 1
+        z = f"%pzs{count}"
+        return f"not.pred {z}, {mask_of[m.group(3)]};\n\t{m.group(1)}{m.group(2)}, {z};"
+
+    out = _COPY.sub(repl, ptx)
+    if not count:
+        raise ValueError("ignore_src: no masked cp.async (selp + src-size register) in this PTX")
+    return _declare(out, f"\t.reg .pred \t%pzs<{count + 1}>;")
+
+
+def _declare(ptx: str, line: str) -> str:
+    """Add a register declaration after the kernel's first .reg line."""
+    i = ptx.index(".reg")
+    j = ptx.index("\n", i)
+    return ptx[:j + 1] + line + "\n" + ptx[j + 1:]
+
+
+def _prefetch(size: int):
+    def edit(ptx: str) -> str:
+        out, n = re.subn(r"cp\.async\.cg\.shared\.global(?=\s)", f"cp.async.cg.shared.global.L2::{size}B", ptx)
+        if not n:
+            raise ValueError(f"l2_{size}: no cp.async.cg in this PTX")
+        return out
+    edit.__doc__ = f"The 16-byte cp.async copies with the L2 prefetch-size hint .L2::{size}B."
+    return edit
+
+
+# e4m3 -> fp16 in integer operations: the byte's 7 magnitude bits shifted into fp16's place give value x 2^-8 for
+# every finite e4m3 (subnormals included: fp16's subnormals hold them), the sign moved to bit 15, then x 256 (exact).
+# NaN bytes (0x7f, 0xff) come out +-480 instead of NaN.
+_CVT = re.compile(r"cvt\.rn\.f16x2\.e4m3x2\s+(%r\d+),\s*(%rs\d+);")
+_ALU_CVT = ("{{ .reg .b32 w, t; cvt.u32.u16 w, {src}; prmt.b32 w, w, 0, 0x1404; and.b32 t, w, 0x7F007F00; "
+            "shr.u32 t, t, 1; and.b32 w, w, 0x80008000; or.b32 w, w, t; mov.b32 t, 0x5C005C00; "
+            "mul.rn.f16x2 {dst}, w, t; }}")
+
+
+def _operand_line(name: str) -> int:
+    """The source line of sparse_mla_sm90.<name> whose e4m3 -> fp16 cast the PTX's .loc names."""
+    import inspect
+
+    from glm5lab.kernels import sparse_mla_sm90
+    lines, first = inspect.getsourcelines(getattr(sparse_mla_sm90, name).fn)
+    return next(first + i for i, text in enumerate(lines) if ".to(gl.float16)" in text)
+
+
+def _alu_cvt(operands: tuple):
+    def edit(ptx: str) -> str:
+        wanted = {_operand_line(n) for n in operands}
+        out, line, count = [], None, 0
+        for text in ptx.split("\n"):
+            m = re.match(r"\s*\.loc\s+1\s+(\d+)", text)
+            if m:
+                line = int(m.group(1))
+            elif line in wanted and _CVT.search(text):
+                text, n = _CVT.subn(lambda c: _ALU_CVT.format(dst=c.group(1), src=c.group(2)), text)
+                count += n
+            out.append(text)
+        if not count:
+            raise ValueError(f"alu_cvt: no e4m3x2 conversion of {operands} in this PTX")
+        return "\n".join(out)
+    edit.__doc__ = f"The e4m3x2 -> f16x2 conversions of {', '.join(operands)} in integer operations (_ALU_CVT)."
+    return edit
+
+
+EDITS = {"ignore_src": ignore_src, "l2_128": _prefetch(128), "l2_256": _prefetch(256),
+         "alu_cvt": _alu_cvt(("_k_operand", "_v_operand")), "alu_cvt_k": _alu_cvt(("_k_operand",)),
+         "alu_cvt_v": _alu_cvt(("_v_operand",))}
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def copies_summary(ptx: str) -> dict:
+    """ptxas (sm_90a) on PTX text: the LDGSTS of its SASS by predicate operand."""
+    with tempfile.TemporaryDirectory() as d:
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-O3", src, "-o", cubin], check=True, capture_output=True)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], check=True, capture_output=True,
+                             text=True).stdout
+    preds = collections.Counter()
+    for line in sass.splitlines():
+        if "LDGSTS" in line and "ARRIVE" not in line:
+            m = re.search(r"\],\s*(!?U?P\w+)\s*;", line)
+            preds[m.group(1) if m else "none"] += 1
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+                              for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
+    return {"LDGSTS by predicate": dict(sorted(preds.items())), **dict(re.findall(r"(REG|STACK):(\d+)", res)[:2]),
+            "instructions": sum(ops.values()), **{k: v for k, v in ops.items() if k.startswith(("F2FP.F16.E4M3", "PRMT",
+                                                                                              "HMUL2", "LOP3"))}}
+
+
+def _run(cmd: list, edit: str, env: dict) -> int:
+    argv = [a.replace("{edit}", edit) for a in cmd]
+    print(f"[ptx_variant] {' '.join(argv)}", flush=True)
+    return subprocess.run(argv, env=env).returncode
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", help="folder for the dump, the edited PTX and the Triton caches")
+    p.add_argument("--edits", nargs="+", default=["ignore_src"], choices=sorted(EDITS))
+    p.add_argument("--offline", metavar="PTX", help="edit this PTX file and print each build's copies (no GPU)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to time")
+    a = p.parse_args(argv)
+    if a.offline:
+        with open(a.offline) as f:
+            ptx = f.read()
+        print("as built:", copies_summary(ptx))
+        for name in a.edits:
+            print(f"{name}:", copies_summary(EDITS[name](ptx)))
+        return 0
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not a.work or not cmd:
+        p.error("--work and a command after -- are needed (or --offline PTX)")
+    os.makedirs(a.work, exist_ok=True)
+    dump = os.path.join(a.work, "dump")
+    shutil.rmtree(dump, ignore_errors=True)
+    env = {**os.environ, "TRITON_KERNEL_DUMP": "1", "TRITON_DUMP_DIR": dump,
+           "TRITON_CACHE_DIR": os.path.join(a.work, "cache_base")}
+    rc = _run(cmd, "base", env)
+    if rc:
+        return rc
+    ptx_files = [os.path.join(r, f) for r, _, fs in os.walk(dump) for f in fs if f.endswith(".ptx")]
+    for name in a.edits:
+        over = os.path.join(a.work, f"override_{name}")
+        shutil.rmtree(over, ignore_errors=True)
+        edited = 0
+        for path in ptx_files:
+            with open(path) as f:
+                ptx = f.read()
+            try:
+                new = EDITS[name](ptx)
+            except ValueError:
+                continue          # (a kernel without such copies: built as it is)
+            dst = os.path.join(over, os.path.relpath(path, dump))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with open(dst, "w") as f:
+                f.write(new)
+            edited += 1
+        print(f"[ptx_variant] {name}: {edited} of {len(ptx_files)} kernels edited", flush=True)
+        env = {**os.environ, "TRITON_KERNEL_OVERRIDE": "1", "TRITON_OVERRIDE_DIR": over,
+               "TRITON_CACHE_DIR": os.path.join(a.work, f"cache_{name}")}
+        rc = _run(cmd, name, env) or rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
