@@ -77,23 +77,23 @@ _ALU_CVT = ("{{ .reg .b32 w, t; cvt.u32.u16 w, {src}; prmt.b32 w, w, 0, 0x1404; 
 
 
 def _operand_line(name: str) -> int:
-    """The source line of sparse_mla_sm90.<name> whose e4m3 -> fp16 cast the PTX's .loc names."""
+    """The source line of sparse_mla_sm90.<name> that converts its bytes (the e4m3 -> fp16 cast, or the call of the
+    helper that casts): where the PTX's .loc chain of each conversion passes."""
     import inspect
 
     from glm5lab.kernels import sparse_mla_sm90
     lines, first = inspect.getsourcelines(getattr(sparse_mla_sm90, name).fn)
-    return next(first + i for i, text in enumerate(lines) if ".to(gl.float16)" in text)
+    return next(first + i for i, text in enumerate(lines) if ".to(gl.float16)" in text or "_e4m3_to_f16(" in text)
 
 
 def _alu_cvt(operands: tuple):
     def edit(ptx: str) -> str:
         wanted = {_operand_line(n) for n in operands}
-        out, line, count = [], None, 0
+        out, chain, count = [], set(), 0
         for text in ptx.split("\n"):
-            m = re.match(r"\s*\.loc\s+1\s+(\d+)", text)
-            if m:
-                line = int(m.group(1))
-            elif line in wanted and _CVT.search(text):
+            if re.match(r"\s*\.loc\s", text):     # (its comment: the source line and the lines it was inlined at)
+                chain = {int(x) for x in re.findall(r"sparse_mla_sm90\.py:(\d+):", text)}
+            elif chain & wanted and _CVT.search(text):
                 text, n = _CVT.subn(lambda c: _ALU_CVT.format(dst=c.group(1), src=c.group(2)), text)
                 count += n
             out.append(text)
