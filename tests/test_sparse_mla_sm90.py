@@ -1100,7 +1100,7 @@ def test_gluon_rows_fp8_sm90_dual_alu_conversion_builds(tile):
     h, pipe, kept = (8, "s3o3", False) if tile == "8-head-s3o3" else (16, "o", True)
     kw = dict(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4, _sass=True,
               PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=kept)
-    f2fp, alu = _sm90_build(**kw), _sm90_build(**kw, ALU_CVT=True)
+    f2fp, alu = _sm90_build(**kw), _sm90_build(**kw, ALU_CVT=3)
     assert sum("E4M3" in i for i in f2fp["_sass"]) == 512 and not any("E4M3" in i for i in alu["_sass"])
     assert alu["HGMMA"] == f2fp["HGMMA"] == 2 * 68 and alu["LDGSTS"] == f2fp["LDGSTS"] == 22
     assert alu["stack"] <= f2fp["stack"] and alu["smem"] == f2fp["smem"]
@@ -1113,8 +1113,11 @@ def test_alu_cvt_is_a_dual_consumer_option_only():
     sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": True}, True)
     sm90.check_tile({**sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, "alu_cvt": True}, True, 8)
     for cfg in ({**sm90.ROWS_FP8_CONFIG, "alu_cvt": True}, {**sm90.WGMMA_CV_CONFIG, "alu_cvt": True}):
-        with pytest.raises(Glm5labError, match="alu_cvt=True is the dual-consumer"):
+        with pytest.raises(Glm5labError, match="alu_cvt=True: the dual-consumer"):
             sm90.check_tile(cfg, True)
+    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": "v"}, True)
+    with pytest.raises(Glm5labError, match="alu_cvt='kv'"):
+        sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": "kv"}, True)
 
 
 @pytest.mark.parametrize("tokens,splits,num_sms,programs", [(512, 1, 132, 132), (40, 3, 132, 120), (1, 1, 132, 1),

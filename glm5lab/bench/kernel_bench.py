@@ -129,11 +129,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... the dual-consumer defaults with their e4m3 operands converted in integer operations
-                  # (alu_cvt, NOTES.md v33), and the 8-head one's consumers alone (d2) that way
+                  # (alu_cvt, NOTES.md v33; "v": only O^T's), and the 8-head one's consumers alone (d2) that way
                   ("ws8x2pp3a", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": True}),
                   ("ws8x2oka", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                 "dual_consumers": True, "pipe": "o", "kept_p": True, "alu_cvt": True}),
+                  ("ws8x2pp3av", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": "v"}),
+                  ("ws8x2okav", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                                 "dual_consumers": True, "pipe": "o", "kept_p": True, "alu_cvt": "v"}),
                   ("ws8x2p3ad2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                   "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": True,
                                   "_diagnostic": True, "ws_diag": 2}),

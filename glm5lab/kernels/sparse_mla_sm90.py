@@ -1714,6 +1714,9 @@ E4M3X4_TO_F16X4_LOW = gl.constexpr(
     "and.b32 t, a, 0x7F007F00; shr.u32 t, t, 1; and.b32 a, a, 0x80008000; or.b32 $0, a, t; "
     "and.b32 t, b, 0x7F007F00; shr.u32 t, t, 1; and.b32 b, b, 0x80008000; or.b32 $1, b, t; }")
 ALU_CVT_UNSCALE = gl.constexpr(256.0)
+ALU_K = gl.constexpr(1)         # ALU_CVT's bits: S^T's operand K, O^T's operand V^T
+ALU_V = gl.constexpr(2)
+ALU_CVT_BITS = {False: 0, True: ALU_K.value | ALU_V.value, "k": ALU_K.value, "v": ALU_V.value}     # cfg "alu_cvt"
 
 
 @gluon.jit
@@ -1770,7 +1773,7 @@ PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = False):
+                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
@@ -1778,8 +1781,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
     (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`). KEPT_P (NOTES.md v31):
     P^T against the kept max and r, the reduction across the warps only on flagged steps (`_kept_max_rows`; p_ts then
-    carries the warps' flags as its fifth buffer). ALU (ALU_CVT, NOTES.md v33): the operands converted in integer
-    operations, x 2^-8 (O^T too: the caller's r takes the 2^8)."""
+    carries the warps' flags as its fifth buffer). ALU (bits ALU_K / ALU_V, NOTES.md v33): that side's operands
+    converted in integer operations, x 2^-8 (S^T's 2^8 goes into q's unscale; O^T's into the caller's r)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1793,18 +1796,18 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
     if PIPE & PIPE_S:
         c0, c1, c2, c3 = _products_async(lat, (q_lat, opaque0, zero_s), _s_chunk, A_L, 3 if PIPE & PIPE_S3 else 2,
-                                         ALU)
+                                         (ALU & ALU_K) != 0)
         st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
     else:
-        st = warpgroup_mma(_k_operand(lat, 0, A_L, ALU), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+        st = warpgroup_mma(_k_operand(lat, 0, A_L, (ALU & ALU_K) != 0), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
                            use_acc=False) * s0[:, None]
-        st += warpgroup_mma(_k_operand(lat, 1, A_L, ALU), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 1, A_L, (ALU & ALU_K) != 0), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s1[:, None]
-        st += warpgroup_mma(_k_operand(lat, 2, A_L, ALU), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 2, A_L, (ALU & ALU_K) != 0), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s2[:, None]
-        st += warpgroup_mma(_k_operand(lat, 3, A_L, ALU), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 3, A_L, (ALU & ALU_K) != 0), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-    if ALU:
+    if ALU & ALU_K:
         q_unscale = q_unscale * ALU_CVT_UNSCALE
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
@@ -1822,12 +1825,12 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
-                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, ALU)
+                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, (ALU & ALU_V) != 0)
     else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L, ALU), p_t0, acc0 * keep)
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L, ALU), p_t1, acc1 * keep)
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L, ALU), p_t2, acc2 * keep)
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L, ALU), p_t3, acc3 * keep)
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L, (ALU & ALU_V) != 0), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L, (ALU & ALU_V) != 0), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L, (ALU & ALU_V) != 0), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L, (ALU & ALU_V) != 0), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1912,7 +1915,7 @@ def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = False):
+                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
     KEPT_P, ALU: as `_fp8_dual_step`. Returns its softmax state (m, l, r, O^T in four chunks)."""
@@ -2015,7 +2018,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
                        stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        SPLIT: gl.constexpr, ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr,
-                       PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = False):
+                       PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
     """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
@@ -2044,7 +2047,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
         mbarrier.wait(merged, 0)
         acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
                                                             merge_vec, base, ST_L)
-        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU else r_i)
+        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU & ALU_V else r_i)
         _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
@@ -2055,7 +2058,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = 0,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -2063,8 +2066,8 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
     and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18). Consumer 0 stages q while the loader gathers
-    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31). ALU_CVT: the e4m3 operands
-    converted in integer operations (`_e4m3_to_f16`, NOTES.md v33)."""
+    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31). ALU_CVT (bits ALU_K, ALU_V):
+    those e4m3 operands converted in integer operations (`_e4m3_to_f16`, NOTES.md v33)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
@@ -2155,7 +2158,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
                              WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                             KEPT_P: gl.constexpr = False, ALU: gl.constexpr = False):
+                             KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -2184,7 +2187,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                                                                 merge_vec, 0, ST_L)
             gl.thread_barrier()
             mbarrier.arrive(taken, count=1)
-            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU else r_i)
+            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU & ALU_V else r_i)
             _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, 0, num_heads,
                           num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
         phase ^= 1
@@ -2196,7 +2199,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = 0,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -2552,9 +2555,11 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            "1-4 of the fp8_ds_mla rows-as-M kernel (2-3 of its dual-consumer form), 2-3 of the "
                            "warp-specialized 64-head kernel, 5 of "
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
-    if cfg.get("alu_cvt") and not dual:
-        raise Glm5labError("alu_cvt=True is the dual-consumer fp8_ds_mla kernels' option (their e4m3 operands converted "
-                           f"in integer operations, NOTES.md v33); got it with dual_consumers={dual}")
+    alu = cfg.get("alu_cvt", False)
+    if alu not in ALU_CVT_BITS or (alu and not dual):
+        raise Glm5labError(f"alu_cvt={alu!r}: the dual-consumer fp8_ds_mla kernels' option (their e4m3 operands "
+                           "converted in integer operations, NOTES.md v33): True (both), 'k' (S^T's K) or 'v' (O^T's "
+                           f"V^T); got it with dual_consumers={dual}")
     if cfg.get("kept_p") and not kept_fits(fp8, cfg):
         raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
                            "memory and of the dual-consumer fp8_ds_mla kernels, not of a timing diagnostic (NOTES.md "
@@ -2592,7 +2597,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     if cfg.get("kept_p"):
         extra["KEPT_P"] = True
     if cfg.get("alu_cvt"):
-        extra["ALU_CVT"] = True
+        extra["ALU_CVT"] = ALU_CVT_BITS[cfg["alu_cvt"]]
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
