@@ -125,8 +125,8 @@ WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O, WS8X2OK, {**WS8X2OK, "alu_cvt": True}]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2oka"]
+                WS8X2, WS8X2O, WS8X2OK, {**WS8X2OK, "alu_cvt": True}, {**WS8X2OK, "alu_cvt": "vbytes"}]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2oka", "ws8x2okvb"]
 BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, {**WS8X2OK, "alu_cvt": True}],
                                    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2oka"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
@@ -139,16 +139,19 @@ WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
 # ... the dual-consumer defaults with their e4m3 operands converted in integer operations (NOTES.md v33)
 WS8X2PP3A, WS8X2OKA = {**WS8X2PP3, "alu_cvt": True}, {**WS8X2OK, "alu_cvt": True}
+# ... and with V^T's bytes put in the operand's order before their conversion (NOTES.md v33)
+WS8X2PP3VB, WS8X2OKVB = {**WS8X2PP3, "alu_cvt": "vbytes"}, {**WS8X2OK, "alu_cvt": "vbytes"}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
     "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2PP3A,
-                WS8X2OKA],
+                WS8X2OKA, WS8X2PP3VB, WS8X2OKVB],
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
-         "ws8x2pp3a", "ws8x2oka"])
+         "ws8x2pp3a", "ws8x2oka", "ws8x2pp3vb", "ws8x2okvb"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max;
 # and three in flight converting in integer operations
-PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3A],
-                                              ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3a"])
+PERSISTENT_DEFAULTS = pytest.mark.parametrize(
+    "pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3A, WS8X2PP3VB],
+    ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3a", "ws8x2pp3vb"])
 
 
 @pytest.mark.gpu
@@ -226,9 +229,10 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA],
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA,
+                                  WS8X2PP3VB, WS8X2OKVB],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2pp3a",
-                              "ws8x2oka"])
+                              "ws8x2oka", "ws8x2pp3vb", "ws8x2okvb"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -259,8 +263,9 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA],
-                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2pp3a", "ws8x2oka"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA, WS8X2PP3VB, WS8X2OKVB],
+                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2pp3a", "ws8x2oka", "ws8x2pp3vb",
+                              "ws8x2okvb"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps

@@ -1714,9 +1714,13 @@ E4M3X4_TO_F16X4_LOW = gl.constexpr(
     "and.b32 t, a, 0x7F007F00; shr.u32 t, t, 1; and.b32 a, a, 0x80008000; or.b32 $0, a, t; "
     "and.b32 t, b, 0x7F007F00; shr.u32 t, t, 1; and.b32 b, b, 0x80008000; or.b32 $1, b, t; }")
 ALU_CVT_UNSCALE = gl.constexpr(256.0)
+E4M3X4_TO_F16X4 = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                               "cvt.rn.f16x2.e4m3x2 $1, hi; }")
 ALU_K = gl.constexpr(1)         # ALU_CVT's bits: S^T's operand K, O^T's operand V^T
 ALU_V = gl.constexpr(2)
-ALU_CVT_BITS = {False: 0, True: ALU_K.value | ALU_V.value, "k": ALU_K.value, "v": ALU_V.value}     # cfg "alu_cvt"
+ALU_VBYTES = gl.constexpr(4)    # (V^T's bytes put in the operand's order before their conversion, not after)
+ALU_CVT_BITS = {False: 0, True: ALU_K.value | ALU_V.value, "k": ALU_K.value, "v": ALU_V.value,    # cfg "alu_cvt"
+                "vbytes": ALU_VBYTES.value}
 
 
 @gluon.jit
@@ -1737,10 +1741,15 @@ def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr, ALU: gl.constexpr = Fals
 
 
 @gluon.jit
-def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr, ALU: gl.constexpr = False):
+def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr, ALU: gl.constexpr = False, VBYTES: gl.constexpr = False):
     """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact or x 2^-8 with ALU; rows in
     `_v_order`)."""
     raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
+    if VBYTES:
+        vb = gl.convert_layout(_v_order(raw), A_L)
+        if ALU:
+            return _e4m3_to_f16(vb, ALU)
+        return gl.inline_asm_elementwise(E4M3X4_TO_F16X4, "=r,=r,r", [vb], dtype=gl.float16, is_pure=True, pack=4)
     return gl.convert_layout(_v_order(_e4m3_to_f16(raw, ALU)), A_L)
 
 
@@ -1796,7 +1805,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
     if PIPE & PIPE_S:
         c0, c1, c2, c3 = _products_async(lat, (q_lat, opaque0, zero_s), _s_chunk, A_L, 3 if PIPE & PIPE_S3 else 2,
-                                         (ALU & ALU_K) != 0)
+                                         ALU)
         st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
     else:
         st = warpgroup_mma(_k_operand(lat, 0, A_L, (ALU & ALU_K) != 0), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
@@ -1825,12 +1834,12 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
-                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, (ALU & ALU_V) != 0)
+                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, ALU)
     else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L, (ALU & ALU_V) != 0), p_t0, acc0 * keep)
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L, (ALU & ALU_V) != 0), p_t1, acc1 * keep)
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L, (ALU & ALU_V) != 0), p_t2, acc2 * keep)
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L, (ALU & ALU_V) != 0), p_t3, acc3 * keep)
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1872,25 +1881,25 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
 
 
 @gluon.jit
-def _s_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = False):
+def _s_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = 0):
     """S^T's product of chunk c issued async (ctx: q's chunk tiles, the opaque 0 that indexes them, S^T's zero
     accumulator); q's descriptor is built beside its wgmma (v17: kept across the loop, ptxas spilled them)."""
     q_lat, opaque0, zero_s = ctx
-    k = _k_operand(lat, c, A_L, ALU)
+    k = _k_operand(lat, c, A_L, (ALU & ALU_K) != 0)
     return warpgroup_mma(k, q_lat.index(c + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True), k
 
 
 @gluon.jit
-def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = False):
+def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = 0):
     """O^T's product of chunk c issued async (ctx: the four P^T tiles, the four O^T chunks, keep), the chunk rescaled
     by keep first."""
     p_ts, accs, keep = ctx
-    v = _v_operand(lat, c, A_L, ALU)
+    v = _v_operand(lat, c, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0)
     return warpgroup_mma(v, p_ts[c], accs[c] * keep, is_async=True), v
 
 
 @gluon.jit
-def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr, ALU: gl.constexpr = False):
+def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr, ALU: gl.constexpr = 0):
     """One side's four chunk products of a dual-consumer step (`_s_chunk` or `_o_chunk`) issued async, DEPTH (2 or
     3) in flight: chunk c + DEPTH's operand is converted from the staged bytes while chunk c's wgmma runs. Returns
     the four results."""
