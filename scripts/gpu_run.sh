@@ -77,8 +77,8 @@ part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out 
 part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
 part kphases ${KPHASES_S:-120} python3 -m glm5lab.bench.latency_anatomy --phases --out "$stage/results/kernels/phase_stamps_h200.csv" ${KPHASES_ARGS:-}
 part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_h200.csv" ${KMERGE_ARGS:-}
-# the kernel benchmark once as built and once a PTX edit (scripts/ptx_variant.py: PTX_EDITS, e.g. "alu_cvt")
-part kptx ${KPTX_S:-540} python3 scripts/ptx_variant.py --work /tmp/ptx_variant --edits ${PTX_EDITS:-alu_cvt} -- \
+# the kernel benchmark once as built and once a PTX edit (scripts/ptx_variant.py: PTX_EDITS, e.g. "l2_256")
+part kptx ${KPTX_S:-540} python3 scripts/ptx_variant.py --work /tmp/ptx_variant --edits ${PTX_EDITS:-l2_256} -- \
   python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}_{edit}.csv" \
   ${KERNEL_BENCH_ARGS:-}
 part kpower ${KPOWER_S:-120} python3 -m glm5lab.bench.power_probe --out "$stage/results/kernels/power_probe_h200.csv" ${KPOWER_ARGS:-}

@@ -7,12 +7,13 @@ override pointing at the edited files (TRITON_KERNEL_OVERRIDE: the override's PT
 builds the cubin from it). The benchmark's own same-process reference (FlashMLA's kernels in kernel_bench) is what
 makes the processes comparable.
 
-    python3 scripts/ptx_variant.py --work /tmp/pv --edits alu_cvt l2_256 -- \
+    python3 scripts/ptx_variant.py --work /tmp/pv --edits l2_128 l2_256 -- \
         python3 -m glm5lab.bench.kernel_bench --out 'kb_{edit}.csv' --heads 8 --tokens 512 --no-variants --interleave 15
 
 `{edit}` in the command becomes the edit's name ("base" for the build as it is). --offline FILE.ptx instead edits one
-PTX file and prints what ptxas (Triton's, sm_90a) makes of each edit: registers, stack, the LDGSTS by predicate and
-the conversion's instructions; no GPU needed.
+PTX file and prints what ptxas (Triton's, sm_90a) makes of each edit: registers, stack, instructions and the LDGSTS by
+their predicate and form; no GPU needed. (NOTES.md v33 tried the dual consumers' e4m3 conversion in integer operations
+as a Gluon option instead, `versions/alu_cvt_v33_rejected.patch.txt`.)
 """
 from __future__ import annotations
 
@@ -67,46 +68,7 @@ def _prefetch(size: int):
     return edit
 
 
-# e4m3 -> fp16 in integer operations: the byte's 7 magnitude bits shifted into fp16's place give value x 2^-8 for
-# every finite e4m3 (subnormals included: fp16's subnormals hold them), the sign moved to bit 15, then x 256 (exact).
-# NaN bytes (0x7f, 0xff) come out +-480 instead of NaN.
-_CVT = re.compile(r"cvt\.rn\.f16x2\.e4m3x2\s+(%r\d+),\s*(%rs\d+);")
-_ALU_CVT = ("{{ .reg .b32 w, t; cvt.u32.u16 w, {src}; prmt.b32 w, w, 0, 0x1404; and.b32 t, w, 0x7F007F00; "
-            "shr.u32 t, t, 1; and.b32 w, w, 0x80008000; or.b32 w, w, t; mov.b32 t, 0x5C005C00; "
-            "mul.rn.f16x2 {dst}, w, t; }}")
-
-
-def _operand_line(name: str) -> int:
-    """The source line of sparse_mla_sm90.<name> that converts its bytes (the e4m3 -> fp16 cast, or the call of the
-    helper that casts): where the PTX's .loc chain of each conversion passes."""
-    import inspect
-
-    from glm5lab.kernels import sparse_mla_sm90
-    lines, first = inspect.getsourcelines(getattr(sparse_mla_sm90, name).fn)
-    return next(first + i for i, text in enumerate(lines) if ".to(gl.float16)" in text or "_e4m3_to_f16(" in text)
-
-
-def _alu_cvt(operands: tuple):
-    def edit(ptx: str) -> str:
-        wanted = {_operand_line(n) for n in operands}
-        out, chain, count = [], set(), 0
-        for text in ptx.split("\n"):
-            if re.match(r"\s*\.loc\s", text):     # (its comment: the source line and the lines it was inlined at)
-                chain = {int(x) for x in re.findall(r"sparse_mla_sm90\.py:(\d+):", text)}
-            elif chain & wanted and _CVT.search(text):
-                text, n = _CVT.subn(lambda c: _ALU_CVT.format(dst=c.group(1), src=c.group(2)), text)
-                count += n
-            out.append(text)
-        if not count:
-            raise ValueError(f"alu_cvt: no e4m3x2 conversion of {operands} in this PTX")
-        return "\n".join(out)
-    edit.__doc__ = f"The e4m3x2 -> f16x2 conversions of {', '.join(operands)} in integer operations (_ALU_CVT)."
-    return edit
-
-
-EDITS = {"ignore_src": ignore_src, "l2_128": _prefetch(128), "l2_256": _prefetch(256),
-         "alu_cvt": _alu_cvt(("_k_operand", "_v_operand")), "alu_cvt_k": _alu_cvt(("_k_operand",)),
-         "alu_cvt_v": _alu_cvt(("_v_operand",))}
+EDITS = {"ignore_src": ignore_src, "l2_128": _prefetch(128), "l2_256": _prefetch(256)}
 
 
 def _tool(name: str) -> str:
@@ -127,13 +89,12 @@ def copies_summary(ptx: str) -> dict:
     preds = collections.Counter()
     for line in sass.splitlines():
         if "LDGSTS" in line and "ARRIVE" not in line:
-            m = re.search(r"\],\s*(!?U?P\w+)\s*;", line)
-            preds[m.group(1) if m else "none"] += 1
+            m = re.search(r"(LDGSTS\S*).*\],\s*(!?U?P\w+)\s*;", line)
+            preds[f"{m.group(1)} {m.group(2)}" if m else "other"] += 1
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
                               for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
-    return {"LDGSTS by predicate": dict(sorted(preds.items())), **dict(re.findall(r"(REG|STACK):(\d+)", res)[:2]),
-            "instructions": sum(ops.values()), **{k: v for k, v in ops.items() if k.startswith(("F2FP.F16.E4M3", "PRMT",
-                                                                                              "HMUL2", "LOP3"))}}
+    return {"LDGSTS by form and predicate": dict(sorted(preds.items())),
+            **dict(re.findall(r"(REG|STACK):(\d+)", res)[:2]), "instructions": sum(ops.values())}
 
 
 def _run(cmd: list, edit: str, env: dict) -> int:
@@ -145,7 +106,7 @@ def _run(cmd: list, edit: str, env: dict) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", help="folder for the dump, the edited PTX and the Triton caches")
-    p.add_argument("--edits", nargs="+", default=["ignore_src"], choices=sorted(EDITS))
+    p.add_argument("--edits", nargs="+", default=["l2_256"], choices=sorted(EDITS))
     p.add_argument("--offline", metavar="PTX", help="edit this PTX file and print each build's copies (no GPU)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to time")
     a = p.parse_args(argv)

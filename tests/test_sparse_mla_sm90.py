@@ -125,10 +125,10 @@ WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
-                WS8X2, WS8X2O, WS8X2OK, {**WS8X2OK, "alu_cvt": True}, {**WS8X2OK, "alu_cvt": "vbytes"}]
-VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2oka", "ws8x2okvb"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, {**WS8X2OK, "alu_cvt": True}],
-                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2oka"])
+                WS8X2, WS8X2O, WS8X2OK]
+VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK],
+                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
@@ -137,21 +137,13 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 # ... both with P^T against the kept max (NOTES.md v31)
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
-# ... the dual-consumer defaults with their e4m3 operands converted in integer operations (NOTES.md v33)
-WS8X2PP3A, WS8X2OKA = {**WS8X2PP3, "alu_cvt": True}, {**WS8X2OK, "alu_cvt": True}
-# ... and with V^T's bytes put in the operand's order before their conversion (NOTES.md v33)
-WS8X2PP3VB, WS8X2OKVB = {**WS8X2PP3, "alu_cvt": "vbytes"}, {**WS8X2OK, "alu_cvt": "vbytes"}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
-    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2PP3A,
-                WS8X2OKA, WS8X2PP3VB, WS8X2OKVB],
-    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
-         "ws8x2pp3a", "ws8x2oka", "ws8x2pp3vb", "ws8x2okvb"])
-# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max;
-# and three in flight converting in integer operations
-PERSISTENT_DEFAULTS = pytest.mark.parametrize(
-    "pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3A, WS8X2PP3VB],
-    ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3a", "ws8x2pp3vb"])
+    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K],
+    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k"])
+# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
+PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
+                                              ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
 
 
 @pytest.mark.gpu
@@ -229,10 +221,8 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA,
-                                  WS8X2PP3VB, WS8X2OKVB],
-                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2pp3a",
-                              "ws8x2oka", "ws8x2pp3vb", "ws8x2okvb"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -263,9 +253,8 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2PP3A, WS8X2OKA, WS8X2PP3VB, WS8X2OKVB],
-                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2pp3a", "ws8x2oka", "ws8x2pp3vb",
-                              "ws8x2okvb"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK], ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o",
+                                                                         "ws8x2ok"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -1097,32 +1086,17 @@ def test_gluon_rows_fp8_sm90_dual_kept_max_builds(tile):
         assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
 
 
-@pytest.mark.parametrize("tile", ["8-head-s3o3", "16-head-o-kept"])
-def test_gluon_rows_fp8_sm90_dual_alu_conversion_builds(tile):
-    """alu_cvt (NOTES.md v33): the dual consumers' e4m3 operands converted in integer operations -- no e4m3 F2FP left
-    (the 64 F2FP.F16.F32 / BF16 packs of P^T and the stores stay), the same products and gathers, and no more spill
-    than the same tile converting with F2FP."""
+@pytest.mark.parametrize("tile,prmt", [("8-head-s3o3", 160), ("16-head-o-kept", 208)])
+def test_gluon_rows_fp8_sm90_dual_v_bytes_ordered_before_conversion(tile, prmt):
+    """O^T's operand V^T pairs one latent column of two rows in each register: its bytes are put in that order before
+    the conversion (one byte permute for two pairs), so a consumer step's 256 V values take 64 PRMT, not 128 -- the
+    loop's PRMT (both consumers) at most `prmt` (NOTES.md v33; v32's builds: 288 / 334) -- with the same 256 e4m3
+    conversions a consumer step and no more spill than v32's (8 heads s3o3: 16 bytes, 16 heads kept: 24)."""
     h, pipe, kept = (8, "s3o3", False) if tile == "8-head-s3o3" else (16, "o", True)
-    kw = dict(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4, _sass=True,
-              PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=kept)
-    f2fp, alu = _sm90_build(**kw), _sm90_build(**kw, ALU_CVT=3)
-    assert sum("E4M3" in i for i in f2fp["_sass"]) == 512 and not any("E4M3" in i for i in alu["_sass"])
-    assert alu["HGMMA"] == f2fp["HGMMA"] == 2 * 68 and alu["LDGSTS"] == f2fp["LDGSTS"] == 22
-    assert alu["stack"] <= f2fp["stack"] and alu["smem"] == f2fp["smem"]
-    assert alu["PRMT"] >= f2fp["PRMT"] + 512 - 64        # (two byte permutes a 4-byte word, ptxas keeps some)
-
-
-def test_alu_cvt_is_a_dual_consumer_option_only():
-    from glm5lab.kernels import sparse_mla_sm90 as sm90
-
-    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": True}, True)
-    sm90.check_tile({**sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG, "alu_cvt": True}, True, 8)
-    for cfg in ({**sm90.ROWS_FP8_CONFIG, "alu_cvt": True}, {**sm90.WGMMA_CV_CONFIG, "alu_cvt": True}):
-        with pytest.raises(Glm5labError, match="alu_cvt=True: the dual-consumer"):
-            sm90.check_tile(cfg, True)
-    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": "v"}, True)
-    with pytest.raises(Glm5labError, match="alu_cvt='kv'"):
-        sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "alu_cvt": "kv"}, True)
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
+                      _sass=True, PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=kept)
+    assert rep["PRMT"] <= prmt and sum("F2FP.F16.E4M3" in i for i in rep["_sass"]) == 2 * 256
+    assert rep["stack"] <= (16 if h == 8 else 24) and rep["HGMMA"] == 2 * 68
 
 
 @pytest.mark.parametrize("tokens,splits,num_sms,programs", [(512, 1, 132, 132), (40, 3, 132, 120), (1, 1, 132, 1),

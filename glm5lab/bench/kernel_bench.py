@@ -128,26 +128,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... the dual-consumer defaults with their e4m3 operands converted in integer operations
-                  # (alu_cvt, NOTES.md v33; "v": only O^T's), and the 8-head one's consumers alone (d2) that way
-                  ("ws8x2pp3a", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": True}),
-                  ("ws8x2oka", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                                "dual_consumers": True, "pipe": "o", "kept_p": True, "alu_cvt": True}),
-                  ("ws8x2pp3av", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": "v"}),
-                  ("ws8x2okav", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                                 "dual_consumers": True, "pipe": "o", "kept_p": True, "alu_cvt": "v"}),
-                  ("ws8x2pp3vb", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": "vbytes"}),
-                  ("ws8x2okvb", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                                 "dual_consumers": True, "pipe": "o", "kept_p": True, "alu_cvt": "vbytes"}),
-                  ("ws8x2p3vbd2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
-                                   "alu_cvt": "vbytes", "_diagnostic": True, "ws_diag": 2}),
-                  ("ws8x2p3ad2", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                  "resident": 1, "dual_consumers": True, "pipe": "s3o3", "alu_cvt": True,
-                                  "_diagnostic": True, "ws_diag": 2}),
                   # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
                   # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -180,10 +160,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers, block_h, pipe, kept_p and alu_cvt: the <= 16-head fp8_ds_mla default is the dual-consumer
+# every tile names dual_consumers, block_h, pipe and kept_p: the <= 16-head fp8_ds_mla default is the dual-consumer
 # form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), its 16-head tile takes
 # P^T against the kept max (v31), and a tile laid over it must not inherit any of them
-GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "alu_cvt": False, **cfg})
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,

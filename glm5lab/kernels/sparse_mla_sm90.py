@@ -1705,52 +1705,28 @@ def _v_column(dl):
     return 32 * ((dl // 16) % 4) + 4 * (dl % 8) + 2 * (dl // 64) + (dl // 8) % 2
 
 
-# e4m3 -> fp16 in integer operations (ALU_CVT, NOTES.md v33): each byte's sign to bit 15 and its 7 exponent and
-# mantissa bits to fp16's bits 13..7 -- the value times 2^-8 for every finite e4m3 (subnormals onto fp16 subnormals;
-# the NaN bytes 0x7f / 0xff become +-1.875, i.e. +-480 x 2^-8). 4 bytes -> 4 fp16 in two prmt, two and, two shifts,
-# two and-or; the 2^8 is folded into q's unscale (S^T) and into r at the end (O^T).
-E4M3X4_TO_F16X4_LOW = gl.constexpr(
-    "{ .reg .b32 a, b, t; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
-    "and.b32 t, a, 0x7F007F00; shr.u32 t, t, 1; and.b32 a, a, 0x80008000; or.b32 $0, a, t; "
-    "and.b32 t, b, 0x7F007F00; shr.u32 t, t, 1; and.b32 b, b, 0x80008000; or.b32 $1, b, t; }")
-ALU_CVT_UNSCALE = gl.constexpr(256.0)
+@gluon.jit
+def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
+    """Chunk c of the staged e4m3 rows as S^T's A operand in registers (fp16, exact; columns in `_k_order`)."""
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_K8)
+    return gl.convert_layout(_k_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
+
+
+# e4m3 pairs -> f16x2, two pairs a 32-bit word, in inline PTX (the instructions Triton's own cast emits)
 E4M3X4_TO_F16X4 = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
                                "cvt.rn.f16x2.e4m3x2 $1, hi; }")
-ALU_K = gl.constexpr(1)         # ALU_CVT's bits: S^T's operand K, O^T's operand V^T
-ALU_V = gl.constexpr(2)
-ALU_VBYTES = gl.constexpr(4)    # (V^T's bytes put in the operand's order before their conversion, not after)
-ALU_CVT_BITS = {False: 0, True: ALU_K.value | ALU_V.value, "k": ALU_K.value, "v": ALU_V.value,    # cfg "alu_cvt"
-                "vbytes": ALU_VBYTES.value}
 
 
 @gluon.jit
-def _e4m3_to_f16(raw, ALU: gl.constexpr):
-    """uint8 e4m3 bytes as fp16: exact (F2FP, the hardware conversion) or times 2^-8 (ALU_CVT: integer operations)."""
-    if ALU:
-        return gl.inline_asm_elementwise(E4M3X4_TO_F16X4_LOW, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
-                                         pack=4)
-    return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-
-
-@gluon.jit
-def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr, ALU: gl.constexpr = False):
-    """Chunk c of the staged e4m3 rows as S^T's A operand in registers (fp16, exact or x 2^-8 with ALU; columns in
-    `_k_order`)."""
-    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_K8)
-    return gl.convert_layout(_k_order(_e4m3_to_f16(raw, ALU)), A_L)
-
-
-@gluon.jit
-def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr, ALU: gl.constexpr = False, VBYTES: gl.constexpr = False):
-    """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact or x 2^-8 with ALU; rows in
-    `_v_order`)."""
+def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
+    """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact; rows in `_v_order`). Each of
+    the operand's registers pairs one latent column of two rows, and each load brings 4 columns of one row, so the
+    bytes are put in the operand's order first -- one byte permute makes two pairs -- and converted after, by the
+    PTX cvt on each pair (NOTES.md v33: converted first, Triton's cast and then one permute a register pair took 64
+    more PRMT a consumer step; its own cast of the permuted bytes took more still)."""
     raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
-    if VBYTES:
-        vb = gl.convert_layout(_v_order(raw), A_L)
-        if ALU:
-            return _e4m3_to_f16(vb, ALU)
-        return gl.inline_asm_elementwise(E4M3X4_TO_F16X4, "=r,=r,r", [vb], dtype=gl.float16, is_pure=True, pack=4)
-    return gl.convert_layout(_v_order(_e4m3_to_f16(raw, ALU)), A_L)
+    return gl.inline_asm_elementwise(E4M3X4_TO_F16X4, "=r,=r,r", [gl.convert_layout(_v_order(raw), A_L)],
+                                     dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -1782,7 +1758,7 @@ PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
+                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
@@ -1790,8 +1766,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
     (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`). KEPT_P (NOTES.md v31):
     P^T against the kept max and r, the reduction across the warps only on flagged steps (`_kept_max_rows`; p_ts then
-    carries the warps' flags as its fifth buffer). ALU (bits ALU_K / ALU_V, NOTES.md v33): that side's operands
-    converted in integer operations, x 2^-8 (S^T's 2^8 goes into q's unscale; O^T's into the caller's r)."""
+    carries the warps' flags as its fifth buffer)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
@@ -1804,20 +1779,17 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
     s3 = scale_ring.index(4 * b + 3).load(N_ROWS)
     if PIPE & PIPE_S:
-        c0, c1, c2, c3 = _products_async(lat, (q_lat, opaque0, zero_s), _s_chunk, A_L, 3 if PIPE & PIPE_S3 else 2,
-                                         ALU)
+        c0, c1, c2, c3 = _products_async(lat, (q_lat, opaque0, zero_s), _s_chunk, A_L, 3 if PIPE & PIPE_S3 else 2)
         st = c0 * s0[:, None] + c1 * s1[:, None] + c2 * s2[:, None] + c3 * s3[:, None]
     else:
-        st = warpgroup_mma(_k_operand(lat, 0, A_L, (ALU & ALU_K) != 0), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
+        st = warpgroup_mma(_k_operand(lat, 0, A_L), q_lat.index(0 + opaque0).permute((1, 0)), zero_s,
                            use_acc=False) * s0[:, None]
-        st += warpgroup_mma(_k_operand(lat, 1, A_L, (ALU & ALU_K) != 0), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 1, A_L), q_lat.index(1 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s1[:, None]
-        st += warpgroup_mma(_k_operand(lat, 2, A_L, (ALU & ALU_K) != 0), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 2, A_L), q_lat.index(2 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s2[:, None]
-        st += warpgroup_mma(_k_operand(lat, 3, A_L, (ALU & ALU_K) != 0), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
+        st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-    if ALU & ALU_K:
-        q_unscale = q_unscale * ALU_CVT_UNSCALE
     st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
     s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
@@ -1834,12 +1806,12 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
-                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, ALU)
+                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2)
     else:
-        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t0, acc0 * keep)
-        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t1, acc1 * keep)
-        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t2, acc2 * keep)
-        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0), p_t3, acc3 * keep)
+        acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
+        acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
+        acc2 = warpgroup_mma(_v_operand(lat, 2, A_L), p_t2, acc2 * keep)
+        acc3 = warpgroup_mma(_v_operand(lat, 3, A_L), p_t3, acc3 * keep)
     return m_i, l_acc, r_new, acc0, acc1, acc2, acc3
 
 
@@ -1881,40 +1853,40 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
 
 
 @gluon.jit
-def _s_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = 0):
+def _s_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx):
     """S^T's product of chunk c issued async (ctx: q's chunk tiles, the opaque 0 that indexes them, S^T's zero
     accumulator); q's descriptor is built beside its wgmma (v17: kept across the loop, ptxas spilled them)."""
     q_lat, opaque0, zero_s = ctx
-    k = _k_operand(lat, c, A_L, (ALU & ALU_K) != 0)
+    k = _k_operand(lat, c, A_L)
     return warpgroup_mma(k, q_lat.index(c + opaque0).permute((1, 0)), zero_s, use_acc=False, is_async=True), k
 
 
 @gluon.jit
-def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx, ALU: gl.constexpr = 0):
+def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx):
     """O^T's product of chunk c issued async (ctx: the four P^T tiles, the four O^T chunks, keep), the chunk rescaled
     by keep first."""
     p_ts, accs, keep = ctx
-    v = _v_operand(lat, c, A_L, (ALU & ALU_V) != 0, (ALU & ALU_VBYTES) != 0)
+    v = _v_operand(lat, c, A_L)
     return warpgroup_mma(v, p_ts[c], accs[c] * keep, is_async=True), v
 
 
 @gluon.jit
-def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr, ALU: gl.constexpr = 0):
+def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr):
     """One side's four chunk products of a dual-consumer step (`_s_chunk` or `_o_chunk`) issued async, DEPTH (2 or
     3) in flight: chunk c + DEPTH's operand is converted from the staged bytes while chunk c's wgmma runs. Returns
     the four results."""
-    t0, a0 = chunk(lat, 0, A_L, ctx, ALU)
-    t1, a1 = chunk(lat, 1, A_L, ctx, ALU)
+    t0, a0 = chunk(lat, 0, A_L, ctx)
+    t1, a1 = chunk(lat, 1, A_L, ctx)
     if DEPTH == 3:
-        t2, a2 = chunk(lat, 2, A_L, ctx, ALU)
+        t2, a2 = chunk(lat, 2, A_L, ctx)
     r0, a0 = warpgroup_mma_wait(DEPTH - 1, deps=[t0, a0])
     if DEPTH == 2:
-        t2, a2 = chunk(lat, 2, A_L, ctx, ALU)
+        t2, a2 = chunk(lat, 2, A_L, ctx)
     else:
-        t3, a3 = chunk(lat, 3, A_L, ctx, ALU)
+        t3, a3 = chunk(lat, 3, A_L, ctx)
     r1, a1 = warpgroup_mma_wait(DEPTH - 1, deps=[t1, a1])
     if DEPTH == 2:
-        t3, a3 = chunk(lat, 3, A_L, ctx, ALU)
+        t3, a3 = chunk(lat, 3, A_L, ctx)
     r2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
     r3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
     return r0, r1, r2, r3
@@ -1924,10 +1896,10 @@ def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
+                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
-    KEPT_P, ALU: as `_fp8_dual_step`. Returns its softmax state (m, l, r, O^T in four chunks)."""
+    KEPT_P: as `_fp8_dual_step`. Returns its softmax state (m, l, r, O^T in four chunks)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
@@ -1940,7 +1912,7 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, KEPT_P, ALU)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, KEPT_P)
         gl.thread_barrier()                   # every warp is done with stage b and with P^T
         mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
@@ -2027,7 +1999,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
                        stride_oh, stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        SPLIT: gl.constexpr, ST_L: gl.constexpr, WG: gl.constexpr, DIAG: gl.constexpr,
-                       PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
+                       PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """Consumer warpgroup WG of the dual-consumer kernel: warpgroup 0 stages q (and q_unscale) while the loader already
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
@@ -2047,7 +2019,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
-        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P, ALU)
+        num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P)
     base = 4 * _state_stage(num_steps, STAGES)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
@@ -2056,7 +2028,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
         mbarrier.wait(merged, 0)
         acc0, acc1, acc2, acc3, m_i, l_i, r_i = _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc,
                                                             merge_vec, base, ST_L)
-        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU & ALU_V else r_i)
+        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
         _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
                       num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
@@ -2067,7 +2039,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -2075,8 +2047,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
     and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18). Consumer 0 stages q while the loader gathers
-    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31). ALU_CVT (bits ALU_K, ALU_V):
-    those e4m3 operands converted in integer operations (`_e4m3_to_f16`, NOTES.md v33)."""
+    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
@@ -2103,12 +2074,12 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
                               p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
                               num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
                               stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0,
-                              DIAG, PIPE, KEPT_P, ALU_CVT)),
+                              DIAG, PIPE, KEPT_P)),
         (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
                               p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
                               num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
                               stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1,
-                              DIAG, PIPE, KEPT_P, ALU_CVT)),
+                              DIAG, PIPE, KEPT_P)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
@@ -2167,7 +2138,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                              stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
                              WG: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                             KEPT_P: gl.constexpr = False, ALU: gl.constexpr = 0):
+                             KEPT_P: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent kernel: for each item of this program, q staged into its own buffers,
     the item's steps whose global index has WG's parity (`_fp8_dual_step`, a softmax state per item), then
     warpgroup 1 hands its state to warpgroup 0 through `merge_acc` (handed / taken, one phase an item) and
@@ -2184,7 +2155,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
             num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
-            KEPT_P, ALU)
+            KEPT_P)
         g += num_steps
         if WG == 1:
             mbarrier.wait(taken, phase ^ 1)   # warpgroup 0 has read the previous item's state
@@ -2196,7 +2167,7 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
                                                                 merge_vec, 0, ST_L)
             gl.thread_barrier()
             mbarrier.arrive(taken, count=1)
-            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i * ALU_CVT_UNSCALE if ALU & ALU_V else r_i)
+            inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
             _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, 0, num_heads,
                           num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
         phase ^= 1
@@ -2208,7 +2179,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, ALU_CVT: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
 ):
     """<= 8 heads of an fp8_ds_mla cache: the dual-consumer kernel's 8-head tile (wgmma N = 8; P stored [heads,
     rows] and read transposed), persistent (NOTES.md v18). One program a SM walks the work items (token, split) p,
@@ -2246,12 +2217,12 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     p_a, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 0, DIAG, PIPE, KEPT_P, ALU_CVT)),
+                                    SPLIT, ST_L, 0, DIAG, PIPE, KEPT_P)),
         (_fp8_persistent_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat1, q_rope1, raw_lat, raw_rope, scale_ring,
                                     p_b, merge_acc, merge_vec, staged, free, handed, taken, SLOTS, num_items,
                                     num_splits, rows_per_split, topk, num_slots, qk_scale_log2, num_heads, stride_qt,
                                     stride_qh, stride_st, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES,
-                                    SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P, ALU_CVT)),
+                                    SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
@@ -2564,11 +2535,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            "1-4 of the fp8_ds_mla rows-as-M kernel (2-3 of its dual-consumer form), 2-3 of the "
                            "warp-specialized 64-head kernel, 5 of "
                            f"its fp8_ds_mla form, 1-4 and 6 of its converter form ({WS_DIAGNOSTICS})")
-    alu = cfg.get("alu_cvt", False)
-    if alu not in ALU_CVT_BITS or (alu and not dual):
-        raise Glm5labError(f"alu_cvt={alu!r}: the dual-consumer fp8_ds_mla kernels' option (their e4m3 operands "
-                           "converted in integer operations, NOTES.md v33): True (both), 'k' (S^T's K) or 'v' (O^T's "
-                           f"V^T); got it with dual_consumers={dual}")
     if cfg.get("kept_p") and not kept_fits(fp8, cfg):
         raise Glm5labError("kept_p=True is an option of the warp-specialized 64-head consumers with P through shared "
                            "memory and of the dual-consumer fp8_ds_mla kernels, not of a timing diagnostic (NOTES.md "
@@ -2605,8 +2571,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["POW2"] = bool(cfg["_f16_pow2"])
     if cfg.get("kept_p"):
         extra["KEPT_P"] = True
-    if cfg.get("alu_cvt"):
-        extra["ALU_CVT"] = ALU_CVT_BITS[cfg["alu_cvt"]]
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
