@@ -1,20 +1,20 @@
 """Time a kernel benchmark on PTX edited after Triton wrote it: what a change to one instruction's form costs, when
 Gluon has no way to ask for that form (NOTES.md v33).
 
-Two (or more) processes of the same command, each on a fresh Triton cache: the first as built, with Triton's IR dump
-on; then, for each edit, the dumped PTX of every kernel is edited and the command runs again with Triton's kernel
-override pointing at the edited files (TRITON_KERNEL_OVERRIDE: the override's PTX replaces the PTX stage, ptxas
-builds the cubin from it). The benchmark's own same-process reference (FlashMLA's kernels in kernel_bench) is what
-makes the processes comparable.
+Two (or more) processes of the same command, each on a fresh (emptied) Triton cache: the first as built, with
+Triton's IR dump on; then, for each edit, the dumped PTX of every kernel is edited and the command runs again with
+Triton's kernel override pointing at the edited files (TRITON_KERNEL_OVERRIDE: the override's PTX replaces the PTX
+stage, ptxas builds the cubin from it). An edit that changes no kernel, or an edited kernel that process did not
+build from its edit, stops the script with the reason. The benchmark's own same-process reference (FlashMLA's
+kernels in kernel_bench) is what makes the processes comparable.
 
     python3 scripts/ptx_variant.py --work /tmp/pv --edits l2_128 l2_256 -- \
         python3 -m glm5lab.bench.kernel_bench --out 'kb_{edit}.csv' --heads 8 --tokens 512 --no-variants --interleave 15
 
-`{edit}` in the command becomes the edit's name ("base" for the build as it is). --offline FILE.ptx instead edits one
-PTX file and prints what ptxas (Triton's, sm_90a) makes of each edit: registers, stack, instructions and the LDGSTS by
-their predicate and form; no GPU needed. (NOTES.md v33 tried the dual consumers' e4m3 conversion in integer operations
-as a Gluon option instead, `versions/alu_cvt_v33_rejected.patch.txt`.)
-"""
+`{edit}` in the command becomes the edit's name ("base" for the build as it is). --offline FILE.ptx instead edits
+one PTX file and prints what ptxas (Triton's, sm_90a) makes of each edit: registers, stack, instructions and the
+LDGSTS by their predicate and form; no GPU needed. (NOTES.md v33 tried the dual consumers' e4m3 conversion in
+integer operations as a Gluon option instead, `versions/alu_cvt_v33_rejected.patch.txt`.)"""
 from __future__ import annotations
 
 import argparse
@@ -34,16 +34,20 @@ _COPY = re.compile(r"(cp\.async\.c[ag]\.shared\.global)(\s*\[[^\]]*\],\s*\[[^\]]
 def ignore_src(ptx: str) -> str:
     """Each masked cp.async in PTX's ignore-src form: a predicate (the mask negated) in place of the src-size
     register that is 0 or the copy's size."""
-    mask_of = {m.group(1): m.group(3) for m in _SELP.finditer(ptx)}
+    mask_of = {m.group(1): (m.group(3), int(m.group(2))) for m in _SELP.finditer(ptx)}
     count = 0
 
     def repl(m):
         nonlocal count
         if m.group(3) not in mask_of:
             return m.group(0)
+        mask, size = mask_of[m.group(3)]
+        if size != int(m.group(2).rsplit(",", 1)[1], 16):
+            raise ValueError(f"ignore_src: a cp.async of {m.group(2).rsplit(',', 1)[1].strip()} bytes whose src-size "
+                             f"selects {size}")
         count += 1
         z = f"%pzs{count}"
-        return f"not.pred {z}, {mask_of[m.group(3)]};\n\t{m.group(1)}{m.group(2)}, {z};"
+        return f"not.pred {z}, {mask};\n\t{m.group(1)}{m.group(2)}, {z};"
 
     out = _COPY.sub(repl, ptx)
     if not count:
@@ -52,8 +56,8 @@ def ignore_src(ptx: str) -> str:
 
 
 def _declare(ptx: str, line: str) -> str:
-    """Add a register declaration after the kernel's first .reg line."""
-    i = ptx.index(".reg")
+    """Add a register declaration after the kernel's (the .entry's) first .reg line."""
+    i = ptx.index(".reg", ptx.index(".entry"))
     j = ptx.index("\n", i)
     return ptx[:j + 1] + line + "\n" + ptx[j + 1:]
 
@@ -124,11 +128,13 @@ def main(argv=None) -> int:
     dump = os.path.join(a.work, "dump")
     shutil.rmtree(dump, ignore_errors=True)
     env = {**os.environ, "TRITON_KERNEL_DUMP": "1", "TRITON_DUMP_DIR": dump,
-           "TRITON_CACHE_DIR": os.path.join(a.work, "cache_base")}
+           "TRITON_CACHE_DIR": _fresh(os.path.join(a.work, "cache_base"))}
     rc = _run(cmd, "base", env)
     if rc:
         return rc
     ptx_files = [os.path.join(r, f) for r, _, fs in os.walk(dump) for f in fs if f.endswith(".ptx")]
+    if not ptx_files:
+        raise SystemExit(f"ptx_variant: the command built no Triton kernel (nothing dumped under {dump})")
     for name in a.edits:
         over = os.path.join(a.work, f"override_{name}")
         shutil.rmtree(over, ignore_errors=True)
@@ -146,10 +152,37 @@ def main(argv=None) -> int:
                 f.write(new)
             edited += 1
         print(f"[ptx_variant] {name}: {edited} of {len(ptx_files)} kernels edited", flush=True)
-        env = {**os.environ, "TRITON_KERNEL_OVERRIDE": "1", "TRITON_OVERRIDE_DIR": over,
-               "TRITON_CACHE_DIR": os.path.join(a.work, f"cache_{name}")}
+        if not edited:
+            raise SystemExit(f"ptx_variant: {name} changes none of the {len(ptx_files)} kernels the command built")
+        cache = _fresh(os.path.join(a.work, f"cache_{name}"))
+        env = {**os.environ, "TRITON_KERNEL_OVERRIDE": "1", "TRITON_OVERRIDE_DIR": over, "TRITON_CACHE_DIR": cache}
         rc = _run(cmd, name, env) or rc
+        _check_overridden(over, cache, name)
     return rc
+
+
+def _fresh(path: str) -> str:
+    """An empty Triton cache folder: a cache hit would skip the compile, so neither the dump nor the override would
+    happen (neither is in Triton's cache key)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def _check_overridden(over: str, cache: str, name: str) -> None:
+    """Every edited PTX is what Triton built from in the edit's process (the PTX its cache kept), or say which not."""
+    built = {}
+    for r, _, fs in os.walk(cache):
+        for f in fs:
+            if f.endswith(".ptx"):
+                with open(os.path.join(r, f)) as fh:
+                    built.setdefault(f, set()).add(fh.read())
+    for r, _, fs in os.walk(over):
+        for f in fs:
+            with open(os.path.join(r, f)) as fh:
+                if fh.read() not in built.get(f, set()):
+                    raise SystemExit(f"ptx_variant: {name}: Triton did not build {f} from the edited PTX (no such "
+                                     "kernel compiled in that process, or the override did not apply)")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,21 @@ def test_interleave_is_a_gpu_option_that_a_cpu_run_leaves_out(tmp_path):
         kernel_bench.main(["--out", str(tmp_path / "x.csv"), "--interleave", "-1"])
 
 
+def test_layouts_limits_the_run_to_the_named_cache_layouts(tmp_path):
+    """--layouts fp8_ds_mla (an A/B of fp8 kernels): only that layout's rows, every implementation of it; a layout
+    the benchmark does not know is refused by name."""
+    import pytest
+
+    from glm5lab.errors import Glm5labError
+
+    csv = tmp_path / "bench.csv"
+    df = kernel_bench.run(csv, "cpu", heads=(8,), tokens=(1,), verbose=False, layouts="fp8_ds_mla")
+    assert set(df.layout) == {"fp8_ds_mla"} and "glm5lab" in set(df.impl)
+    assert set(pd.read_csv(csv).query("layout != '-'").layout) == {"fp8_ds_mla"}
+    with pytest.raises(Glm5labError, match="layouts \\['fp16'\\]"):
+        kernel_bench.run(csv, "cpu", heads=(8,), tokens=(1,), verbose=False, layouts=("fp16",))
+
+
 def test_interleaved_rows_take_the_ratio_to_flashmla_round_by_round_so_a_drift_cancels():
     """kernel_bench.interleaved_rows: the machine slows 3% a round (clock, heat) and ours is 2.25x faster than
     FlashMLA in every round. The round-by-round ratio gives exactly that at p20, p50 and p80, while the p50 times

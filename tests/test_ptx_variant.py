@@ -96,3 +96,12 @@ def test_override_round_trip_builds_the_edited_kernel(tmp_path):
     base, edited = ((tmp_path / d / "config0" / "sass.txt").read_text() for d in ("base", "l2_256"))
     assert "LTC256B" not in base and edited.count("LDGSTS.E.BYPASS.LTC256B.128") == 20
     assert base.count("LDGSTS.E.BYPASS.128") == 20
+
+
+def test_a_command_that_builds_no_kernel_is_named(tmp_path):
+    """Nothing dumped (a command that compiles no Triton kernel, or one that found it in a cache): the script stops
+    and says so instead of timing the unedited build as the edit."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_variant.py"), "--work", str(tmp_path),
+                           "--edits", "l2_256", "--", sys.executable, "-c", "pass"], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+    assert done.returncode != 0 and "built no Triton kernel" in done.stderr

@@ -450,6 +450,10 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     if variants is None:
         variants = prof.variants
     tokens = tuple(tokens or prof.tokens)
+    layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown or not layouts:
+        raise Glm5labError(f"layouts {sorted(unknown) or '(none)'}: expected some of {LAYOUTS}")
     gluon_tiles = gluon_variants(os.environ.get(GLUON_ENV, "")) if gluon else []
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
@@ -499,7 +503,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
             n_acc = min(T, prof.accuracy_tokens)
             ref = {}
             for lay, cache in (("bf16", kv_bf16), ("fp8_ds_mla", kv_fp8_deq)):
-                ref[lay] = sparse_mla_reference(q[:n_acc], cache, slots[:n_acc], scale)
+                if lay in layouts:
+                    ref[lay] = sparse_mla_reference(q[:n_acc], cache, slots[:n_acc], scale)
 
             impls = []   # (name, layout, factory(q, slots) -> zero-argument call, time it in a CUDA graph?)
             caches = {"bf16": kv_bf16, "fp8_ds_mla": kv_fp8}
