@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import (STAMP_SLOTS, _pow2_into_f16_range, check_stamps, partial_scale_plane,
-                                        splits_wanted)
+from glm5lab.kernels.sparse_mla import (_E4M3X4_TO_F16X4, STAMP_SLOTS, _pow2_into_f16_range, check_stamps,
+                                        partial_scale_plane, splits_wanted)
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -1712,20 +1712,15 @@ def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
     return gl.convert_layout(_k_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
 
 
-# e4m3 pairs -> f16x2, two pairs a 32-bit word, in inline PTX (the instructions Triton's own cast emits)
-E4M3X4_TO_F16X4 = gl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-                               "cvt.rn.f16x2.e4m3x2 $1, hi; }")
-
-
 @gluon.jit
 def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
     """Chunk c of the staged e4m3 rows as O^T's A operand V^T in registers (fp16, exact; rows in `_v_order`). Each of
     the operand's registers pairs one latent column of two rows, and each load brings 4 columns of one row, so the
     bytes are put in the operand's order first -- one byte permute makes two pairs -- and converted after, by the
-    PTX cvt on each pair (NOTES.md v33: converted first, Triton's cast and then one permute a register pair took 64
-    more PRMT a consumer step; its own cast of the permuted bytes took more still)."""
+    PTX cvt on each pair (the Triton kernel's `_E4M3X4_TO_F16X4`). NOTES.md v33: converted first, Triton's cast and
+    then one permute a register pair took 64 more PRMT a consumer step; its cast of the permuted bytes, more still."""
     raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
-    return gl.inline_asm_elementwise(E4M3X4_TO_F16X4, "=r,=r,r", [gl.convert_layout(_v_order(raw), A_L)],
+    return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [gl.convert_layout(_v_order(raw), A_L)],
                                      dtype=gl.float16, is_pure=True, pack=4)
 
 
