@@ -80,16 +80,20 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def copies_summary(ptx: str) -> dict:
-    """ptxas (sm_90a) on PTX text: the LDGSTS of its SASS by predicate operand."""
+def build_sass(ptx: str) -> tuple:
+    """ptxas (sm_90a) on PTX text: cuobjdump's SASS listing and its resource usage (registers, stack) of the cubin."""
     with tempfile.TemporaryDirectory() as d:
         src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-O3", src, "-o", cubin], check=True, capture_output=True)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True, text=True).stdout
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], check=True, capture_output=True,
-                             text=True).stdout
+        return tuple(subprocess.run([_tool("cuobjdump"), flag, cubin], check=True, capture_output=True,
+                                    text=True).stdout for flag in ("-sass", "-res-usage"))
+
+
+def copies_summary(ptx: str) -> dict:
+    """ptxas (sm_90a) on PTX text: registers, stack, instructions and the LDGSTS by form and predicate operand."""
+    sass, res = build_sass(ptx)
     preds = collections.Counter()
     for line in sass.splitlines():
         if "LDGSTS" in line and "ARRIVE" not in line:

@@ -49,30 +49,26 @@ def pv():
     return _script("ptx_variant")
 
 
-def _sass(pv, text: str, tmp_path: Path) -> str:
-    src, cubin = tmp_path / "k.ptx", tmp_path / "k.cubin"
-    src.write_text(text)
-    subprocess.run([pv._tool("ptxas"), "-arch=sm_90a", "-O3", str(src), "-o", str(cubin)], check=True,
-                   capture_output=True)
-    sass = subprocess.run([pv._tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
-                          text=True).stdout
+def _sass(pv, text: str) -> str:
+    """The instructions of PTX text's sm_90a build, addresses and encodings dropped."""
+    sass, _ = pv.build_sass(text)
     return "\n".join(re.sub(r"/\*.*?\*/", "", line).strip() for line in sass.splitlines()
                      if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line))
 
 
-def test_ignore_src_form_builds_the_same_sass(ptx, pv, tmp_path):
+def test_ignore_src_form_builds_the_same_sass(ptx, pv):
     """NOTES.md v32 Next asked whether cp.async's ignore-src predicate would change how ptxas places the gathers'
     zero-fill predicates (copies on P0 read the ideal shared wavefronts, the others 2.6x): it builds the very same
     SASS, so the mask's PTX form is not a lever."""
     edited = pv.ignore_src(ptx)
     assert edited.count("not.pred") == 22 and "0x10, %pzs" in edited       # every copy of a step, in the new form
-    assert _sass(pv, edited, tmp_path) == _sass(pv, ptx, tmp_path)
+    assert _sass(pv, edited) == _sass(pv, ptx)
 
 
-def test_prefetch_hint_reaches_every_16_byte_gather(ptx, pv, tmp_path):
+def test_prefetch_hint_reaches_every_16_byte_gather(ptx, pv):
     """l2_256 puts .L2::256B on the 16-byte copies (latent and rope: LDGSTS.E.BYPASS.LTC256B.128) and leaves the
     scales' 4-byte ones (cp.async.ca) and every other instruction as built."""
-    base, hinted = _sass(pv, ptx, tmp_path), _sass(pv, pv.EDITS["l2_256"](ptx), tmp_path)
+    base, hinted = _sass(pv, ptx), _sass(pv, pv.EDITS["l2_256"](ptx))
     assert base.count("LDGSTS.E.BYPASS.128") == 20 and "LTC256B" not in base
     assert hinted.count("LDGSTS.E.BYPASS.LTC256B.128") == 20 and hinted.count("LDGSTS.E ") == 2
     assert hinted.replace(".LTC256B", "") == base
