@@ -124,11 +124,12 @@ WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_d
 WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
+WS8X2SOK = {**WS8X2OK, "pipe": "so"}            # ... S^T's products pipelined too (NOTES.md v34)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK],
-                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"])
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, WS8X2SOK],
+                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
@@ -139,8 +140,9 @@ WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
-    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K],
-    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k"])
+    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK],
+    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
+         "ws8x2sok"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
 PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
                                               ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
@@ -221,8 +223,8 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK],
-                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -253,8 +255,8 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK], ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o",
-                                                                         "ws8x2ok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
+                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -1009,8 +1011,9 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
     for pipe in ("", "o", "so", "s3o3"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
-    sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "o"}, True, 16)
-    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "so"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3"},
+    for pipe in ("", "o", "so"):
+        sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": pipe}, True, 16)
+    for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o"},
                 {**n8, "pipe": "so3"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
                 {**sm90.ROWS_FP8_CONFIG, "pipe": "o"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):

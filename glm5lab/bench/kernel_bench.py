@@ -128,6 +128,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
+                  # ... the 16-head tile with S^T's products pipelined too (pipe "so", NOTES.md v34), with and
+                  # without the kept max, and its consumers alone
+                  ("ws8x2sok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                                "dual_consumers": True, "pipe": "so", "kept_p": True}),
+                  ("ws8x2so", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
+                               "dual_consumers": True, "pipe": "so"}),
+                  ("ws8x2sod2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
+                                 "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
+                                 "ws_diag": 2}),
                   # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
                   # purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -2447,8 +2447,8 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
-# 16-head tile spills with S^T's
-PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o")}
+# 16-head tile both two at a time at most (NOTES.md v34: "so" spills 32 bytes with the kept max, three in flight 184)
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o", "so")}
 
 
 def pipe_bits(pipe: str) -> int:
@@ -2508,7 +2508,7 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
                            "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20) -- "
                            "the 8-head tile any of "
-                           f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (S^T's side spills there); got "
+                           f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
