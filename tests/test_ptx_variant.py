@@ -2,14 +2,13 @@
 ptxas, sm_90a) and the dump -> edit -> override round trip through Triton's compiler, which its GPU timings would rest
 on (an override that silently did not apply would time the unedited kernel)."""
 import importlib.util
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import offline_build
 
 ROOT = Path(__file__).resolve().parents[1]
 # the 8-head persistent tile, three products in flight (the default at >= 66 tokens of <= 8 heads)
@@ -24,22 +23,14 @@ def _script(name: str):
     return mod
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _sass_report_cmd() -> list:
-    return [sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json", "--config",
-            json.dumps(CONFIG)]
+    return offline_build.sass_report_cmd(CONFIG)
 
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("build")
-    done = subprocess.run(_sass_report_cmd() + ["--dump", str(out)], capture_output=True, text=True, env=_env(),
-                          timeout=600)
+    done = offline_build.run_offline(_sass_report_cmd() + ["--dump", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     return (out / "config0" / "ptx.txt").read_text()
 
@@ -84,9 +75,9 @@ def test_edits_name_what_they_did_not_find(pv):
 def test_override_round_trip_builds_the_edited_kernel(tmp_path):
     """The script's own flow with sass_report as the command ({edit} names each process's dump folder): the
     as-built process dumps the PTX, the edited one is what Triton builds in the second process."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_variant.py"), "--work", str(tmp_path / "w"),
-                           "--edits", "l2_256", "--"] + _sass_report_cmd() + ["--dump", str(tmp_path / "{edit}")],
-                          capture_output=True, text=True, env=_env(), timeout=900)
+    done = offline_build.run_offline([sys.executable, str(ROOT / "scripts" / "ptx_variant.py"), "--work",
+                                      str(tmp_path / "w"), "--edits", "l2_256", "--"] + _sass_report_cmd()
+                                     + ["--dump", str(tmp_path / "{edit}")], timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Overriding kernel" in done.stdout
     base, edited = ((tmp_path / d / "config0" / "sass.txt").read_text() for d in ("base", "l2_256"))
@@ -97,7 +88,7 @@ def test_override_round_trip_builds_the_edited_kernel(tmp_path):
 def test_a_command_that_builds_no_kernel_is_named(tmp_path):
     """Nothing dumped (a command that compiles no Triton kernel, or one that found it in a cache): the script stops
     and says so instead of timing the unedited build as the edit."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_variant.py"), "--work", str(tmp_path),
-                           "--edits", "l2_256", "--", sys.executable, "-c", "pass"], capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    done = offline_build.run_offline([sys.executable, str(ROOT / "scripts" / "ptx_variant.py"), "--work",
+                                      str(tmp_path), "--edits", "l2_256", "--", sys.executable, "-c", "pass"],
+                                     timeout=300)
     assert done.returncode != 0 and "built no Triton kernel" in done.stderr

@@ -1,26 +1,9 @@
 """The offline GPU build (scripts/sass_report.py) of the sparse-MLA kernel's default tiles: properties the H200
 numbers in results/kernels/NOTES.md rest on, checked without a GPU (Triton's bundled ptxas and cuobjdump).
 The script runs in its own process: a real build needs the Triton interpreter off, the rest of the suite on."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from glm5lab.kernels.sparse_mla import default_config
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def sass_report(sm: int, *configs: dict) -> list:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", str(sm), "--json"]
-    for c in configs:
-        cmd += ["--config", json.dumps(c)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+from tests.offline_build import sass_report
 
 
 def test_default_fp8_tile_for_8_16_heads_reads_no_bytes_one_at_a_time_and_does_not_spill():
@@ -29,8 +12,8 @@ def test_default_fp8_tile_for_8_16_heads_reads_no_bytes_one_at_a_time_and_does_n
     (the v4 default had 256 a step) and no register spills."""
     cfg = default_config(8, fp8=True)
     assert cfg["fp8_path"] == "f16"
-    (res,) = sass_report(90, {"BLOCK_H": cfg["block_h"], "BLOCK_N": cfg["block_n"], "FP8": True, "F16": True,
-                              "CVT": 1, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    (res,) = sass_report({"BLOCK_H": cfg["block_h"], "BLOCK_N": cfg["block_n"], "FP8": True, "F16": True, "CVT": 1,
+                          "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}, sm=90)
     rep = res["report"]
     assert rep.get("LDS.U8", 0) == 0 and rep["stack"] == 0 and rep["loop"] > 0
     assert rep["HMMA"] > 0 and rep["LDGSTS"] > 0          # tensor cores, and the gathers pipelined by cp.async
@@ -40,8 +23,8 @@ def test_fp8_tiles_build_for_sm80_through_the_bit_conversion():
     """Triton 3.6 has no float8e4nv for sm_80: the "default" fp8 path cannot build there, the bit-level "f16"
     path (what sparse_mla_attention runs on such GPUs) builds for the 16- and 64-head tiles."""
     default, f16_16, f16_64 = sass_report(
-        80, {"BLOCK_H": 16, "BLOCK_N": 32, "FP8": True},
+        {"BLOCK_H": 16, "BLOCK_N": 32, "FP8": True},
         {"BLOCK_H": 16, "BLOCK_N": 32, "FP8": True, "F16": True, "CVT": 2},
-        {"BLOCK_H": 64, "BLOCK_N": 32, "FP8": True, "F16": True, "CVT": 2, "num_warps": 8})
+        {"BLOCK_H": 64, "BLOCK_N": 32, "FP8": True, "F16": True, "CVT": 2, "num_warps": 8}, sm=80)
     assert "fp8e4nv not supported" in default["error"]
     assert f16_16["report"]["HMMA"] > 0 and f16_64["report"]["HMMA"] > 0

@@ -3,11 +3,7 @@ reference, under the same tolerances as the Triton kernel (tests/test_sparse_mla
 same fp16-domain arithmetic as the "f16" path. No interpreter runs Gluon, so the numeric tests are GPU tests (the
 H200 run); without a GPU this file checks the refusal and the kernel's sm90 build."""
 import collections
-import json
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +15,7 @@ from glm5lab.kernels import sparse_mla_sm90
 from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
 from glm5lab.sparse.reference import sparse_mla_reference
+from tests import offline_build
 from tests.test_sparse_mla_kernel import SCALE, UNIT, _raw_fp8_case, check, make_case, run_poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,15 +45,9 @@ def test_gluon_kernel_refuses_what_it_does_not_run_with_a_reason(device):
 def _sm90_build(_sass=False, **consts) -> dict:
     """scripts/sass_report.py's report of a Gluon build for sm_90 (offline); _sass: with its instructions in
     program order (predicates dropped) under "_sass"."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cfg = {"gluon": True, "BLOCK_H": 16, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, **consts}
     with tempfile.TemporaryDirectory() as dump:
-        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json",
-                               "--config", json.dumps(cfg), *(["--dump", dump] if _sass else [])],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        (line,) = offline_build.sass_report(cfg, dump=dump if _sass else None)
         assert "error" not in line, line["error"]
         if _sass:
             text = (Path(dump) / "config0" / "sass.txt").read_text()
@@ -124,7 +115,7 @@ WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_d
 WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-WS8X2SOK = {**WS8X2OK, "pipe": "so"}            # ... S^T's products pipelined too (NOTES.md v34)
+WS8X2SOK = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG    # ... S^T's too (the default unsplit, NOTES.md v34)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
@@ -214,6 +205,27 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
     check(out, lse, ref, torch.bfloat16)
 
 
+# the persistent form of the 16-head dual tile (a private A/B switch, NOTES.md v34: 3 stages), "o" / "so", kept max
+WS8X2Q3OK = {**WS8X2OK, "stages": 3, "_persistent": True}
+WS8X2Q3SOK = {**WS8X2SOK, "stages": 3, "_persistent": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pcfg", [WS8X2Q3OK, WS8X2Q3SOK], ids=["ws8x2q3ok", "ws8x2q3sok"])
+@pytest.mark.parametrize("H,T,topk,splits", [(16, 400, 2048, 1), (12, 150, 2000, 3), (16, 97, 77, 5), (9, 8, 2048, 0),
+                                             (16, 1, 2048, 0)])
+def test_gpu_gluon_persistent_16_head_tile(H, T, topk, splits, pcfg):
+    """The 16-head dual tile made persistent (3 stages, so that a whole O^T fits the handover): several items a
+    program, odd steps an item, unequal splits, default splits at small batches; the poisoned outputs all written
+    and matching the float64 reference; every e4m3 byte pattern."""
+    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=16, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
+
+
 def _consumer_moves(step_max):
     """How far each dual consumer's running maximum rises from one of its steps to its next (steps i and i + 2:
     the two consumers take alternate steps), finite rises only: [..., steps - 2]."""
@@ -223,8 +235,10 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
-                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2Q3OK,
+                                  WS8X2Q3SOK],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
+                              "ws8x2q3ok", "ws8x2q3sok"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -255,8 +269,8 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
-                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2Q3OK, WS8X2Q3SOK],
+                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2q3ok", "ws8x2q3sok"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -712,12 +726,8 @@ def test_gluon_rows_sm90_build_is_wgmma_only_without_spilling():
 
 
 def test_gluon_wgmma_refuses_32_row_fp8_steps_at_build():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cfg = {"gluon": True, "BLOCK_H": 64, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True, "FP8": True, "num_warps": 8}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_report.py"), "--sm", "90", "--json",
-                           "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600)
-    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    (line,) = offline_build.sass_report({"gluon": True, "BLOCK_H": 64, "BLOCK_N": 32, "STAGES": 2, "SPLIT": True,
+                                         "FP8": True, "num_warps": 8}, ok=False)
     assert "64 rows" in line["error"]
 
 
@@ -886,8 +896,10 @@ def test_gluon_tiles_by_head_count():
         dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2OK))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == dual
-        # ... at <= 8 heads with three products in flight once the top-k is not split (v20)
-        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3 if H <= 8 else dual)
+        # ... with three products in flight once the top-k is not split (v20) at <= 8 heads, S^T's pipelined too
+        # at 9-16 (v34)
+        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3 if H <= 8
+                                                                                          else WS8X2SOK)
         assert sm90.default_config(H, True, 66) == sm90.default_config(H, True, 64) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3 if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
@@ -1019,6 +1031,14 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
+    persistent_16 = {**sm90.ROWS_FP8_DUAL_CONFIG, "stages": 3, "_persistent": True}     # (the v34 A/B form)
+    sm90.check_tile(persistent_16, True, 16)
+    assert sm90.kernel_of(16, True, rows=True, dual=True, persistent=True) is \
+        sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
+    with pytest.raises(Glm5labError, match="persistent 16-head form 3"):
+        sm90.check_tile({**persistent_16, "stages": 4}, True, 16)
+    with pytest.raises(Glm5labError, match="_persistent=True is a form of the dual-consumer kernel's 16-head tile"):
+        sm90.check_tile({**n8, "stages": 3, "_persistent": True}, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
@@ -1052,9 +1072,11 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     from glm5lab.kernels.sparse_mla import choose_num_splits
 
-    for tokens in (16, 64, 66, 67, 100, 512):      # (deep: the tokens at which the persistent kernel is not split)
+    for tokens in (16, 64, 66, 67, 100, 512):      # (deep: the tokens at which the dual-consumer kernel is not split)
         deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3"
         assert deep == (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1), tokens
+        if tokens >= sm90.FP8_DUAL_MIN_TOKENS:
+            assert (sm90.default_config(16, True, tokens)["pipe"] == "so") == deep, tokens
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
     assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
@@ -1064,27 +1086,31 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
 
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     """The 16-head dual-consumer tile with O^T's products pipelined (pipe "o", NOTES.md v19) gives its consumers 224
-    registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits; S^T's
-    side stays synchronous (it spills at 224 too)."""
+    registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits (S^T's
+    side synchronous; pipelined too it spills, `test_gluon_rows_fp8_sm90_dual_kept_max_builds`)."""
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sparse_mla_sm90.pipe_bits("o"))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
     assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 12, 1: 6}
 
 
-@pytest.mark.parametrize("tile", ["16-head-o", "8-head-so"])
+@pytest.mark.parametrize("tile", ["16-head-o", "16-head-so", "8-head-so"])
 def test_gluon_rows_fp8_sm90_dual_kept_max_builds(tile):
     """P^T against the kept max in the dual-consumer kernels (kept_p, NOTES.md v31; the 16-head tile's default): one
     warp vote a consumer step (its uniform branch around the rare path), the same products, and a bounded spill --
-    the 16-head "o" form 24 bytes, 3 LDL + 3 STL (none without), the 8-head "so" form none."""
-    h, pipe = (16, "o") if tile == "16-head-o" else (8, "so")
-    rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=True, FP8=True, num_warps=4,
-                      _sass=True, PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=True)
+    the 16-head "o" form 24 bytes, 3 LDL + 3 STL (none without); its "so" form (the default unsplit, v34) 32 bytes,
+    11 LDL + 10 STL, S^T's waits leaving one product outstanding as O^T's do; the 8-head "so" form none."""
+    h, pipe = (16, "o") if tile == "16-head-o" else (16, "so") if tile == "16-head-so" else (8, "so")
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=tile != "16-head-so", FP8=True,
+                      num_warps=4, _sass=True, PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=True)
     assert rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22 and rep["smem"] <= 227 * 1024
     assert sum(i.startswith("VOTE.ANY") for i in rep["_sass"]) >= 2            # (a consumer's step, each consumer)
-    if h == 16:
+    if tile == "16-head-o":
         assert rep["stack"] <= 24 and rep.get("LDL", 0) <= 3 and rep.get("STL", 0) <= 3
-        assert {56, 224} <= set(rep["setmaxnreg"])
+        assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 12, 1: 6}
+    elif tile == "16-head-so":
+        assert rep["stack"] <= 32 and rep.get("LDL", 0) <= 11 and rep.get("STL", 0) <= 10
+        assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 6, 1: 12}
     else:
         assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
 
@@ -1372,7 +1398,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
     from glm5lab.kernels import sparse_mla_sm90 as sm90
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
-                 "ROWS_FP8_PERSISTENT_CONFIG", "ROWS_FP8_PERSISTENT_DEEP_CONFIG",
+                 "ROWS_FP8_DUAL_DEEP_CONFIG", "ROWS_FP8_PERSISTENT_CONFIG", "ROWS_FP8_PERSISTENT_DEEP_CONFIG",
                  "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
