@@ -128,8 +128,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2p3d{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... the 16-head tile with S^T's products pipelined too (pipe "so", NOTES.md v34), with and
-                  # without the kept max, and its consumers alone
+                  # ... the 16-head tile with S^T's products pipelined too (pipe "so", NOTES.md v34; with the kept
+                  # max the default unsplit), without the kept max, its consumers alone (d2) and gathers alone (d3)
                   ("ws8x2sok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                 "dual_consumers": True, "pipe": "so", "kept_p": True}),
                   ("ws8x2so", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
@@ -137,17 +137,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2sod2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 2}),
-                  # ... its persistent form (a private A/B switch, NOTES.md v34: 3 stages, so that a whole O^T
-                  # fits the handover), pipe "o" / "so" with the kept max, and its diagnostics
-                  ("ws8x2q3ok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                 "resident": 1, "dual_consumers": True, "pipe": "o", "kept_p": True,
-                                 "_persistent": True}),
-                  ("ws8x2q3sok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                  "resident": 1, "dual_consumers": True, "pipe": "so", "kept_p": True,
-                                  "_persistent": True}),
-                  *((f"ws8x2q3d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                      "resident": 1, "dual_consumers": True, "pipe": "so", "_persistent": True,
-                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   ("ws8x2sod3", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 3}),
