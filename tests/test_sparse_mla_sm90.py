@@ -116,12 +116,11 @@ WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 WS8X2SOK = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG    # ... S^T's too (the default unsplit, NOTES.md v34)
-WS8X2SOKE = {**WS8X2SOK, "_early_free": True}   # ... each stage freed once O^T's last operand is loaded (v34, A/B)
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2SOKE],
-                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2sok-early"])
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, WS8X2SOK],
+                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
@@ -130,13 +129,11 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 # ... both with P^T against the kept max (NOTES.md v31)
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
-WS8X2PP3E = {**WS8X2PP3, "_early_free": True}    # ... each stage freed early (as WS8X2SOKE)
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
-    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK,
-                WS8X2PP3E, WS8X2SOKE],
+    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK],
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
-         "ws8x2sok", "ws8x2pp3-early", "ws8x2sok-early"])
+         "ws8x2sok"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
 PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
                                               ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
@@ -195,8 +192,8 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3, WS8X2PP3K, WS8X2PP3E],
-                         ids=["ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2pp3k", "ws8x2pp3-early"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3, WS8X2PP3K],
+                         ids=["ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2pp3k"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -217,10 +214,8 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3E,
-                                  WS8X2SOKE],
-                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
-                              "ws8x2pp3-early", "ws8x2sok-early"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -251,9 +246,8 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3E, WS8X2SOKE],
-                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2pp3-early",
-                              "ws8x2sok-early"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
+                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -1014,10 +1008,6 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    sm90.check_tile({**n8, "_early_free": True}, True, 8)           # (the v34 A/B switch: O^T's products async)
-    for cfg in ({**n8, "pipe": "", "_early_free": True}, {**sm90.ROWS_FP8_CONFIG, "_early_free": True}):
-        with pytest.raises(Glm5labError, match="_early_free=True frees a dual-consumer stage"):
-            sm90.check_tile(cfg, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):

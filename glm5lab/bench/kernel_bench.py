@@ -137,12 +137,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2sod2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 2}),
-                  # ... a stage freed once O^T's last operand is loaded (a private A/B switch, NOTES.md v34):
-                  # the 8-head s3o3 and 16-head "so" defaults
-                  ("ws8x2pp3e", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3", "_early_free": True}),
-                  ("ws8x2soke", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
-                                 "dual_consumers": True, "pipe": "so", "kept_p": True, "_early_free": True}),
                   ("ws8x2sod3", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 3}),

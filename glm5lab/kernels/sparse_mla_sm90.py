@@ -1748,14 +1748,12 @@ PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
-PIPE_EARLY = gl.constexpr(16)  # the stage freed once O^T's last operand is loaded, not at the step's end (with PIPE_O;
-                               # a private A/B switch, `_early_free`, NOTES.md v34)
 
 
 @gluon.jit
 def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows,
                    num_slots, qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L: gl.constexpr,
-                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, free_b=None):
+                   PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
     """One 64-row step of a dual-consumer warpgroup on stage b: the fp8 rows kernel's arithmetic (S^T chunk by chunk
     times its scale, the rope product, P^T per chunk as p * s_c / r), each product's A operand converted from the
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
@@ -1803,8 +1801,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
-                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2, free_b,
-                                                 (PIPE & PIPE_EARLY) != 0)
+                                                 _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2)
     else:
         acc0 = warpgroup_mma(_v_operand(lat, 0, A_L), p_t0, acc0 * keep)
         acc1 = warpgroup_mma(_v_operand(lat, 1, A_L), p_t1, acc1 * keep)
@@ -1869,12 +1866,10 @@ def _o_chunk(lat, c: gl.constexpr, A_L: gl.constexpr, ctx):
 
 
 @gluon.jit
-def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr, release=None,
-                    RELEASE: gl.constexpr = False):
+def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.constexpr):
     """One side's four chunk products of a dual-consumer step (`_s_chunk` or `_o_chunk`) issued async, DEPTH (2 or
-    3) in flight: chunk c + DEPTH's operand is converted from the staged bytes while chunk c's wgmma runs. RELEASE:
-    once the last chunk's operand is in registers (every warp's, a barrier), the stage is handed back (`release`)
-    while the products still run. Returns the four results."""
+    3) in flight: chunk c + DEPTH's operand is converted from the staged bytes while chunk c's wgmma runs. Returns
+    the four results."""
     t0, a0 = chunk(lat, 0, A_L, ctx)
     t1, a1 = chunk(lat, 1, A_L, ctx)
     if DEPTH == 3:
@@ -1887,9 +1882,6 @@ def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.
     r1, a1 = warpgroup_mma_wait(DEPTH - 1, deps=[t1, a1])
     if DEPTH == 2:
         t3, a3 = chunk(lat, 3, A_L, ctx)
-    if RELEASE:
-        gl.thread_barrier()
-        mbarrier.arrive(release, count=1)
     r2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
     r3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
     return r0, r1, r2, r3
@@ -1915,13 +1907,9 @@ def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_t
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
                 q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, b, i, num_steps, cur_rows, num_slots,
-                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, KEPT_P, free.index(b))
-            if (PIPE & PIPE_EARLY) == 0:
-                gl.thread_barrier()           # every warp is done with stage b and with P^T
-                mbarrier.arrive(free.index(b), count=1)
-        else:
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(b), count=1)
+                qk_scale_log2, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s, ST_L, PIPE, KEPT_P)
+        gl.thread_barrier()                   # every warp is done with stage b and with P^T
+        mbarrier.arrive(free.index(b), count=1)
     return m_i, gl.sum(l_acc, 0), r_i, acc0, acc1, acc2, acc3
 
 
@@ -2528,9 +2516,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            "the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
-    if cfg.get("_early_free") and not (dual and "o" in pipe):
-        raise Glm5labError("_early_free=True frees a dual-consumer stage once O^T's last operand is loaded: it needs "
-                           f"O^T's products async (a pipe with 'o'); got dual_consumers={dual}, pipe={pipe!r}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -2581,8 +2566,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["F16_TILE"] = True
     if cfg.get("pipe"):
         extra["PIPE"] = pipe_bits(cfg["pipe"])
-    if cfg.get("_early_free"):                  # (a private A/B switch, NOTES.md v34: needs O^T's products async)
-        extra["PIPE"] = extra.get("PIPE", 0) | PIPE_EARLY.value
     if "_raw_swizzle" in cfg and "RAW_SWIZZLE" in kernel.arg_names:       # (a private A/B switch, NOTES.md v15)
         extra["RAW_SWIZZLE"] = bool(cfg["_raw_swizzle"])
     if "_f16_pow2" in cfg and cfg.get("f16_tile"):   # (a private A/B switch, NOTES.md v28: False overflows fp16)
