@@ -118,7 +118,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # v20, consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
-                  # ... the dual-consumer defaults with P^T against the kept max (NOTES.md v31)
+                  # ... the dual-consumer forms with P^T against the kept max (NOTES.md v31; ws8x2ok the 16-head default
+                  # on split calls, ws8x2sok below on unsplit ones since v34)
                   ("ws8x2ok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                "dual_consumers": True, "pipe": "o", "kept_p": True}),
                   ("ws8x2ppk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -140,8 +141,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2sod3", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 3}),
-                  # ... the 16-head tile's timing diagnostics as the default runs it (pipe "o"; wrong results on
-                  # purpose): the consumers alone (d2), the gathers alone (d3)
+                  # ... the 16-head tile's timing diagnostics as the default runs split calls (pipe "o"; wrong results
+                  # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                     "resident": 1, "dual_consumers": True, "pipe": "o", "_diagnostic": True,
                                     "ws_diag": d})

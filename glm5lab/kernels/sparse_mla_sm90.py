@@ -39,7 +39,8 @@ its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and
 warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
 once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
 (v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens; since v19 O^T's products
-issued two at a time: 0.67-0.70, 1.82-1.84x); at <= 8 heads from 16 tokens the same two consumers on 8-head tiles in
+issued two at a time: 0.67-0.70, 1.82-1.84x; since v34 S^T's too where the top-k is not split: ~1% more); at <= 8
+heads from 16 tokens the same two consumers on 8-head tiles in
 a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items
 through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
 0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster
@@ -2409,8 +2410,8 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
     tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS (once the top-k is not split,
-    `deep_pipe_pays`: three products in flight at 8 heads, S^T's pipelined too at 16), the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more,
-    shorter splits)."""
+    `deep_pipe_pays`: three products in flight at 8 heads, S^T's pipelined too at 16), the 32-row mma.sync tile at
+    1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
@@ -2453,7 +2454,8 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
-# 16-head tile both two at a time at most (NOTES.md v34: "so" spills 32 bytes with the kept max, three in flight 184)
+# 16-head tile both two at a time at most (NOTES.md v34: "so" spills 32 bytes with the kept max, three in flight
+# 136-192)
 PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o", "so")}
 
 
@@ -2514,7 +2516,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
                            "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20) -- "
                            "the 8-head tile any of "
-                           f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); got "
+                           f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
+                           "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
