@@ -116,11 +116,14 @@ WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
 WS8X2SOK = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG    # ... S^T's too (the default unsplit, NOTES.md v34)
+# ... P^T's tiles re-derived each step (pipe "p", NOTES.md v35), on both 16-head forms
+WS8X2SOKP, WS8X2OKP = {**WS8X2SOK, "pipe": "sop"}, {**WS8X2OK, "pipe": "op"}
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
-BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, WS8X2SOK],
-                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok"])
+BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2SOKP, WS8X2OKP],
+                                   ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2sokp",
+                                        "ws8x2okp"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
 # (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
@@ -129,11 +132,13 @@ WS8X2P = {**WS8X2PP, "pipe": ""}
 WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
 # ... both with P^T against the kept max (NOTES.md v31)
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
+WS8X2PP3KP = {**WS8X2PP3K, "pipe": "s3o3p"}       # ... P^T's tiles re-derived each step (NOTES.md v35)
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
-    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK],
+    "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK,
+                WS8X2PP3KP, WS8X2SOKP],
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
-         "ws8x2sok"])
+         "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
 PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
                                               ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
@@ -214,8 +219,10 @@ def _consumer_moves(step_max):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
-                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
+                                  WS8X2SOKP, WS8X2OKP],
+                         ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
+                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -246,8 +253,9 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK],
-                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok"])
+@pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP, WS8X2SOKP, WS8X2OKP],
+                         ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp",
+                              "ws8x2okp"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps

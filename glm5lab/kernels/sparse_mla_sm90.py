@@ -1749,6 +1749,25 @@ PIPE_S = gl.constexpr(1)       # S^T's products issued async, two at a time
 PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
+PIPE_P = gl.constexpr(16)      # P^T's four tiles re-derived from an opaque 0 each step (`_opaque_view`, NOTES.md v35)
+
+
+@gluon.jit
+def _opaque_view(buf, opaque0):
+    """The 2-D shared buffer buf, its address re-derived from opaque0 (0, but not to the compiler), so that a wgmma
+    descriptor of it is rebuilt where it is used instead of held across a loop (NOTES.md v35: ptxas spilled P^T's
+    and reloaded them every step, slow under the loader's traffic)."""
+    return buf._reinterpret(buf.dtype, [1, buf.shape[0], buf.shape[1]], buf.type.layout).index(opaque0)
+
+
+@gluon.jit
+def _opaque_p_tiles(p_ts, opaque0):
+    """A dual consumer's P^T tiles (`_p_chunks`) through `_opaque_view`; the flags (KEPT_P) as they are."""
+    tiles = (_opaque_view(p_ts[0], opaque0), _opaque_view(p_ts[1], opaque0), _opaque_view(p_ts[2], opaque0),
+             _opaque_view(p_ts[3], opaque0))
+    if len(p_ts) > 4:
+        tiles = tiles + (p_ts[4],)
+    return tiles
 
 
 @gluon.jit
@@ -1770,6 +1789,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
     # loop, where ptxas spilled them)
     opaque0 = i // num_steps
+    if PIPE & PIPE_P:                         # (and P^T's four, which ptxas kept across the loop and spilled)
+        p_ts = _opaque_p_tiles(p_ts, opaque0)
     s0 = scale_ring.index(4 * b + 0).load(N_ROWS)
     s1 = scale_ring.index(4 * b + 1).load(N_ROWS)
     s2 = scale_ring.index(4 * b + 2).load(N_ROWS)
@@ -2455,15 +2476,16 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
 # 16-head tile both two at a time at most (NOTES.md v34: "so" spills 32 bytes with the kept max, three in flight
-# 136-192)
-PIPES_OF_TILE = {8: ("", "o", "so", "s3o3"), 16: ("", "o", "so")}
+# 136-192); a "p" after any: P^T's tiles re-derived each step (PIPE_P, v35: no spill left in the 16-head "so" build)
+PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "op", "sop", "s3o3p"), 16: ("", "o", "so", "op", "sop")}
 
 
 def pipe_bits(pipe: str) -> int:
     """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; a 3 after one: that
-    side three products at a time, PIPE_S3 / PIPE_O3)."""
+    side three products at a time, PIPE_S3 / PIPE_O3; p: P^T's tiles re-derived each step, PIPE_P)."""
     return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
-            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0))
+            | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0)
+            | (PIPE_P.value if "p" in pipe else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
@@ -2514,7 +2536,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     pipe = cfg.get("pipe", "")
     if pipe not in (PIPES_OF_TILE[cfg["block_h"]] if dual else ("",)):     # (dual: an 8- or 16-head tile, above)
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
-                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20) -- "
+                           "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20), "
+                           "a 'p' after all: P^T's tiles re-derived each step (v35) -- "
                            "the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
