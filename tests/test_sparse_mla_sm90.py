@@ -1071,15 +1071,18 @@ def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 12, 1: 6}
 
 
-@pytest.mark.parametrize("tile", ["16-head-o", "16-head-so", "8-head-so"])
+@pytest.mark.parametrize("tile", ["16-head-o", "16-head-so", "8-head-so", "16-head-op", "16-head-sop", "8-head-s3o3p"])
 def test_gluon_rows_fp8_sm90_dual_kept_max_builds(tile):
     """P^T against the kept max in the dual-consumer kernels (kept_p, NOTES.md v31; the 16-head tile's default): one
     warp vote a consumer step (its uniform branch around the rare path), the same products, and a bounded spill --
     the 16-head "o" form 24 bytes, 3 LDL + 3 STL (none without); its "so" form (the default unsplit, v34) 32 bytes,
-    11 LDL + 10 STL, S^T's waits leaving one product outstanding as O^T's do; the 8-head "so" form none."""
-    h, pipe = (16, "o") if tile == "16-head-o" else (16, "so") if tile == "16-head-so" else (8, "so")
-    rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=tile != "16-head-so", FP8=True,
-                      num_warps=4, _sass=True, PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=True)
+    11 LDL + 10 STL, S^T's waits leaving one product outstanding as O^T's do; the 8-head "so" form none. With P^T's
+    tiles re-derived each step (pipe "p", v35; ptxas had kept their descriptors across the loop and spilled them) the
+    16-head forms spill nothing and the 8-head "s3o3" (56 bytes without) 16 bytes, 3 LDL + 3 STL."""
+    h, pipe = int(tile.split("-")[0]), tile.split("-")[-1]
+    split = tile in ("16-head-o", "8-head-so", "16-head-op")
+    rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4,
+                      _sass=True, PIPE=sparse_mla_sm90.pipe_bits(pipe), KEPT_P=True)
     assert rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22 and rep["smem"] <= 227 * 1024
     assert sum(i.startswith("VOTE.ANY") for i in rep["_sass"]) >= 2            # (a consumer's step, each consumer)
     if tile == "16-head-o":
@@ -1088,8 +1091,14 @@ def test_gluon_rows_fp8_sm90_dual_kept_max_builds(tile):
     elif tile == "16-head-so":
         assert rep["stack"] <= 32 and rep.get("LDL", 0) <= 11 and rep.get("STL", 0) <= 10
         assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 6, 1: 12}
+    elif tile == "8-head-s3o3p":
+        assert rep["stack"] <= 16 and rep.get("LDL", 0) <= 3 and rep.get("STL", 0) <= 3
+        assert {56, 224} <= set(rep["setmaxnreg"]) and _depbars(rep) == {0: 6, 1: 4, 2: 8}
     else:
-        assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+        assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep.get("STL", 0) == 0
+        if h == 16:
+            assert {56, 224} <= set(rep["setmaxnreg"])
+            assert _depbars(rep) == ({0: 6, 1: 12} if pipe == "sop" else {0: 12, 1: 6})
 
 
 @pytest.mark.parametrize("tile,prmt", [("8-head-s3o3", 160), ("16-head-o-kept", 206)])
