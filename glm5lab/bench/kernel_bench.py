@@ -149,6 +149,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                 "dual_consumers": True, "pipe": "op", "kept_p": True}),
                   ("ws8x2pp3kp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
+                  ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                 "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
                   *((f"ws8x2sok{p}d2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                         "resident": 1, "dual_consumers": True, "pipe": "so" + p, "kept_p": True,
                                         "_diagnostic": True, "ws_diag": 2}) for p in ("", "p")),
