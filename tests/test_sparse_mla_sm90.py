@@ -112,12 +112,12 @@ def test_gluon_16bit_sm90_build_reads_the_ring_without_conversions():
 
 WS8 = sparse_mla_sm90.ROWS_FP8_CONFIG     # the warp-specialized rows-as-M fp8_ds_mla kernel (NOTES.md v9), forced
 # ... its dual-consumer form (NOTES.md v17), O^T's products async (v19), P^T against the kept max (v31: the default)
-WS8X2OK = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG
+WS8X2OKP = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... P^T's tiles re-derived each step (pipe "p": the default, v35)
+WS8X2OK = {**WS8X2OKP, "pipe": "o"}             # ... v31-v34's form
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-WS8X2SOK = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG    # ... S^T's too (the default unsplit, NOTES.md v34)
-# ... P^T's tiles re-derived each step (pipe "p", NOTES.md v35), on both 16-head forms
-WS8X2SOKP, WS8X2OKP = {**WS8X2SOK, "pipe": "sop"}, {**WS8X2OK, "pipe": "op"}
+WS8X2SOKP = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG   # ... S^T's too (the default unsplit, NOTES.md v34-v35)
+WS8X2SOK = {**WS8X2SOKP, "pipe": "so"}                   # ... v34's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
 VARIANT_IDS = ["s2", "s3", "ws8", "ws8x2", "ws8x2o", "ws8x2ok"]
@@ -129,11 +129,11 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2O
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
 # ... with three products in flight on both sides (the default once the top-k is not split, since v20)
-WS8X2PP3 = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG
+WS8X2PP3P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG      # (P^T's tiles re-derived each step since v35)
+WS8X2PP3 = {**WS8X2PP3P, "pipe": "s3o3"}
 # ... both with P^T against the kept max (NOTES.md v31)
 WS8X2PPK, WS8X2PP3K = {**WS8X2PP, "kept_p": True}, {**WS8X2PP3, "kept_p": True}
 WS8X2PP3KP = {**WS8X2PP3K, "pipe": "s3o3p"}       # ... P^T's tiles re-derived each step (NOTES.md v35)
-WS8X2PP3P = {**WS8X2PP3, "pipe": "s3o3p"}
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
     "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK,
@@ -141,8 +141,8 @@ FP8_AT_8_HEADS = pytest.mark.parametrize(
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
          "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp", "ws8x2pp3p"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
-PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K],
-                                              ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k"])
+PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3P],
+                                              ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3p"])
 
 
 @pytest.mark.gpu
@@ -880,15 +880,16 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
         # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
         # 16 at <= 8 heads
-        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8 else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2OK))
+        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8
+                           else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2OKP))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         assert sm90.default_config(H, True, dual_from) == dual
         # ... with three products in flight once the top-k is not split (v20) at <= 8 heads, S^T's pipelined too
-        # at 9-16 (v34)
-        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3 if H <= 8
-                                                                                          else WS8X2SOK)
+        # at 9-16 (v34), P^T's tiles re-derived each step (v35)
+        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3P if H <= 8
+                                                                                          else WS8X2SOKP)
         assert sm90.default_config(H, True, 66) == sm90.default_config(H, True, 64) == dual
-        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3 if H <= 8 else sm90.ROWS_FP8_CONFIG)
+        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3P if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -1008,11 +1009,13 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
     assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
-    for pipe in ("", "o", "so", "s3o3"):
+    for pipe in ("", "o", "so", "s3o3", "op", "sop", "s3o3p"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
-    for pipe in ("", "o", "so"):
+    for pipe in ("", "o", "so", "op", "sop"):
         sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": pipe}, True, 16)
+    assert [sm90.pipe_bits(p) for p in ("op", "sop", "s3o3p")] == [2 | 16, 1 | 2 | 16, 15 | 16]
     for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o"},
+                {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3p"}, {**n8, "pipe": "ps"}, {**n8, "pipe": "p"},
                 {**n8, "pipe": "so3"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
                 {**sm90.ROWS_FP8_CONFIG, "pipe": "o"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
@@ -1052,10 +1055,10 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
     from glm5lab.kernels.sparse_mla import choose_num_splits
 
     for tokens in (16, 64, 66, 67, 100, 512):      # (deep: the tokens at which the dual-consumer kernel is not split)
-        deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3"
+        deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3p"
         assert deep == (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1), tokens
         if tokens >= sm90.FP8_DUAL_MIN_TOKENS:
-            assert (sm90.default_config(16, True, tokens)["pipe"] == "so") == deep, tokens
+            assert sm90.default_config(16, True, tokens)["pipe"] == ("sop" if deep else "op"), tokens
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
     assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22

@@ -119,7 +119,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
                   # ... the dual-consumer forms with P^T against the kept max (NOTES.md v31; ws8x2ok the 16-head default
-                  # on split calls, ws8x2sok below on unsplit ones since v34)
+                  # on split calls, ws8x2sok below on unsplit ones in v34, both with pipe "p" since v35)
                   ("ws8x2ok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                "dual_consumers": True, "pipe": "o", "kept_p": True}),
                   ("ws8x2ppk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -130,7 +130,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... the 16-head tile with S^T's products pipelined too (pipe "so", NOTES.md v34; with the kept
-                  # max the default unsplit), without the kept max, its consumers alone (d2) and gathers alone (d3)
+                  # max v34's default unsplit), without the kept max, its consumers alone (d2) and gathers alone (d3)
                   ("ws8x2sok", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                 "dual_consumers": True, "pipe": "so", "kept_p": True}),
                   ("ws8x2so", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
@@ -142,7 +142,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 3}),
                   # ... P^T's tiles re-derived each step (pipe "p", NOTES.md v35: no spill left in the 16-head "so"
-                  # build, 16 bytes of 56 in the 8-head "s3o3"), and the consumers alone (d2) with and without it
+                  # build, 16 bytes of 56 in the 8-head "s3o3" + kept; the defaults since v35: ws8x2sokp and ws8x2okp
+                  # at 16 heads, ws8x2pp3p at 8 unsplit), and the consumers alone (d2) with and without it
                   ("ws8x2sokp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                  "dual_consumers": True, "pipe": "sop", "kept_p": True}),
                   ("ws8x2okp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,

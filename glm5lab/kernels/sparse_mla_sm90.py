@@ -39,7 +39,8 @@ its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and
 warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
 once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
 (v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens; since v19 O^T's products
-issued two at a time: 0.67-0.70, 1.82-1.84x; since v34 S^T's too where the top-k is not split: ~1% more); at <= 8
+issued two at a time: 0.67-0.70, 1.82-1.84x; since v34 S^T's too where the top-k is not split: ~1% more; since
+v35 P^T's wgmma descriptors rebuilt each step instead of spilled: 5-9% more, 2.06 / 2.14x at 128 / 512); at <= 8
 heads from 16 tokens the same two consumers on 8-head tiles in
 a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items
 through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
@@ -2371,13 +2372,18 @@ FP8_ROWS_MIN_TOKENS = 4
 # P^T against the kept max and r (`_kept_max_rows`, NOTES.md v31 call 3, interleaved, x FlashMLA's fp8 decode, 16 heads
 # x 32 / 128 / 512 tokens): 1.726 / 1.858 / 1.899 -> 1.741 / 1.864 / 1.960 (0.658 -> 0.678 of the roofline at 512);
 # its sm90 build spills 24 bytes (3 LDL + 3 STL a step; none without).
-ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "o", "kept_p": True}
+# P^T's tiles re-derived each step (pipe "op", NOTES.md v35 call 3: ptxas had held their wgmma descriptors across the
+# loop and spilled them; beside the loader's copies the reloads cost ~400 cycles of a consumer's ~4,900 a step): no
+# spill; 21 interleaved rounds, x FlashMLA's fp8 decode, "o" -> "op" at 16 heads x 64 tokens 1.865 -> 1.952.
+ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "op", "kept_p": True}
 FP8_DUAL_MIN_TOKENS = 64
 # ... with S^T's products pipelined too (pipe "so", NOTES.md v34 call 1: consumers at 224 registers, 32 bytes of spill,
 # three of them local loads on each consumer's common path -- as many as "o" has on one): 21 interleaved rounds, x
 # FlashMLA's fp8 decode, "o" -> "so" at 16 heads x 32 / 128 / 512 tokens 1.755 / 1.886 / 1.935 -> 1.715 / 1.905 /
 # 1.954 (p20-p80 apart at 128 and 512). So from where the top-k is not split (`deep_pipe_pays`), as at 8 heads.
-ROWS_FP8_DUAL_DEEP_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "pipe": "so"}
+# With P^T's tiles re-derived each step ("sop", v35 call 3: its 32 bytes of spill gone), "so" -> "sop" at 16 heads x
+# 64 / 128 / 512 tokens 1.843 / 1.910 / 1.967 -> 1.946 / 2.055 / 2.144 (p20-p80 apart; "op" 1.952 / 2.035 / 2.111).
+ROWS_FP8_DUAL_DEEP_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "pipe": "sop"}
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
 # (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
 # memory). H200, v18 calls 1-3 (interleaved rounds), us at 16 / 32 / 128 / 256 / 512 tokens: 18.6-18.8 / 24.1-24.4 /
@@ -2396,8 +2402,10 @@ FP8_PERSISTENT_MIN_TOKENS = 16
 # 35.3-35.6 / 52.9 / 55.2-55.3 / 105.5 / 200.3-202.8 -- faster once nothing is split (a split is the whole top-k:
 # more tokens than half the SMs, `choose_num_splits` at one program a SM), slower on shorter splits, where the loader
 # at 56 registers gathers more slowly (its gathers alone at 64 tokens 32.8 against 32.1 us). So the default from
-# there (`deep_pipe_pays`).
-ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3"}
+# there (`deep_pipe_pays`). P^T's tiles re-derived each step ("s3o3p", NOTES.md v35 call 3: the same 16 bytes of
+# spill, 111 fewer instructions in the build's longest loop), x FlashMLA at 128 / 512 tokens 2.126 / 2.358 -> 2.135 /
+# 2.371 (+0.4-0.5%, p20-p80 overlapping).
+ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"}
 
 
 def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
