@@ -143,7 +143,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                  "ws_diag": 3}),
                   # ... P^T's tiles re-derived each step (pipe "p", NOTES.md v35: no spill left in the 16-head "so"
                   # build, 16 bytes of 56 in the 8-head "s3o3" + kept; the defaults since v35: ws8x2sokp and ws8x2okp
-                  # at 16 heads, ws8x2pp3p at 8 unsplit), and the consumers alone (d2) with and without it
+                  # at 16 heads, ws8x2pp3p at 8 unsplit)
                   ("ws8x2sokp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                  "dual_consumers": True, "pipe": "sop", "kept_p": True}),
                   ("ws8x2okp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
@@ -152,9 +152,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
                   ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
-                  *((f"ws8x2sok{p}d2", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                        "resident": 1, "dual_consumers": True, "pipe": "so" + p, "kept_p": True,
-                                        "_diagnostic": True, "ws_diag": 2}) for p in ("", "p")),
                   # ... the 16-head tile's timing diagnostics as the default runs split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
