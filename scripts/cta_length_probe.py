@@ -2,9 +2,10 @@
 shorter token rows or fewer, longer ones (tokens x top-k held constant, e.g. 1024 x 1024, 512 x 2048, 256 x 4096),
 fp8_ds_mla, one split a token, CUDA-graph time in interleaved rounds. A kernel whose per-program head and tail
 (first gathers, last steps, merge and store) cost time shows it as microseconds falling with longer rows at equal
-bytes; a persistent kernel should not. Probe behind NOTES.md v35; long-format rows to --out.
+bytes (NOTES.md v35 call 6: ~6-7 us a one-token program at 16 heads, and ~2.7 us an item even in the persistent
+8-head kernel). Long-format rows to --out; on a machine without .git set GLM5LAB_GIT_SHA (as gpu_run.sh does).
 
-    PYTHONPATH=. python scripts/cta_length_probe.py --heads 16 --variants ws8x2sok ws8x2sod2 ws8x2sod3 \
+    PYTHONPATH=. python scripts/cta_length_probe.py --heads 16 --variants ws8x2sokp ws8x2sod3 \
         --shapes 1024x1024 512x2048 256x4096 --out results/kernels/cta_length_probe_h200.csv
 """
 import argparse

@@ -137,9 +137,9 @@ WS8X2PP3KP = {**WS8X2PP3K, "pipe": "s3o3p"}       # ... P^T's tiles re-derived e
 # the fp8 tiles a test at <= 8 heads takes: the 8-head ones too
 FP8_AT_8_HEADS = pytest.mark.parametrize(
     "fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2P, WS8X2PP, WS8X2PP3, WS8X2OK, WS8X2PPK, WS8X2PP3K, WS8X2SOK,
-                WS8X2PP3KP, WS8X2SOKP, WS8X2PP3P],
+                WS8X2PP3KP, WS8X2SOKP, WS8X2PP3P, WS8X2OKP],
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
-         "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp", "ws8x2pp3p"])
+         "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp", "ws8x2pp3p", "ws8x2okp"])
 # the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
 PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3P],
                                               ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3p"])
@@ -198,8 +198,8 @@ def test_gpu_gluon_8_head_tiles_every_byte_pattern_all_invalid_tokens_and_cuda_g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3, WS8X2PP3K],
-                         ids=["ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2pp3k"])
+@pytest.mark.parametrize("pcfg", [WS8X2P, WS8X2PP, WS8X2PP3, WS8X2PP3K, WS8X2PP3P],
+                         ids=["ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2pp3k", "ws8x2pp3p"])
 @pytest.mark.parametrize("T,topk,splits", [(400, 2048, 1), (150, 2000, 3), (97, 77, 5), (300, 130, 1)])
 def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits, pcfg):
     """The persistent 8-head kernel (NOTES.md v18) with several (token, split) items a program: an odd number of
@@ -1047,10 +1047,10 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
 
 
 def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_little():
-    """The persistent 8-head kernel with three products in flight on both sides (pipe "s3o3", NOTES.md v20, the
-    default once the top-k is not split): consumers at 224 registers, the loader at 56, 8 of each step's 18 wgmma
-    waits leave two products outstanding and 4 one; the one spill allowed: consumer 1's 3 LDL + 3 STL a step (at
-    208 registers 40 bytes)."""
+    """The persistent 8-head kernel with three products in flight on both sides (pipe "s3o3", NOTES.md v20, with
+    P^T's tiles re-derived each step, "s3o3p" since v35, the default once the top-k is not split): consumers at 224
+    registers, the loader at 56, 8 of each step's 18 wgmma waits leave two products outstanding and 4 one; the one
+    spill allowed: consumer 1's 3 LDL + 3 STL a step (at 208 registers 40 bytes)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     from glm5lab.kernels.sparse_mla import choose_num_splits
 
@@ -1069,7 +1069,7 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     """The 16-head dual-consumer tile with O^T's products pipelined (pipe "o", NOTES.md v19) gives its consumers 224
     registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits (S^T's
-    side synchronous; pipelined too it spills, `test_gluon_rows_fp8_sm90_dual_kept_max_builds`)."""
+    side synchronous; pipelined too it spills without "p", `test_gluon_rows_fp8_sm90_dual_kept_max_builds`)."""
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=16, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sparse_mla_sm90.pipe_bits("o"))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
@@ -1080,10 +1080,11 @@ def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
 def test_gluon_rows_fp8_sm90_dual_kept_max_builds(tile):
     """P^T against the kept max in the dual-consumer kernels (kept_p, NOTES.md v31; the 16-head tile's default): one
     warp vote a consumer step (its uniform branch around the rare path), the same products, and a bounded spill --
-    the 16-head "o" form 24 bytes, 3 LDL + 3 STL (none without); its "so" form (the default unsplit, v34) 32 bytes,
+    the 16-head "o" form 24 bytes, 3 LDL + 3 STL (none without); its "so" form (v34's default unsplit) 32 bytes,
     11 LDL + 10 STL, S^T's waits leaving one product outstanding as O^T's do; the 8-head "so" form none. With P^T's
     tiles re-derived each step (pipe "p", v35; ptxas had kept their descriptors across the loop and spilled them) the
-    16-head forms spill nothing and the 8-head "s3o3" (56 bytes without) 16 bytes, 3 LDL + 3 STL."""
+    16-head forms spill nothing ("op" / "sop": the defaults since v35) and the 8-head "s3o3" (56 bytes without) 16
+    bytes, 3 LDL + 3 STL."""
     h, pipe = int(tile.split("-")[0]), tile.split("-")[-1]
     split = tile in ("16-head-o", "8-head-so", "16-head-op")
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=h, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4,

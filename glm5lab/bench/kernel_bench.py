@@ -114,8 +114,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                      "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "so",
                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  # ... with three products in flight on both sides (pipe "s3o3", the default unsplit since
-                  # v20, consumers at 224 registers), and its timing diagnostics
+                  # ... with three products in flight on both sides (pipe "s3o3", the default unsplit in
+                  # v20-v34, "s3o3p" since v35; consumers at 224 registers), and its timing diagnostics
                   ("ws8x2pp3", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                 "resident": 1, "dual_consumers": True, "pipe": "s3o3"}),
                   # ... the dual-consumer forms with P^T against the kept max (NOTES.md v31; ws8x2ok the 16-head default
@@ -152,7 +152,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
                   ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
-                  # ... the 16-head tile's timing diagnostics as the default runs split calls (pipe "o"; wrong results
+                  # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
                                     "resident": 1, "dual_consumers": True, "pipe": "o", "_diagnostic": True,

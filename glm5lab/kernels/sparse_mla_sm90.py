@@ -1780,7 +1780,8 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     staged bytes in registers; the scores' max over the rows and the chunk scales' max in ONE reduction across the
     warps (two took two rounds through shared memory). PIPE (bits, NOTES.md v18-v20): S^T's (PIPE_S) / O^T's (PIPE_O)
     products issued async, two at a time, so the next chunk's operand is converted while the last chunk's wgmma runs
-    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`). KEPT_P (NOTES.md v31):
+    (two operands live, not one); with PIPE_S3 / PIPE_O3 three at a time (`_products_async`); PIPE_P (v35): P^T's
+    tiles re-derived from the opaque 0 each step (`_opaque_p_tiles`). KEPT_P (NOTES.md v31):
     P^T against the kept max and r, the reduction across the warps only on flagged steps (`_kept_max_rows`; p_ts then
     carries the warps' flags as its fifth buffer)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
@@ -2404,7 +2405,7 @@ FP8_PERSISTENT_MIN_TOKENS = 16
 # at 56 registers gathers more slowly (its gathers alone at 64 tokens 32.8 against 32.1 us). So the default from
 # there (`deep_pipe_pays`). P^T's tiles re-derived each step ("s3o3p", NOTES.md v35 call 3: the same 16 bytes of
 # spill, 111 fewer instructions in the build's longest loop), x FlashMLA at 128 / 512 tokens 2.126 / 2.358 -> 2.135 /
-# 2.371 (+0.4-0.5%, p20-p80 overlapping).
+# 2.371 (+0.4-0.6%, p20-p80 overlapping).
 ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"}
 
 
@@ -2439,7 +2440,8 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
     tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS (once the top-k is not split,
-    `deep_pipe_pays`: three products in flight at 8 heads, S^T's pipelined too at 16), the 32-row mma.sync tile at
+    `deep_pipe_pays`: three products in flight at 8 heads, S^T's pipelined too at 16; P^T's tiles re-derived each
+    step, pipe "p", in all but the 8-head split form), the 32-row mma.sync tile at
     1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
@@ -2484,7 +2486,8 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 
 # the dual-consumer kernel's pipelined sides ("pipe"): none, O^T's products, both, both three at a time (v20); the
 # 16-head tile both two at a time at most (NOTES.md v34: "so" spills 32 bytes with the kept max, three in flight
-# 136-192); a "p" after any: P^T's tiles re-derived each step (PIPE_P, v35: no spill left in the 16-head "so" build)
+# 136-192); a "p" after any of them but "": P^T's tiles re-derived each step (PIPE_P, v35: no spill left in the
+# 16-head "so" build)
 PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "op", "sop", "s3o3p"), 16: ("", "o", "so", "op", "sop")}
 
 
