@@ -8,6 +8,7 @@ then the instructions with the most samples.
 import argparse
 import gzip
 import re
+from io import StringIO
 
 import pandas as pd
 
@@ -15,10 +16,15 @@ BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 
 
 def load(path: str) -> pd.DataFrame:
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        lines = f.read().splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
-    from io import StringIO
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"error: cannot read {path}: {exc}") from None
+    head = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if head is None:
+        raise SystemExit(f"error: {path} is not ncu's SASS source page as CSV (no \"Address\" header line; made by "
+                         "`ncu -i REPORT --page source --print-source sass --csv`)")
     df = pd.read_csv(StringIO("\n".join(lines[head:])), dtype=str)
     df["addr"] = df["Address"].map(lambda a: int(a, 16))
     df["offset"] = df["addr"] - df["addr"].min()
