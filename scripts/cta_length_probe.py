@@ -41,10 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     need_gpu("cta_length_probe")
-    known = dict(kb.GLUON_VARIANTS)
-    unknown = [v for v in a.variants if v not in known]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; expected names of kernel_bench.GLUON_VARIANTS")
+    known = dict(kb.gluon_variants(",".join(a.variants), source="--variants"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache = quantize_fp8_ds_mla(torch.randn(a.slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
     scale = mla_softmax_scale()
@@ -56,8 +53,7 @@ def main(argv=None) -> int:
             calls = [functools.partial(sparse_mla_attention, q, cache, slots, scale, num_splits=1, _config=cfg)
                      for q, slots in sets]
             timers[(v, tokens, topk)] = kb.graph_timer(calls)
-    names = list(timers)
-    samples = interleaved_samples({n: timers[n] for n in names}, a.rounds)
+    samples = interleaved_samples(timers, a.rounds)
     rows = []
     for (v, tokens, topk), xs in samples.items():
         q = quantiles(xs)

@@ -15,6 +15,11 @@ import pandas as pd
 BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 
 
+def stall_columns(df: pd.DataFrame) -> list[str]:
+    """The page's stall-reason columns (all samples, not the not-issued copies)."""
+    return [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+
+
 def load(path: str) -> pd.DataFrame:
     try:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
@@ -28,8 +33,7 @@ def load(path: str) -> pd.DataFrame:
     df = pd.read_csv(StringIO("\n".join(lines[head:])), dtype=str)
     df["addr"] = df["Address"].map(lambda a: int(a, 16))
     df["offset"] = df["addr"] - df["addr"].min()
-    for col in ["Warp Stall Sampling (All Samples)", "Instructions Executed"] + \
-            [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]:
+    for col in ["Warp Stall Sampling (All Samples)", "Instructions Executed"] + stall_columns(df):
         df[col] = pd.to_numeric(df[col].str.replace(",", ""), errors="coerce").fillna(0)
     df["samples"] = df["Warp Stall Sampling (All Samples)"]
     df["source"] = df["Source"].str.strip()
@@ -51,7 +55,7 @@ def loops(df: pd.DataFrame) -> list[tuple[int, int]]:
 
 
 def summarize(df: pd.DataFrame, top: int = 4) -> pd.DataFrame:
-    stall_cols = [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+    stall_cols = stall_columns(df)
     total = df["samples"].sum()
     rows, claimed = [], pd.Series(False, index=df.index)
     for first, last in loops(df):      # innermost (shortest) first; an outer loop keeps only what is not inner
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
     pd.set_option("display.max_colwidth", 90)
     print(f"{len(df)} instructions, {int(df['samples'].sum())} samples")
     print(summarize(df).to_string(index=False))
-    stall_cols = [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+    stall_cols = stall_columns(df)
     hot = df.nlargest(a.top, "samples").copy()
     hot["top stall"] = hot[stall_cols].idxmax(axis=1).str[6:]
     hot["%"] = (100 * hot["samples"] / df["samples"].sum()).round(1)

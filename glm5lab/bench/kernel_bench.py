@@ -195,16 +195,17 @@ VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": F
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 
-def gluon_variants(names: str = "") -> list:
-    """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON); when empty, all but the
-    timing diagnostics (wrong results on purpose), which run only by name."""
+def gluon_variants(names: str = "", source: str = GLUON_ENV) -> list:
+    """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON; `source` names where they
+    came from in the error); when empty, all but the timing diagnostics (wrong results on purpose), which run only by
+    name."""
     from glm5lab.errors import Glm5labError
 
     known = dict(GLUON_VARIANTS)
     pick = [x.strip() for x in names.split(",") if x.strip()]
     unknown = [x for x in pick if x not in known]
     if unknown:
-        raise Glm5labError(f"unknown Gluon variant(s) {unknown} in {GLUON_ENV}; expected names from {list(known)}")
+        raise Glm5labError(f"unknown Gluon variant(s) {unknown} in {source}; expected names from {list(known)}")
     if pick:
         return [(n, known[n]) for n in pick]
     return [(n, cfg) for n, cfg in GLUON_VARIANTS if not cfg.get("_diagnostic")]
