@@ -211,28 +211,6 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
     check(out, lse, ref, torch.bfloat16)
 
 
-# the persistent form of the 16-head dual tile (a private A/B switch, NOTES.md v34 / v36: 3 stages, so that a whole
-# O^T fits the handover), with P^T's tiles re-derived each step: "sop" / "op", kept max
-WS8X2Q3SOKP = {**WS8X2SOKP, "stages": 3, "_persistent": True}
-WS8X2Q3OKP = {**WS8X2OKP, "stages": 3, "_persistent": True}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2Q3SOKP, WS8X2Q3OKP], ids=["ws8x2q3sokp", "ws8x2q3okp"])
-@pytest.mark.parametrize("H,T,topk,splits", [(16, 400, 2048, 1), (12, 150, 2000, 3), (16, 97, 77, 5), (9, 8, 2048, 0),
-                                             (16, 1, 2048, 0), (16, 300, 130, 1)])
-def test_gpu_gluon_persistent_16_head_tile(H, T, topk, splits, pcfg):
-    """The 16-head dual tile made persistent: several items a program, odd steps an item, unequal splits, items of
-    one or two steps, default splits at small batches; the poisoned outputs all written and matching the float64
-    reference; every e4m3 byte pattern."""
-    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
-    check(out, lse, ref, torch.bfloat16)
-    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=16, topk=512, num_slots=4096)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
-    check(out, lse, ref, torch.bfloat16)
-
-
 def _consumer_moves(step_max):
     """How far each dual consumer's running maximum rises from one of its steps to its next (steps i and i + 2:
     the two consumers take alternate steps), finite rises only: [..., steps - 2]."""
@@ -243,9 +221,9 @@ def _consumer_moves(step_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
-                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2Q3SOKP, WS8X2Q3OKP],
+                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
-                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2q3sokp", "ws8x2q3okp"])
+                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -277,9 +255,9 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP, WS8X2SOKP, WS8X2OKP,
-                                  WS8X2PP3P, WS8X2Q3SOKP, WS8X2Q3OKP],
+                                  WS8X2PP3P],
                          ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp",
-                              "ws8x2okp", "ws8x2pp3p", "ws8x2q3sokp", "ws8x2q3okp"])
+                              "ws8x2okp", "ws8x2pp3p"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -1043,14 +1021,6 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    persistent_16 = {**sm90.ROWS_FP8_DUAL_DEEP_CONFIG, "stages": 3, "_persistent": True}     # (the v36 A/B form)
-    sm90.check_tile(persistent_16, True, 16)
-    assert sm90.kernel_of(16, True, rows=True, dual=True, persistent=True) is \
-        sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    with pytest.raises(Glm5labError, match="persistent 16-head form 3"):
-        sm90.check_tile({**persistent_16, "stages": 4}, True, 16)
-    with pytest.raises(Glm5labError, match="_persistent=True is a form of the dual-consumer kernel's 16-head tile"):
-        sm90.check_tile({**n8, "stages": 3, "_persistent": True}, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):

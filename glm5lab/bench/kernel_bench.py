@@ -152,20 +152,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
                   ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
-                  # ... the 16-head tile in the persistent kernel (a private A/B switch, NOTES.md v34 / v36: 3
-                  # stages, so that a whole O^T fits the handover), "sop" / "op" with the kept max, and "sop"'s
-                  # consumers alone (d2) and gathers alone (d3); the 8-head split form with "p" ("sop")
-                  ("ws8x2q3sokp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                   "resident": 1, "dual_consumers": True, "pipe": "sop", "kept_p": True,
-                                   "_persistent": True}),
-                  ("ws8x2q3okp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                  "resident": 1, "dual_consumers": True, "pipe": "op", "kept_p": True,
-                                  "_persistent": True}),
-                  *((f"ws8x2q3d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 3,
-                                      "resident": 1, "dual_consumers": True, "pipe": "sop", "_persistent": True,
-                                      "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
-                  ("ws8x2ppp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
-                                "resident": 1, "dual_consumers": True, "pipe": "sop"}),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -2211,7 +2211,7 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 8 or BLOCK_H == 16, "8- or 16-head tiles (wgmma N = 8 or 16)")
+    gl.static_assert(BLOCK_H == 8, "the 8-head tile (wgmma N = 8; <= 8 heads)")
     gl.static_assert(STAGES >= 3, "two stages in the consumers' hands, at least one in flight")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     SM: gl.constexpr = ROWS_SM
@@ -2244,9 +2244,9 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
                                     SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P)),
         (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                                   rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-    ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) or BLOCK_H == 16 else [208, 88])
+    ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); three products in flight need 224
-    # (208 spill 40 bytes, NOTES.md v19), the loader fits 56; so does the 16-head tile (v34)
+    # (208 spill 40 bytes, NOTES.md v19), the loader fits 56
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -2430,7 +2430,7 @@ def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
     least half the SMs idle, so the merge's programs wait there."""
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("_persistent", False))
+                       cfg.get("dual_consumers", False))
     return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
 
 
@@ -2465,12 +2465,11 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False, persistent: bool = False):
+              dual: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles; ws: the
-    warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup;
-    persistent: the 16-head dual tile in the persistent kernel too, a private A/B form, NOTES.md v34 / v36)."""
-    if rows and fp8 and dual and (block_h == 8 or persistent):
+    warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
+    if rows and fp8 and dual and block_h == 8:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
@@ -2554,14 +2553,9 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
-    persistent_16 = cfg.get("_persistent", False)      # (a private A/B switch, NOTES.md v34 / v36)
-    if persistent_16 and not (dual and cfg["block_h"] == 16):
-        raise Glm5labError("_persistent=True is a form of the dual-consumer kernel's 16-head tile (the 8-head one is "
-                           f"persistent anyway); got it with dual_consumers={dual}, block_h {cfg['block_h']}")
-    if dual and (cfg["stages"] != (3 if persistent_16 else 4) or cfg.get("ws_diag", 0) not in (0, 2, 3)):
-        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory; its "
-                           "persistent 16-head form 3) and timing diagnostics 2-3 only; got stages "
-                           f"{cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
+    if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
+        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
+                           f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
     if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -2595,7 +2589,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("_persistent", False))
+                       cfg.get("dual_consumers", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
