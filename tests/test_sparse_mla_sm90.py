@@ -878,18 +878,18 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
         assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
-        # the dual-consumer form (NOTES.md v17) from 64 tokens at 9-16 heads, its persistent 8-head tile (v18) from
-        # 16 at <= 8 heads
-        dual_from, dual = ((sm90.FP8_PERSISTENT_MIN_TOKENS, WS8X2PP) if H <= 8
-                           else (sm90.FP8_DUAL_MIN_TOKENS, WS8X2OKP))
+        # the dual-consumer 16-head tile (NOTES.md v17; "sop", v34-v36) from 24 tokens at 9-16 heads and from 16 at
+        # <= 8 heads (v36), ...
+        dual_from = sm90.FP8_DUAL_MIN_TOKENS_AT_8_HEADS if H <= 8 else sm90.FP8_DUAL_MIN_TOKENS
+        assert (dual_from, sm90.FP8_DUAL_MIN_TOKENS) == ((16, 24) if H <= 8 else (24, 24))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
-        assert sm90.default_config(H, True, dual_from) == dual
-        # ... with three products in flight once the top-k is not split (v20) at <= 8 heads, S^T's pipelined too
-        # at 9-16 (v34), P^T's tiles re-derived each step (v35)
+        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == WS8X2SOKP
+        # ... at <= 8 heads, once the top-k is not split, the persistent 8-head tile (v18) with three products in
+        # flight (v20) and P^T's tiles re-derived each step (v35)
         assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3P if H <= 8
                                                                                           else WS8X2SOKP)
-        assert sm90.default_config(H, True, 66) == sm90.default_config(H, True, 64) == dual
-        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3P if H <= 8 else sm90.ROWS_FP8_CONFIG)
+        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3P if H <= 8 else WS8X2SOKP)
+        assert sm90.default_config(H, True, 20, num_sms=78) == (WS8X2SOKP if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -1058,7 +1058,8 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
         deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3p"
         assert deep == (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1), tokens
         if tokens >= sm90.FP8_DUAL_MIN_TOKENS:
-            assert sm90.default_config(16, True, tokens)["pipe"] == ("sop" if deep else "op"), tokens
+            assert sm90.default_config(16, True, tokens)["pipe"] == "sop", tokens
+        assert deep or sm90.default_config(8, True, tokens) == sm90.ROWS_FP8_DUAL_DEEP_CONFIG, tokens
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
     assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22

@@ -2377,26 +2377,37 @@ FP8_ROWS_MIN_TOKENS = 4
 # loop and spilled them; beside the loader's copies the reloads cost ~400 cycles of a consumer's ~4,900 a step): no
 # spill; 21 interleaved rounds, x FlashMLA's fp8 decode, "o" -> "op" at 16 heads x 64 tokens 1.865 -> 1.952.
 ROWS_FP8_DUAL_CONFIG = {**ROWS_FP8_CONFIG, "dual_consumers": True, "stages": 4, "pipe": "op", "kept_p": True}
-FP8_DUAL_MIN_TOKENS = 64
+# From FP8_DUAL_MIN_TOKENS tokens at 9-16 heads (v17-v35: 64; NOTES.md v36 call 2, 21 interleaved rounds, us, 16
+# heads x 16 / 24 / 32 / 48 tokens, ROWS_FP8_CONFIG -> ROWS_FP8_DUAL_DEEP_CONFIG: 18.67 / 25.10 / 27.12 / 44.21 ->
+# 20.81 / 23.79 / 26.72 / 35.74).
+FP8_DUAL_MIN_TOKENS = 24
 # ... with S^T's products pipelined too (pipe "so", NOTES.md v34 call 1: consumers at 224 registers, 32 bytes of spill,
 # three of them local loads on each consumer's common path -- as many as "o" has on one): 21 interleaved rounds, x
 # FlashMLA's fp8 decode, "o" -> "so" at 16 heads x 32 / 128 / 512 tokens 1.755 / 1.886 / 1.935 -> 1.715 / 1.905 /
-# 1.954 (p20-p80 apart at 128 and 512). So from where the top-k is not split (`deep_pipe_pays`), as at 8 heads.
+# 1.954 (p20-p80 apart at 128 and 512). So from where the top-k is not split, as at 8 heads (v34-v35).
 # With P^T's tiles re-derived each step ("sop", v35 call 3: its 32 bytes of spill gone), "so" -> "sop" at 16 heads x
 # 64 / 128 / 512 tokens 1.843 / 1.910 / 1.967 -> 1.946 / 2.055 / 2.144 (p20-p80 apart; "op" 1.952 / 2.035 / 2.111).
+# Since v36 "sop" on split calls too, the dual tile's one pipe (us, "op" -> "sop": 16 heads x 24 / 32 / 48 / 64 tokens
+# 23.82 / 26.76 / 36.16 / 39.03 -> 23.79 / 26.72 / 35.74 / 38.57 in v36 call 2; v35 call 3 read them equal at 64).
 ROWS_FP8_DUAL_DEEP_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "pipe": "sop"}
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
 # (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
 # memory). H200, v18 calls 1-3 (interleaved rounds), us at 16 / 32 / 128 / 256 / 512 tokens: 18.6-18.8 / 24.1-24.4 /
 # 57.7-58.3 / 109.6 / 212.2-216.4 (ROWS_FP8_DUAL_CONFIG 25.0 / 63.8 / 244.0 at 32 / 128 / 512; ROWS_FP8_CONFIG
 # 19.6-19.8 at 16; the same 8-head tile one program an item 18.9 / 24.1-24.3 / 57.5-58.3 / 112.4 / 218.3-220.0).
-# So the default at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS tokens (at 8 tokens 15.0 against 14.8). Both products
+# So the default at <= 8 heads from 16 tokens in v18-v35 (at 8 tokens 15.0 against 14.8). Both products
 # pipelined ("pipe": "so", v18 call 10, interleaved): 18.3 / 54.6 / 207.6 against 18.9 / 57.3 / 218.6 at 16 / 128 /
 # 512 tokens.
 # (the kept max: "so" 2.014 / 2.041 / 2.178 -> 2.016 / 2.073 / 2.202x at 32 / 128 / 512 tokens, "s3o3" 1.941 / 2.086 /
 # 2.285 -> 1.958 / 2.035 / 2.252x, its build spilling 56 bytes: not taken at 8 heads; v31 call 3)
+# v18-v35 the default at <= 8 heads from 16 tokens until the top-k is no longer split; since v36 the 16-head tile
+# (ROWS_FP8_DUAL_DEEP_CONFIG, half its heads masked) is the default there: NOTES.md v36 calls 1-2, 21 interleaved
+# rounds, us, 8 heads x 16 / 24 / 32 / 48 / 64 tokens, this tile -> the 16-head one: 18.02 / 21.37 / 23.37 / 32.38 /
+# 34.74 -> 17.38 / 20.45 / 22.30 / 31.84 / 34.09 (p20-p80 apart at each; ROWS_FP8_CONFIG 18.41 at 16 tokens, 11.36
+# against 12.31 at 8). Not at 128 / 512 tokens: 2.138 / 2.347 (the persistent "s3o3p") against 2.092 / 2.189x
+# FlashMLA's fp8 decode (v36 call 1).
 ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
-FP8_PERSISTENT_MIN_TOKENS = 16
+FP8_DUAL_MIN_TOKENS_AT_8_HEADS = 16
 # ... with three products in flight on both sides (pipe "s3o3", NOTES.md v20: consumers at 224 registers, the loader
 # at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 2-3 (interleaved), us at 16 / 32 / 64 / 96 / 128 /
 # 256 / 512 tokens: 18.8 / 24.4 / 36.5-36.6 / 50.4 / 54.1-54.2 / 103.5 / 195.2-198.5 against "so" 18.5 / 23.6 /
@@ -2410,9 +2421,9 @@ ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"
 
 
 def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
-    """Whether a <= 16-head fp8_ds_mla call of the dual-consumer kernel takes its deeper pipe
-    (ROWS_FP8_PERSISTENT_DEEP_CONFIG at <= 8 heads, ROWS_FP8_DUAL_DEEP_CONFIG at 9-16): when its top-k is not split
-    (at one program a SM: more tokens than half the SMs; NOTES.md v20, v34)."""
+    """Whether a <= 8-head fp8_ds_mla call takes the persistent 8-head tile with three products in flight
+    (ROWS_FP8_PERSISTENT_DEEP_CONFIG): when its top-k is not split (at one program a SM: more tokens than half the
+    SMs; NOTES.md v20; below that the 16-head tile, v36)."""
     return splits_wanted(num_tokens, 1, num_sms, ROWS_FP8_PERSISTENT_DEEP_CONFIG["resident"]) < 2
 
 
@@ -2438,10 +2449,10 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
-    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form at 9-16 heads from FP8_DUAL_MIN_TOKENS
-    tokens and its persistent 8-head tile at <= 8 heads from FP8_PERSISTENT_MIN_TOKENS (once the top-k is not split,
-    `deep_pipe_pays`: three products in flight at 8 heads, S^T's pipelined too at 16; P^T's tiles re-derived each
-    step, pipe "p", in all but the 8-head split form), the 32-row mma.sync tile at
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer 16-head tile ("sop": both products
+    pipelined, P^T's tiles re-derived each step) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens and at <= 8 heads
+    from FP8_DUAL_MIN_TOKENS_AT_8_HEADS, until at <= 8 heads the top-k is no longer split (`deep_pipe_pays`):
+    from there the persistent 8-head tile with three products in flight ("s3o3p"), the 32-row mma.sync tile at
     1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
@@ -2450,10 +2461,8 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     if fp8:
         if num_heads <= 8 and deep_pipe_pays(num_tokens, num_sms):
             return dict(ROWS_FP8_PERSISTENT_DEEP_CONFIG)
-        if num_heads <= 8 and num_tokens >= FP8_PERSISTENT_MIN_TOKENS:
-            return dict(ROWS_FP8_PERSISTENT_CONFIG)
-        if num_heads > 8 and num_tokens >= FP8_DUAL_MIN_TOKENS:
-            return dict(ROWS_FP8_DUAL_DEEP_CONFIG if deep_pipe_pays(num_tokens, num_sms) else ROWS_FP8_DUAL_CONFIG)
+        if num_tokens >= (FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS):
+            return dict(ROWS_FP8_DUAL_DEEP_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
         return dict(DEFAULT_CONFIG)
