@@ -211,6 +211,29 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
     check(out, lse, ref, torch.bfloat16)
 
 
+# the dual kernel's 8-head tile one item a program (a private A/B switch, NOTES.md v36: not persistent), "sop" with and
+# without the kept max, "s3o3p"
+WS8X2ESOKP = {**WS8X2PP, "pipe": "sop", "kept_p": True, "_one_item": True}
+WS8X2ESOP = {**WS8X2PP, "pipe": "sop", "_one_item": True}
+WS8X2ES3O3P = {**WS8X2PP3P, "_one_item": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pcfg", [WS8X2ESOKP, WS8X2ESOP, WS8X2ES3O3P], ids=["ws8x2esokp", "ws8x2esop", "ws8x2es3o3p"])
+@pytest.mark.parametrize("H,T,topk,splits", [(8, 200, 2048, 1), (6, 150, 2000, 3), (8, 97, 77, 5), (8, 8, 2048, 0),
+                                             (3, 1, 2048, 0), (8, 300, 130, 1)])
+def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg):
+    """The dual-consumer kernel on 8-head tiles, one (token, split) a program: odd steps, unequal splits, items of one
+    or two steps, default splits at small batches; the poisoned outputs all written and matching the float64
+    reference; every e4m3 byte pattern."""
+    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
+
+
 def _consumer_moves(step_max):
     """How far each dual consumer's running maximum rises from one of its steps to its next (steps i and i + 2:
     the two consumers take alternate steps), finite rises only: [..., steps - 2]."""
@@ -221,9 +244,9 @@ def _consumer_moves(step_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
-                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P],
+                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOKP, WS8X2ES3O3P],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
-                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p"])
+                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esokp", "ws8x2es3o3p"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -1021,6 +1044,10 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
+    sm90.check_tile({**n8, "_one_item": True}, True, 8)                       # (the v36 A/B form)
+    assert sm90.kernel_of(8, True, rows=True, dual=True, one_item=True) is sm90._sparse_mla_rows_fp8_dual_sm90_kernel
+    with pytest.raises(Glm5labError, match="_one_item=True runs the dual-consumer kernel's 8-head tile"):
+        sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "_one_item": True}, True, 8)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):

@@ -152,6 +152,13 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
                   ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
+                  # ... the dual kernel's 8-head tile one item a program (a private A/B switch, NOTES.md v36: not
+                  # persistent), "sop" with and without the kept max, "s3o3p"
+                  *((f"ws8x2e{pipe}{'k' if kept else ''}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64,
+                                                           "num_warps": 4, "stages": 4, "resident": 1,
+                                                           "dual_consumers": True, "pipe": pipe, "kept_p": kept,
+                                                           "_one_item": True})
+                    for pipe, kept in (("sop", True), ("sop", False), ("s3o3p", False))),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -2069,7 +2069,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 16, "16-head tiles (the 8-head one is the persistent kernel)")
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles (8-head ones: a private A/B form, NOTES.md v36)")
     gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     VEC: gl.constexpr = ROWS_VEC
@@ -2441,7 +2441,7 @@ def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
     least half the SMs idle, so the merge's programs wait there."""
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False))
+                       cfg.get("dual_consumers", False), cfg.get("_one_item", False))
     return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
 
 
@@ -2474,11 +2474,11 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False):
+              dual: bool = False, one_item: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles; ws: the
     warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
-    if rows and fp8 and dual and block_h == 8:
+    if rows and fp8 and dual and block_h == 8 and not one_item:     # (one_item: a private A/B form, NOTES.md v36)
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
@@ -2562,6 +2562,9 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
+    if cfg.get("_one_item") and not (dual and cfg["block_h"] == 8):     # (a private A/B switch, NOTES.md v36)
+        raise Glm5labError("_one_item=True runs the dual-consumer kernel's 8-head tile one item a program (not "
+                           f"persistent); got it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -2598,7 +2601,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False))
+                       cfg.get("dual_consumers", False), cfg.get("_one_item", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
