@@ -211,15 +211,15 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
     check(out, lse, ref, torch.bfloat16)
 
 
-# the dual kernel's 8-head tile one item a program (a private A/B switch, NOTES.md v36: not persistent), "sop" with and
-# without the kept max, "s3o3p"
-WS8X2ESOKP = {**WS8X2PP, "pipe": "sop", "kept_p": True, "_one_item": True}
-WS8X2ESOP = {**WS8X2PP, "pipe": "sop", "_one_item": True}
-WS8X2ES3O3P = {**WS8X2PP3P, "_one_item": True}
+# the dual kernel's 8-head tile one item a program (not persistent, NOTES.md v36), "sop" with the kept max (the default
+# at <= 8 heads from 16 tokens since v36) and without, "s3o3p"
+WS8X2ESOPK = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG
+WS8X2ESOP = {**WS8X2ESOPK, "kept_p": False}
+WS8X2ES3O3P = {**WS8X2PP3P, "one_item": True}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2ESOKP, WS8X2ESOP, WS8X2ES3O3P], ids=["ws8x2esokp", "ws8x2esop", "ws8x2es3o3p"])
+@pytest.mark.parametrize("pcfg", [WS8X2ESOPK, WS8X2ESOP, WS8X2ES3O3P], ids=["ws8x2esopk", "ws8x2esop", "ws8x2es3o3p"])
 @pytest.mark.parametrize("H,T,topk,splits", [(8, 200, 2048, 1), (6, 150, 2000, 3), (8, 97, 77, 5), (8, 8, 2048, 0),
                                              (3, 1, 2048, 0), (8, 300, 130, 1)])
 def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg):
@@ -244,9 +244,9 @@ def _consumer_moves(step_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
-                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOKP, WS8X2ES3O3P],
+                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOPK, WS8X2ES3O3P],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
-                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esokp", "ws8x2es3o3p"])
+                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esopk", "ws8x2es3o3p"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -906,13 +906,13 @@ def test_gluon_tiles_by_head_count():
         dual_from = sm90.FP8_DUAL_MIN_TOKENS_AT_8_HEADS if H <= 8 else sm90.FP8_DUAL_MIN_TOKENS
         assert (dual_from, sm90.FP8_DUAL_MIN_TOKENS) == ((16, 24) if H <= 8 else (24, 24))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
-        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == WS8X2SOKP
-        # ... at <= 8 heads, once the top-k is not split, the persistent 8-head tile (v18) with three products in
-        # flight (v20) and P^T's tiles re-derived each step (v35)
-        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == (WS8X2PP3P if H <= 8
-                                                                                          else WS8X2SOKP)
-        assert sm90.default_config(H, True, 40, num_sms=78) == (WS8X2PP3P if H <= 8 else WS8X2SOKP)
-        assert sm90.default_config(H, True, 20, num_sms=78) == (WS8X2SOKP if H <= 8 else sm90.ROWS_FP8_CONFIG)
+        # ... at <= 8 heads on the dual kernel's own 8-head tile, one item a program (v36; v18-v35 the persistent one)
+        dual = WS8X2ESOPK if H <= 8 else WS8X2SOKP
+        assert dual["pipe"] == "sop" and dual["kept_p"] and dual["block_h"] == (8 if H <= 8 else 16)
+        assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
+        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == dual
+        assert sm90.default_config(H, True, 40, num_sms=78) == dual
+        assert sm90.default_config(H, True, 20, num_sms=78) == (dual if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
@@ -1031,7 +1031,7 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
             sm90.launch((1, 1, 1), (), {**sm90.ROWS_FP8_DUAL_CONFIG, **extra}, False, True)
     n8 = sm90.ROWS_FP8_PERSISTENT_CONFIG
     sm90.check_tile(n8, True, 8)
-    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
+    assert n8 == {**sm90.ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False, "one_item": False}
     for pipe in ("", "o", "so", "s3o3", "op", "sop", "s3o3p"):
         sm90.check_tile({**n8, "pipe": pipe}, True, 8)
     for pipe in ("", "o", "so", "op", "sop"):
@@ -1044,10 +1044,11 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
         with pytest.raises(Glm5labError, match="pipe='.*': the dual-consumer fp8_ds_mla kernel's products"):
             sm90.check_tile(cfg, True, 8)
     assert sm90.kernel_of(8, True, rows=True, dual=True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
-    sm90.check_tile({**n8, "_one_item": True}, True, 8)                       # (the v36 A/B form)
+    sm90.check_tile(sm90.ROWS_FP8_DUAL_8_CONFIG, True, 8)                       # (one item a program, v36)
     assert sm90.kernel_of(8, True, rows=True, dual=True, one_item=True) is sm90._sparse_mla_rows_fp8_dual_sm90_kernel
-    with pytest.raises(Glm5labError, match="_one_item=True runs the dual-consumer kernel's 8-head tile"):
-        sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "_one_item": True}, True, 8)
+    assert sm90.kernel_of(16, True, rows=True, dual=True, one_item=True) is sm90._sparse_mla_rows_fp8_dual_sm90_kernel
+    with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
+        sm90.check_tile(sm90.ROWS_FP8_DUAL_8_CONFIG, True, 9)
     with pytest.raises(Glm5labError, match="8-head tile takes calls of <= 8 heads, got 9"):
         sm90.check_tile(n8, True, 9)
     with pytest.raises(Glm5labError, match="take 16-head tiles, 64-row steps and 4 warps, got block_h 8"):
@@ -1081,17 +1082,27 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_littl
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     from glm5lab.kernels.sparse_mla import choose_num_splits
 
-    for tokens in (16, 64, 66, 67, 100, 512):      # (deep: the tokens at which the dual-consumer kernel is not split)
-        deep = sm90.default_config(8, True, tokens)["pipe"] == "s3o3p"
-        assert deep == (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1), tokens
-        if tokens >= sm90.FP8_DUAL_MIN_TOKENS:
-            assert sm90.default_config(16, True, tokens)["pipe"] == "sop", tokens
-        assert deep or sm90.default_config(8, True, tokens) == sm90.ROWS_FP8_DUAL_DEEP_CONFIG, tokens
+    for tokens in (16, 64, 66, 67, 100, 512):      # (v20-v35 "s3o3" once the top-k was not split; since v36 no default)
+        assert sm90.default_config(8, True, tokens) == sm90.ROWS_FP8_DUAL_8_CONFIG, tokens
+        assert sm90.default_config(16, True, max(tokens, sm90.FP8_DUAL_MIN_TOKENS))["pipe"] == "sop", tokens
+        assert (choose_num_splits(tokens, 1, 2048, 64, 132, resident=1) == 1) == (tokens >= 67), tokens
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=False, FP8=True, num_warps=4,
                       _sass=True, PIPE=sm90.pipe_bits(sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG["pipe"]))
     assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
     assert rep["stack"] <= 16 and rep.get("LDL", 0) <= 3 and rep.get("STL", 0) <= 3
     assert _depbars(rep) == {0: 6, 1: 4, 2: 8}
+
+
+def test_gluon_rows_fp8_sm90_dual_8_head_tile_one_item_a_program_builds_without_spilling():
+    """The <= 8-head default since NOTES.md v36: the dual kernel on 8-head tiles, one item a program, "sop" with the
+    kept max -- consumers at 224 registers, the loader at 56, no spill, both products of a step's 68 wgmma a consumer,
+    and less shared memory than the persistent kernel (no separate handover buffer, one q)."""
+    cfg = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG
+    rep = _sm90_build(rows=True, dual=True, one_item=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=True, FP8=True,
+                      num_warps=4, PIPE=sparse_mla_sm90.pipe_bits(cfg["pipe"]), KEPT_P=cfg["kept_p"])
+    assert {56, 224} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 2 * 68 and rep["LDGSTS"] == 22
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
+    assert rep["smem"] <= 190 * 1024
 
 
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():

@@ -152,12 +152,12 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p", "kept_p": True}),
                   ("ws8x2pp3p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "s3o3p"}),
-                  # ... the dual kernel's 8-head tile one item a program (a private A/B switch, NOTES.md v36: not
-                  # persistent), "sop" with and without the kept max, "s3o3p"
+                  # ... the dual kernel's 8-head tile one item a program (not persistent, NOTES.md v36; "sop" with
+                  # the kept max the default at <= 8 heads from 16 tokens since), without the kept max, "s3o3p"
                   *((f"ws8x2e{pipe}{'k' if kept else ''}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64,
                                                            "num_warps": 4, "stages": 4, "resident": 1,
                                                            "dual_consumers": True, "pipe": pipe, "kept_p": kept,
-                                                           "_one_item": True})
+                                                           "one_item": True})
                     for pipe, kept in (("sop", True), ("sop", False), ("s3o3p", False))),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
@@ -191,10 +191,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers, block_h, pipe and kept_p: the <= 16-head fp8_ds_mla default is the dual-consumer
-# form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18) whose products are pipelined (v19), its 16-head tile takes
-# P^T against the kept max (v31), and a tile laid over it must not inherit any of them
-GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, **cfg})
+# every tile names dual_consumers, block_h, pipe, kept_p and one_item: the <= 16-head fp8_ds_mla default is the
+# dual-consumer form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18; one item a program since v36) whose
+# products are pipelined (v19), with P^T against the kept max (v31), and a tile laid over it must not inherit any
+GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
+                       **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,

@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
 from glm5lab.kernels.sparse_mla import (_E4M3X4_TO_F16X4, STAMP_SLOTS, _pow2_into_f16_range, check_stamps,
-                                        partial_scale_plane, splits_wanted)
+                                        partial_scale_plane)
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -2039,7 +2039,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
         num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P)
-    base = 4 * _state_stage(num_steps, STAGES)
+    base = (64 // BLOCK_H) * _state_stage(num_steps, STAGES)     # (a stage's 32 KB: 4 [128, 16] or 8 [128, 8] fp32)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
         mbarrier.arrive(merged, count=1)
@@ -2064,12 +2064,14 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
     operand (S^T's K and O^T's V^T, each byte twice), runs every other 64-row step with a softmax state of its own,
     and the two states are merged at the end. 4 stages of raw rows (41 KB each) instead of v11's one staging buffer
-    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. Its 8-head tile is the persistent kernel
-    `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18). Consumer 0 stages q while the loader gathers
+    and two fp16 slots: ~200 KB of shared memory, one CTA (12 warps) a SM. 16- or 8-head tiles (P^T stored as P
+    [heads, rows] and read transposed at 8); the 8-head tile also runs persistent,
+    `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18; not a default since v36). Consumer 0 stages q while
+    the loader gathers
     (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16-head tiles (8-head ones: a private A/B form, NOTES.md v36)")
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
     gl.static_assert(STAGES % 2 == 0, "an even number of stages: each consumer's steps keep to stages of their own")
     ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     VEC: gl.constexpr = ROWS_VEC
@@ -2078,7 +2080,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-    merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * 4, 128, BLOCK_H], RAW)    # stage b's bytes: 4b .. 4b + 3
+    merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * (64 // BLOCK_H), 128, BLOCK_H], RAW)   # (stage b: 64b/H..)
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
     p_a = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
     p_b = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
@@ -2400,13 +2402,12 @@ ROWS_FP8_DUAL_DEEP_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "pipe": "sop"}
 # 512 tokens.
 # (the kept max: "so" 2.014 / 2.041 / 2.178 -> 2.016 / 2.073 / 2.202x at 32 / 128 / 512 tokens, "s3o3" 1.941 / 2.086 /
 # 2.285 -> 1.958 / 2.035 / 2.252x, its build spilling 56 bytes: not taken at 8 heads; v31 call 3)
-# v18-v35 the default at <= 8 heads from 16 tokens until the top-k is no longer split; since v36 the 16-head tile
-# (ROWS_FP8_DUAL_DEEP_CONFIG, half its heads masked) is the default there: NOTES.md v36 calls 1-2, 21 interleaved
-# rounds, us, 8 heads x 16 / 24 / 32 / 48 / 64 tokens, this tile -> the 16-head one: 18.02 / 21.37 / 23.37 / 32.38 /
-# 34.74 -> 17.38 / 20.45 / 22.30 / 31.84 / 34.09 (p20-p80 apart at each; ROWS_FP8_CONFIG 18.41 at 16 tokens, 11.36
-# against 12.31 at 8). Not at 128 / 512 tokens: 2.138 / 2.347 (the persistent "s3o3p") against 2.092 / 2.189x
-# FlashMLA's fp8 decode (v36 call 1).
-ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False}
+# v18-v35 the default at <= 8 heads from 16 tokens until the top-k is no longer split; NOTES.md v36 calls 1-2 found
+# even the 16-head tile with half its heads masked faster there (us, 8 heads x 16 / 24 / 32 / 48 / 64 tokens, this
+# tile -> the 16-head one: 18.02 / 21.37 / 23.37 / 32.38 / 34.74 -> 17.38 / 20.45 / 22.30 / 31.84 / 34.09;
+# ROWS_FP8_CONFIG 18.41 at 16 tokens, 11.36 against 12.31 at 8), and v36 call 3 the dual kernel's own 8-head tile
+# (ROWS_FP8_DUAL_8_CONFIG, below) faster still, and no slower than the persistent "s3o3p" from 67 tokens.
+ROWS_FP8_PERSISTENT_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "block_h": 8, "pipe": "so", "kept_p": False, "one_item": False}
 FP8_DUAL_MIN_TOKENS_AT_8_HEADS = 16
 # ... with three products in flight on both sides (pipe "s3o3", NOTES.md v20: consumers at 224 registers, the loader
 # at 56; consumer 1 spills 3 LDL + 3 STL a step). H200, v20 calls 2-3 (interleaved), us at 16 / 32 / 64 / 96 / 128 /
@@ -2414,17 +2415,17 @@ FP8_DUAL_MIN_TOKENS_AT_8_HEADS = 16
 # 35.3-35.6 / 52.9 / 55.2-55.3 / 105.5 / 200.3-202.8 -- faster once nothing is split (a split is the whole top-k:
 # more tokens than half the SMs, `choose_num_splits` at one program a SM), slower on shorter splits, where the loader
 # at 56 registers gathers more slowly (its gathers alone at 64 tokens 32.8 against 32.1 us). So the default from
-# there (`deep_pipe_pays`). P^T's tiles re-derived each step ("s3o3p", NOTES.md v35 call 3: the same 16 bytes of
+# there in v20-v35. P^T's tiles re-derived each step ("s3o3p", NOTES.md v35 call 3: the same 16 bytes of
 # spill, 111 fewer instructions in the build's longest loop), x FlashMLA at 128 / 512 tokens 2.126 / 2.358 -> 2.135 /
 # 2.371 (+0.4-0.6%, p20-p80 overlapping).
 ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"}
-
-
-def deep_pipe_pays(num_tokens: int, num_sms: int) -> bool:
-    """Whether a <= 8-head fp8_ds_mla call takes the persistent 8-head tile with three products in flight
-    (ROWS_FP8_PERSISTENT_DEEP_CONFIG): when its top-k is not split (at one program a SM: more tokens than half the
-    SMs; NOTES.md v20; below that the 16-head tile, v36)."""
-    return splits_wanted(num_tokens, 1, num_sms, ROWS_FP8_PERSISTENT_DEEP_CONFIG["resident"]) < 2
+# ... and the dual kernel's own 8-head tile, one (token, split) a program ("one_item": not persistent; P stored
+# [heads, rows] as in the persistent kernel), "sop" + kept max: the default at <= 8 heads from
+# FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens since v36 (NOTES.md v36 call 3, 21 interleaved rounds, us, 8 heads x 16 / 32 /
+# 64 / 128 / 512 tokens: 16.91 / 22.03 / 33.52 / 52.87 / 204.2 against the 16-head tile 17.38 / 22.55 / 34.16 /
+# 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop" without the kept max
+# 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
+ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item": True}
 
 
 # The merge launched early (PDL) and let launch from the attention kernel's start (`_let_merge_launch`), by default
@@ -2441,7 +2442,7 @@ def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
     least half the SMs idle, so the merge's programs wait there."""
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("_one_item", False))
+                       cfg.get("dual_consumers", False), cfg.get("one_item", False))
     return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
 
 
@@ -2449,20 +2450,17 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
-    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer 16-head tile ("sop": both products
-    pipelined, P^T's tiles re-derived each step) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens and at <= 8 heads
-    from FP8_DUAL_MIN_TOKENS_AT_8_HEADS, until at <= 8 heads the top-k is no longer split (`deep_pipe_pays`):
-    from there the persistent 8-head tile with three products in flight ("s3o3p"), the 32-row mma.sync tile at
-    1-3 tokens of <= 8 heads (more, shorter splits)."""
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form ("sop": both products pipelined,
+    P^T's tiles re-derived each step; P^T against the kept max) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens on
+    16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, the 32-row mma.sync tile
+    at 1-3 tokens of <= 8 heads (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
-        if num_heads <= 8 and deep_pipe_pays(num_tokens, num_sms):
-            return dict(ROWS_FP8_PERSISTENT_DEEP_CONFIG)
         if num_tokens >= (FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS):
-            return dict(ROWS_FP8_DUAL_DEEP_CONFIG)
+            return dict(ROWS_FP8_DUAL_DEEP_CONFIG if num_heads > 8 else ROWS_FP8_DUAL_8_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
         return dict(DEFAULT_CONFIG)
@@ -2476,9 +2474,10 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
               dual: bool = False, one_item: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
-    warp-specialized one, with dual its dual-consumer form -- persistent with 8-head tiles; ws: the
-    warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer warpgroup)."""
-    if rows and fp8 and dual and block_h == 8 and not one_item:     # (one_item: a private A/B form, NOTES.md v36)
+    warp-specialized one, with dual its dual-consumer form -- with 8-head tiles the persistent kernel unless one_item,
+    one (token, split) a program; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
+    dequantizes in a producer warpgroup)."""
+    if rows and fp8 and dual and block_h == 8 and not one_item:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
         return _sparse_mla_rows_fp8_dual_sm90_kernel
@@ -2562,9 +2561,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
-    if cfg.get("_one_item") and not (dual and cfg["block_h"] == 8):     # (a private A/B switch, NOTES.md v36)
-        raise Glm5labError("_one_item=True runs the dual-consumer kernel's 8-head tile one item a program (not "
-                           f"persistent); got it with dual_consumers={dual}, block_h {cfg['block_h']}")
     if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
                            f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
@@ -2601,7 +2597,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("_one_item", False))
+                       cfg.get("dual_consumers", False), cfg.get("one_item", False))
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
