@@ -1,6 +1,6 @@
-"""scripts/ptx_variant.py, offline: its PTX edits on the 8-head fp8_ds_mla default's real build (Triton's bundled
-ptxas, sm_90a) and the dump -> edit -> override round trip through Triton's compiler, which its GPU timings would rest
-on (an override that silently did not apply would time the unedited kernel)."""
+"""scripts/ptx_variant.py, offline: its PTX edits on the persistent 8-head fp8_ds_mla tile's real build (Triton's
+bundled ptxas, sm_90a) and the dump -> edit -> override round trip through Triton's compiler, which its GPU timings
+would rest on (an override that silently did not apply would time the unedited kernel)."""
 import importlib.util
 import re
 import sys
@@ -11,7 +11,7 @@ import pytest
 from tests import offline_build
 
 ROOT = Path(__file__).resolve().parents[1]
-# the 8-head persistent tile, three products in flight (the default at >= 66 tokens of <= 8 heads)
+# the 8-head persistent tile, three products in flight (the default at >= 67 tokens of <= 8 heads in v20-v35)
 CONFIG = {"gluon": True, "rows": True, "dual": True, "BLOCK_H": 8, "BLOCK_N": 64, "STAGES": 4, "SPLIT": False,
           "PIPE": 15, "num_warps": 4}
 

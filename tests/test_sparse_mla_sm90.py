@@ -125,10 +125,10 @@ BOTH_FP8 = pytest.mark.parametrize("fp8_cfg", [GLUON, WS8, WS8X2, WS8X2O, WS8X2O
                                    ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2sokp",
                                         "ws8x2okp"])
 # ... its 8-head tile (<= 8 heads), a persistent kernel (NOTES.md v18) with its products issued async, two at a time
-# (the default since v19, v18 call 10), and without (WS8X2P, v18's form)
+# (the default in v19-v35, v18 call 10), and without (WS8X2P, v18's form); since v36 no default (WS8X2ESOPK below)
 WS8X2PP = sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG
 WS8X2P = {**WS8X2PP, "pipe": ""}
-# ... with three products in flight on both sides (the default once the top-k is not split, since v20)
+# ... with three products in flight on both sides (the default once the top-k was not split, v20-v35)
 WS8X2PP3P = sparse_mla_sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG      # (P^T's tiles re-derived each step since v35)
 WS8X2PP3 = {**WS8X2PP3P, "pipe": "s3o3"}
 # ... both with P^T against the kept max (NOTES.md v31)
@@ -140,7 +140,8 @@ FP8_AT_8_HEADS = pytest.mark.parametrize(
                 WS8X2PP3KP, WS8X2SOKP, WS8X2PP3P, WS8X2OKP],
     ids=["default", "ws8", "ws8x2", "ws8x2o", "ws8x2p", "ws8x2pp", "ws8x2pp3", "ws8x2ok", "ws8x2ppk", "ws8x2pp3k",
          "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp", "ws8x2pp3p", "ws8x2okp"])
-# the persistent 8-head tile's default forms: two products in flight, three (unsplit calls); and with the kept max
+# the persistent 8-head tile's v19-v35 default forms: two products in flight, three (unsplit calls); and with the
+# kept max
 PERSISTENT_DEFAULTS = pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2PP3P],
                                               ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2pp3p"])
 
@@ -1062,10 +1063,10 @@ def _depbars(rep: dict) -> collections.Counter:
 
 @pytest.mark.parametrize("split", [False, True])
 def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(split):
-    """The persistent 8-head kernel (NOTES.md v18) as the default runs it: the dual-consumer kernel's two consumers
-    (68 wgmma a step each, every e4m3 byte converted in registers twice) and one loader (22 cp.async a step) in a
-    loop over work items; registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within one
-    CTA's shared memory; both products pipelined (v19): 12 of each step's 18 wgmma waits leave one outstanding."""
+    """The persistent 8-head kernel (NOTES.md v18) as v19-v35's default ran it: the dual-consumer kernel's two
+    consumers (68 wgmma a step each, every e4m3 byte converted in registers twice) and one loader (22 cp.async a step)
+    in a loop over work items; registers 208 / 208 / 88, no spill; two q buffers and a merge buffer of its own within
+    one CTA's shared memory; both products pipelined (v19): 12 of each step's 18 wgmma waits leave one outstanding."""
     rep = _sm90_build(rows=True, dual=True, BLOCK_H=8, BLOCK_N=64, STAGES=4, SPLIT=split, FP8=True, num_warps=4,
                       _sass=True, PIPE=sparse_mla_sm90.pipe_bits(sparse_mla_sm90.ROWS_FP8_PERSISTENT_CONFIG["pipe"]))
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0
@@ -1076,7 +1077,7 @@ def test_gluon_rows_fp8_sm90_persistent_8_head_tile_builds_without_spilling(spli
 
 def test_gluon_rows_fp8_sm90_persistent_8_head_tile_three_in_flight_spills_little():
     """The persistent 8-head kernel with three products in flight on both sides (pipe "s3o3", NOTES.md v20, with
-    P^T's tiles re-derived each step, "s3o3p" since v35, the default once the top-k is not split): consumers at 224
+    P^T's tiles re-derived each step, "s3o3p" in v35; v20-v35's default once the top-k was not split): consumers at 224
     registers, the loader at 56, 8 of each step's 18 wgmma waits leave two products outstanding and 4 one; the one
     spill allowed: consumer 1's 3 LDL + 3 STL a step (at 208 registers 40 bytes)."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
@@ -1285,10 +1286,16 @@ def test_kept_max_runs_by_default_in_the_fp16_tile():
     assert not sm90.kept_max_pays(True, {**f16, "f16_tile": False})
     assert not sm90.kept_max_pays(True, sm90.WGMMA_WS_CONFIG)
     assert not sm90.kept_max_pays(False, f16)
-    # ... and elsewhere as its tile says: the 16-head dual-consumer tile yes (v31 call 3), its 8-head tiles no
+    # ... and elsewhere as its tile says: the 16-head dual-consumer tile yes (v31 call 3), its 8-head tile one item a
+    # program yes (v36 call 3), the persistent 8-head kernel no (v31)
     assert sm90.kept_max_pays(True, sm90.ROWS_FP8_DUAL_CONFIG)
+    assert sm90.kept_max_pays(True, sm90.ROWS_FP8_DUAL_8_CONFIG)
     assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_CONFIG)
     assert not sm90.kept_max_pays(True, sm90.ROWS_FP8_PERSISTENT_DEEP_CONFIG)
+    # ... so that the call's effective tile is its default's (v36 call 4's suite ran the 8-head default without it)
+    for H, T in ((8, 16), (8, 512), (5, 40), (16, 24), (12, 512)):
+        cfg = sm90.default_config(H, True, T)
+        assert cfg["kept_p"] and sm90.kept_max_pays(True, cfg), (H, T)
     # an override laid over the 16-head default that leaves its kept_p in place: False where it does not fit (the
     # review of v31: it was inherited, and check_tile refused the call), and under a timing diagnostic
     for over in ({"dual_consumers": False, "stages": 2, "pipe": ""}, {"_diagnostic": True, "ws_diag": 2}):
@@ -1430,7 +1437,7 @@ def test_named_tiles_forced_over_any_default_are_complete():
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
                  "ROWS_FP8_DUAL_DEEP_CONFIG", "ROWS_FP8_PERSISTENT_CONFIG", "ROWS_FP8_PERSISTENT_DEEP_CONFIG",
-                 "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
+                 "ROWS_FP8_DUAL_8_CONFIG", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
             if (tile.get("rows") and fp8 != name.startswith("ROWS_FP8")) or (tile.get("converter") and not fp8):
@@ -1445,6 +1452,10 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
                     assert merged["pipe"] == tile["pipe"], (name, fp8, H, T)
                     assert merged["kept_p"] == tile["kept_p"], (name, fp8, H, T)
+                    kernel = (merged["block_h"], fp8, merged.get("rows", False), merged["ws"],
+                              merged.get("converter", False), merged["dual_consumers"])
+                    assert sm90.kernel_of(*kernel, merged.get("one_item", False)) is sm90.kernel_of(
+                        *kernel, tile.get("one_item", False)), (name, fp8, H, T)     # (v36: one item or persistent)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():
@@ -1453,6 +1464,7 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS
 
     for name, cfg in GLUON_VARIANTS:
-        assert {"rows", "ws", "block_h", "block_n", "num_warps", "stages", "resident", "dual_consumers"} <= set(cfg), name
+        assert {"rows", "ws", "block_h", "block_n", "num_warps", "stages", "resident", "dual_consumers",
+                "one_item"} <= set(cfg), name
         if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
             assert {"converter", "p_smem"} <= set(cfg), name

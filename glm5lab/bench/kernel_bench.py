@@ -108,7 +108,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   # diagnostics: the consumers alone (d2), the gathers alone (d3)
                   ("ws8x2p", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                               "resident": 1, "dual_consumers": True, "pipe": ""}),
-                  # ... with both products issued async, two at a time (the default since v19, on split calls since v20)
+                  # ... with both products issued async, two at a time (the default in v19-v35, on split calls from v20)
                   ("ws8x2pp", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
                                "resident": 1, "dual_consumers": True, "pipe": "so"}),
                   *((f"ws8x2pd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
@@ -142,8 +142,8 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
                                  "ws_diag": 3}),
                   # ... P^T's tiles re-derived each step (pipe "p", NOTES.md v35: no spill left in the 16-head "so"
-                  # build, 16 bytes of 56 in the 8-head "s3o3" + kept; the defaults since v35: ws8x2sokp and ws8x2okp
-                  # at 16 heads, ws8x2pp3p at 8 unsplit)
+                  # build, 16 bytes of 56 in the 8-head "s3o3" + kept; the defaults in v35: ws8x2sokp and ws8x2okp
+                  # at 16 heads, ws8x2pp3p at 8 unsplit; since v36 ws8x2sokp at 16 and ws8x2esopk at 8)
                   ("ws8x2sokp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,
                                  "dual_consumers": True, "pipe": "sop", "kept_p": True}),
                   ("ws8x2okp", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4, "resident": 1,

@@ -34,19 +34,20 @@ heads cannot fill it).
 For fp8_ds_mla at <= 16 heads the default (beyond 1-3 tokens at <= 8 heads) is `_sparse_mla_rows_fp8_sm90_kernel`, the
 same rows-as-M products on a warp-specialized pipeline of three warpgroups: a loader issues the gathers, a converter
 turns each step's e4m3 rows once into an fp16 tile, the consumer computes on the previous one (H200, NOTES.md v12:
-0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens); at 9-16 heads from 64 tokens
-its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and no fp16 tile -- two consumer
-warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs lie together
-once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax state
-(v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens; since v19 O^T's products
-issued two at a time: 0.67-0.70, 1.82-1.84x; since v34 S^T's too where the top-k is not split: ~1% more; since
-v35 P^T's wgmma descriptors rebuilt each step instead of spilled: 5-9% more, 2.06 / 2.14x at 128 / 512); at <= 8
-heads from 16 tokens the same two consumers on 8-head tiles in
-a persistent kernel, `_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items
-through one ring; v18: 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time:
-0.76 / 0.81, 2.11 / 2.18x at 128 / 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster
-there in interleaved A/B rounds: 0.76 / 0.83, 2.10 / 2.24x in one same-run comparison, 0.76 / 0.80 and 2.12 /
-2.11x in the suite; v21's suite, in interleaved rounds: 0.75 / 0.84 and 2.10 / 2.24x).
+0.52-0.55 of the roofline, 1.43-1.44x FlashMLA's fp8 decode at 128-512 tokens); at 9-16 heads from 24 tokens
+(64 before v36) its dual-consumer form `_sparse_mla_rows_fp8_dual_sm90_kernel`: no converter and no fp16 tile --
+two consumer warpgroups read the staged e4m3 bytes straight into wgmma's register operand (the bytes a thread needs
+lie together once q's columns and O's rows are permuted to match) and take every other step, each with its own softmax
+state (v17: 0.65-0.69 of the roofline, 1.77-1.83x FlashMLA's fp8 decode at 128-512 tokens; since v19 O^T's products
+issued two at a time: 0.67-0.70, 1.82-1.84x; since v34 S^T's too where the top-k is not split: ~1% more; since v35 P^T's
+wgmma descriptors rebuilt each step instead of spilled: 5-9% more, 2.06 / 2.14x at 128 / 512); at <= 8 heads from 16
+tokens the same kernel on 8-head tiles, one item a program, since v36 (2-8% faster at 16-128 tokens than what follows,
+equal at 512); in v18-v35 the same two consumers on 8-head tiles in a persistent kernel,
+`_sparse_mla_rows_fp8_persistent_sm90_kernel` (one program a SM walks the (token, split) items through one ring; v18:
+0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time: 0.76 / 0.81, 2.11 / 2.18x at 128
+/ 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster there in interleaved A/B rounds: 0.76 /
+0.83, 2.10 / 2.24x in one same-run comparison, 0.76 / 0.80 and 2.12 / 2.11x in the suite; v21's suite, in interleaved
+rounds: 0.75 / 0.84 and 2.10 / 2.24x).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -2023,7 +2024,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
     (`_state_stage`), and warpgroup 0 merges the two and writes the result. KEPT_P: P^T against the kept max
-    (`_kept_max_rows`, NOTES.md v31; the 16-head tile's default)."""
+    (`_kept_max_rows`, NOTES.md v31; the default of both tiles since v36)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
@@ -2332,11 +2333,12 @@ def kept_fits(fp8: bool, cfg: dict) -> bool:
 
 def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
-    (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile; nothing else (an override of the
-    default tile that leaves its kept_p in place gets False where it does not fit)."""
+    (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile and, since NOTES.md v36, its 8-head tile
+    one item a program; nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
+    that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
-    dual_16 = cfg.get("rows") and cfg.get("dual_consumers") and cfg["block_h"] == 16
-    return kept_fits(fp8, cfg) and bool(fp16_tile or dual_16)
+    dual = cfg.get("rows") and cfg.get("dual_consumers") and (cfg["block_h"] == 16 or cfg.get("one_item"))
+    return kept_fits(fp8, cfg) and bool(fp16_tile or dual)
 
 
 # <= 16 heads of a bf16/fp16 cache at small batches: the rows-as-M wgmma kernel (168 KB of shared memory, one 4-warp
@@ -2525,8 +2527,8 @@ WS_DIAGNOSTICS = {0: "full kernel", 1: "producer only", 2: "consumer only", 3: "
 def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
     steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys);
-    the dual-consumer kernel also 8-head tiles (its persistent kernel), for calls of <= 8 heads (num_heads, when
-    given: more would read every row once per tile)."""
+    the dual-consumer kernel also 8-head tiles (one item a program, or persistent), for calls of <= 8 heads
+    (num_heads, when given: more would read every row once per tile)."""
     dual = cfg.get("dual_consumers", False)
     if cfg.get("rows") and (cfg["block_h"] not in ((8, 16) if dual else (16,))
                             or (cfg["block_n"], cfg["num_warps"]) != (64, 4)):
