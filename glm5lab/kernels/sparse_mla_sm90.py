@@ -2040,7 +2040,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
         num_steps, WG, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P)
-    base = (64 // BLOCK_H) * _state_stage(num_steps, STAGES)     # (a stage's 32 KB: 4 [128, 16] or 8 [128, 8] fp32)
+    base = (merge_acc.shape[0] // STAGES) * _state_stage(num_steps, STAGES)    # (merge_acc's tiles of that stage)
     if WG > 0:
         _hand_state(merge_acc, merge_vec, base, acc0, acc1, acc2, acc3, m_i, l_i, r_i)
         mbarrier.arrive(merged, count=1)
@@ -2081,7 +2081,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
     raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-    merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * (64 // BLOCK_H), 128, BLOCK_H], RAW)   # (stage b: 64b/H..)
+    merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * (64 // BLOCK_H), 128, BLOCK_H], RAW)   # a stage: 32 KB
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
     p_a = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
     p_b = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
