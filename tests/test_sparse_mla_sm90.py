@@ -1327,6 +1327,29 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
     assert not sm90.converter_pays(True, sm90.ROWS_FP8_CONFIG, 2048)
 
 
+@pytest.mark.parametrize("T", [4, 15, 16, 64])
+def test_dual_8_head_tile_runs_one_item_unless_named(T, monkeypatch):
+    """A caller's dual 8-head tile that does not name one_item runs one (token, split) a program at every batch, as
+    the default's does (before, it inherited the default's key: the persistent kernel below
+    FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, one item from there); one_item False still picks the persistent kernel.
+    The call's resolved tile is read where it reaches `launch` (CPU tensors, an sm_90 capability pretended)."""
+    from glm5lab.kernels import sparse_mla as sm
+
+    picked = []
+    monkeypatch.setattr(sm, "_compiled_capability", lambda device: (9, 0))
+    monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a, **kw: picked.append(
+        sparse_mla_sm90.kernel_of(cfg["block_h"], True, cfg["rows"], cfg["ws"], cfg.get("converter", False),
+                                  cfg["dual_consumers"], cfg["one_item"])))
+    q, cache, slots, _ = make_case(T, 8, 128, 4096, torch.bfloat16, "fp8_ds_mla", "cpu", block_size=64)
+    tile = {"impl": "gluon", "rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
+            "dual_consumers": True, "pipe": "sop"}
+    dual, persistent = (sparse_mla_sm90._sparse_mla_rows_fp8_dual_sm90_kernel,
+                        sparse_mla_sm90._sparse_mla_rows_fp8_persistent_sm90_kernel)
+    for over, kernel in (({}, dual), ({"one_item": False, "pipe": "so"}, persistent)):
+        sparse_mla_attention(q, cache, slots, SCALE, num_splits=1, _config={**tile, **over})
+        assert picked.pop() is kernel, (T, over)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,T,converter", [(64, 130, True), (128, 40, True), (64, 8, False), (128, 130, True)])
 def test_gpu_default_fp8_64_head_calls_match_reference(H, T, converter, monkeypatch):

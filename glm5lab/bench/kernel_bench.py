@@ -159,6 +159,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                                            "dual_consumers": True, "pipe": pipe, "kept_p": kept,
                                                            "one_item": True})
                     for pipe, kept in (("sop", True), ("sop", False), ("s3o3p", False))),
+                  # ... and its timing diagnostics (wrong results on purpose; no kept max under a diagnostic): the
+                  # consumers alone (d2), the gathers alone (d3)
+                  *((f"ws8x2esopd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                        "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sop",
+                                        "one_item": True, "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,

@@ -1010,6 +1010,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
+        # one (token, split) a program unless a _config names one_item: the persistent 8-head kernel is no default
+        # since NOTES.md v36, and a dual 8-head tile that does not say otherwise runs as the default's does (it
+        # inherited the default's key before: persistent below FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, one item from)
+        cfg.setdefault("one_item", True)
     if cfg.get("_stamps") is not None and not gluon:
         raise Glm5labError("phase stamps (_config '_stamps') come from the 1-3 token fp8_ds_mla Gluon kernel and its "
                            "separate merge: add 'impl': 'gluon' (sm_90)")
