@@ -24,6 +24,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 log() { echo "[gpu_run $(date -u +%H:%M:%S)] $*" | tee -a "$stage/gpu_run.log"; }
+# the pytest parts on 8 workers (pytest-xdist, in the H200's image) unless PYTEST_ADDOPTS says otherwise: serially
+# the kgluon selection of v36-v37 (512 tests) takes over 10 minutes, parallel ~4 (v37 call 2 forgot the export and
+# was stopped at 118 passed)
+if [ -z "${PYTEST_ADDOPTS+x}" ] && python3 -c "import xdist" 2>/dev/null; then export PYTEST_ADDOPTS="-n 8"; fi
 parts=${*:-tests bench tp notebooks}
 part() {  # part NAME SECONDS CMD...: run one part (if asked for) with a time limit, log its exit status
   local name=$1 limit=$2; shift 2
