@@ -892,7 +892,7 @@ def test_gluon_tiles_by_head_count():
     benchmark's variants follow the same split, and the wgmma kernels' fp8 form is timed with 64-row steps only."""
     from glm5lab.bench.kernel_bench import gluon_variant_runs
     from glm5lab.kernels import sparse_mla_sm90 as sm90
-    from glm5lab.kernels.sparse_mla import resident_ctas
+    from glm5lab.kernels.sparse_mla import choose_num_splits, resident_ctas
 
     for H in (1, 8, 16):
         assert sm90.default_config(H)["block_h"] == 16 and not sm90.default_config(H).get("rows")
@@ -913,6 +913,8 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
         assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
+        for T in (16, 66, 67, 100, 512):      # (one split a token from 67 tokens: one CTA a SM, 132 // T < 2)
+            assert (choose_num_splits(T, 1, 2048, 64, 132, resident=1) == 1) == (T >= 67), T
         assert sm90.default_config(H, True, 20, num_sms=78) == (dual if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
@@ -1325,24 +1327,28 @@ def test_converter_form_runs_by_default_for_long_fp8_splits_only():
 @pytest.mark.parametrize("T", [4, 15, 16, 64])
 def test_dual_8_head_tile_runs_one_item_unless_named(T, monkeypatch):
     """A caller's dual 8-head tile that does not name one_item runs one (token, split) a program at every batch, as
-    the default's does (before, it inherited the default's key: the persistent kernel below
-    FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, one item from there); one_item False still picks the persistent kernel.
-    The call's resolved tile is read where it reaches `launch` (CPU tensors, an sm_90 capability pretended)."""
+    the default's does, with the kept max it takes there (before v37 it inherited the default's key: the persistent
+    kernel, without the kept max, below FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, one item from there); one_item False
+    still picks the persistent kernel. The call's resolved tile is read where it reaches `launch` (CPU tensors, an
+    sm_90 capability pretended), through the config-level helpers `launch` itself uses."""
     from glm5lab.kernels import sparse_mla as sm
 
     picked = []
+
+    def launch(grid, args, cfg, split, fp8, *a, **kw):
+        sparse_mla_sm90.check_tile(cfg, fp8, 8)
+        picked.append((sparse_mla_sm90.kernel_of_config(cfg, fp8), cfg["kept_p"]))
+
     monkeypatch.setattr(sm, "_compiled_capability", lambda device: (9, 0))
-    monkeypatch.setattr(sparse_mla_sm90, "launch", lambda grid, args, cfg, *a, **kw: picked.append(
-        sparse_mla_sm90.kernel_of(cfg["block_h"], True, cfg["rows"], cfg["ws"], cfg.get("converter", False),
-                                  cfg["dual_consumers"], cfg["one_item"])))
+    monkeypatch.setattr(sparse_mla_sm90, "launch", launch)
     q, cache, slots, _ = make_case(T, 8, 128, 4096, torch.bfloat16, "fp8_ds_mla", "cpu", block_size=64)
     tile = {"impl": "gluon", "rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 4,
             "dual_consumers": True, "pipe": "sop"}
     dual, persistent = (sparse_mla_sm90._sparse_mla_rows_fp8_dual_sm90_kernel,
                         sparse_mla_sm90._sparse_mla_rows_fp8_persistent_sm90_kernel)
-    for over, kernel in (({}, dual), ({"one_item": False, "pipe": "so"}, persistent)):
+    for over, expected in (({}, (dual, True)), ({"one_item": False, "pipe": "so"}, (persistent, False))):
         sparse_mla_attention(q, cache, slots, SCALE, num_splits=1, _config={**tile, **over})
-        assert picked.pop() is kernel, (T, over)
+        assert picked.pop() == expected, (T, over)
 
 
 @pytest.mark.gpu
@@ -1470,10 +1476,8 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
                     assert merged["pipe"] == tile["pipe"], (name, fp8, H, T)
                     assert merged["kept_p"] == tile["kept_p"], (name, fp8, H, T)
-                    kernel = (merged["block_h"], fp8, merged.get("rows", False), merged["ws"],
-                              merged.get("converter", False), merged["dual_consumers"])
-                    assert sm90.kernel_of(*kernel, merged.get("one_item", False)) is sm90.kernel_of(
-                        *kernel, tile.get("one_item", False)), (name, fp8, H, T)     # (v36: one item or persistent)
+                    assert sm90.kernel_of_config(merged, fp8) is sm90.kernel_of_config(
+                        {**merged, "one_item": tile["one_item"]}, fp8), (name, fp8, H, T)  # (v36: one item or not)
 
 
 def test_benchmark_tiles_name_every_key_of_a_tile():

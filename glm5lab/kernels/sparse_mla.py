@@ -947,7 +947,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     restores the exchange), and the converter form dequantizes into fp16 tiles with a power of two a step
     (NOTES.md v28; sparse_mla_sm90.f16_tile_pays; "f16_tile": False restores v15's bf16 tiles). The merge of an
     fp8_ds_mla call whose Gluon grid leaves half the SMs idle (1-2 tokens) is launched early, while the attention runs (programmatic dependent launch; sparse_mla_sm90.pdl_pays, NOTES.md v25);
-    _config={"impl": "gluon", "pdl": False | True} decides.
+    _config={"impl": "gluon", "pdl": False | True} decides. A dual-consumer 8-head tile runs one (token, split) a
+    program unless its _config says {"one_item": False} (the persistent kernel, the default in NOTES.md v18-v35).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")
@@ -1010,10 +1011,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
-        # one (token, split) a program unless a _config names one_item: the persistent 8-head kernel is no default
-        # since NOTES.md v36, and a dual 8-head tile that does not say otherwise runs as the default's does (it
-        # inherited the default's key before: persistent below FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, one item from)
-        cfg.setdefault("one_item", True)
     if cfg.get("_stamps") is not None and not gluon:
         raise Glm5labError("phase stamps (_config '_stamps') come from the 1-3 token fp8_ds_mla Gluon kernel and its "
                            "separate merge: add 'impl': 'gluon' (sm_90)")

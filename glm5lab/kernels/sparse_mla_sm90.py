@@ -2337,7 +2337,7 @@ def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     one item a program; nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
     that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
-    dual = cfg.get("rows") and cfg.get("dual_consumers") and (cfg["block_h"] == 16 or cfg.get("one_item"))
+    dual = cfg.get("rows") and cfg.get("dual_consumers") and (cfg["block_h"] == 16 or one_item_a_program(cfg))
     return kept_fits(fp8, cfg) and bool(fp16_tile or dual)
 
 
@@ -2443,8 +2443,7 @@ def pdl_pays(cfg: dict, fp8: bool, programs: int, num_sms: int) -> bool:
     """Whether a Gluon call launches its merge early by default (PDL_MAX_SM_FRACTION): an fp8_ds_mla call of a kernel
     that signals it (`_let_merge_launch`: the mma.sync and the one-consumer rows-as-M kernels) whose grid leaves at
     least half the SMs idle, so the merge's programs wait there."""
-    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("one_item", False))
+    kernel = kernel_of_config(cfg, fp8)
     return fp8 and "PDL" in kernel.arg_names and programs <= num_sms * PDL_MAX_SM_FRACTION
 
 
@@ -2473,12 +2472,26 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     return dict(DEFAULT_CONFIG)
 
 
+def one_item_a_program(cfg: dict) -> bool:
+    """Whether a tile config's dual 8-head tile runs one (token, split) a program: unless it names one_item False (the
+    persistent kernel, no default since NOTES.md v36; before v37 a config that did not name it ran persistent below
+    FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens, where the default tile has no such key)."""
+    return bool(cfg.get("one_item", True))
+
+
+def kernel_of_config(cfg: dict, fp8: bool):
+    """`kernel_of` for a tile config (the keys launch reads)."""
+    return kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
+                     cfg.get("dual_consumers", False), one_item_a_program(cfg))
+
+
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
               dual: bool = False, one_item: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- with 8-head tiles the persistent kernel unless one_item,
     one (token, split) a program; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
-    dequantizes in a producer warpgroup)."""
+    dequantizes in a producer warpgroup). Every flag explicit, as the offline builds name them; a tile config's
+    kernel is `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise."""
     if rows and fp8 and dual and block_h == 8 and not one_item:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
@@ -2598,8 +2611,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     (a persistent kernel's programs); pdl: the merge is launched early (programmatic dependent launch), and the
     kernels that can (`_let_merge_launch`) let it launch from their start."""
     check_tile(cfg, fp8, num_heads)
-    kernel = kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                       cfg.get("dual_consumers", False), cfg.get("one_item", False))
+    kernel = kernel_of_config(cfg, fp8)
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
     if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
         _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
