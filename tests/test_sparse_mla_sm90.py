@@ -913,14 +913,14 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
         assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
-        for T in (16, 66, 67, 100, 512):      # (one split a token from 67 tokens: one CTA a SM, 132 // T < 2)
-            assert (choose_num_splits(T, 1, 2048, 64, 132, resident=1) == 1) == (T >= 67), T
         assert sm90.default_config(H, True, 20, num_sms=78) == (dual if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.kernel_of(16, False, rows=True) is sm90._sparse_mla_rows_sm90_kernel
         assert sm90.kernel_of(16, True) is sm90._sparse_mla_fp8_sm90_kernel
         assert sm90.kernel_of(16, False) is sm90._sparse_mla_16bit_sm90_kernel
+    for T in (16, 66, 67, 100, 512):      # (the dual tiles' top-k unsplit from 67 tokens: one CTA a SM, 132 // T < 2)
+        assert (choose_num_splits(T, 1, 2048, 64, 132, resident=1) == 1) == (T >= 67), T
     for H in (17, 64, 128):
         for T in (None, 1, 8, 512):
             assert sm90.default_config(H, False, T) == sm90.default_config(H, True, T) == sm90.WGMMA_WS_CONFIG

@@ -2337,7 +2337,7 @@ def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     one item a program; nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
     that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
-    dual = cfg.get("rows") and cfg.get("dual_consumers") and (cfg["block_h"] == 16 or one_item_a_program(cfg))
+    dual = kernel_of_config(cfg, fp8) is _sparse_mla_rows_fp8_dual_sm90_kernel
     return kept_fits(fp8, cfg) and bool(fp16_tile or dual)
 
 
