@@ -235,6 +235,32 @@ def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg)
     check(out, lse, ref, torch.bfloat16)
 
 
+# the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
+# 16-head tile "sop" + kept
+PAIR8SOPK = {**WS8X2ESOPK, "stages": 2, "resident": 2, "paired": True}
+PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
+PAIR16SOPK = {**WS8X2SOKP, "stages": 2, "resident": 2, "paired": True}
+PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK], ids=["pair8sopk", "pair8s3o3p",
+                                                                                   "pair16sopk"])
+
+
+@pytest.mark.gpu
+@PAIRED
+@pytest.mark.parametrize("H,T,topk,splits", [(8, 300, 2048, 1), (6, 150, 2000, 3), (8, 97, 77, 5), (8, 8, 2048, 0),
+                                             (3, 1, 2048, 0), (8, 300, 130, 1), (7, 128, 2048, 0)])
+def test_gpu_gluon_paired_tile(H, T, topk, splits, pcfg):
+    """The paired kernel (one consumer, two CTAs a SM): more programs than CTA slots, odd steps, unequal splits, items
+    of one or two steps, default splits; the poisoned outputs all written and matching the float64 reference; every
+    e4m3 byte pattern; the 16-head tile at 16 heads too."""
+    for heads in (H, 16) if pcfg["block_h"] == 16 else (H,):
+        q, cache, slots, ref = make_case(T, heads, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+        out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
+        check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
+    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
+    check(out, lse, ref, torch.bfloat16)
+
+
 def _consumer_moves(step_max):
     """How far each dual consumer's running maximum rises from one of its steps to its next (steps i and i + 2:
     the two consumers take alternate steps), finite rises only: [..., steps - 2]."""
@@ -245,9 +271,10 @@ def _consumer_moves(step_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
-                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOPK, WS8X2ES3O3P],
+                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOPK, WS8X2ES3O3P, PAIR8SOPK, PAIR16SOPK],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
-                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esopk", "ws8x2es3o3p"])
+                              "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esopk", "ws8x2es3o3p",
+                              "pair8sopk", "pair16sopk"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -279,9 +306,9 @@ def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP3, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP, WS8X2SOKP, WS8X2OKP,
-                                  WS8X2PP3P],
+                                  WS8X2PP3P, PAIR8SOPK, PAIR16SOPK],
                          ids=["ws8x2pp3", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok", "ws8x2pp3kp", "ws8x2sokp",
-                              "ws8x2okp", "ws8x2pp3p"])
+                              "ws8x2okp", "ws8x2pp3p", "pair8sopk", "pair16sopk"])
 def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their chunk scales, which grow 4x
     a 64-row step (1e-6 to ~1e13 over 32 steps): r, the unit O^T is kept in, rises ~16x from one of a consumer's steps
@@ -1103,6 +1130,32 @@ def test_gluon_rows_fp8_sm90_dual_8_head_tile_one_item_a_program_builds_without_
     assert rep["smem"] <= 190 * 1024
 
 
+@pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK], ids=["pair8sopk", "pair8s3o3p", "pair16sopk"])
+def test_gluon_paired_tile_builds_for_two_ctas_a_sm(pcfg):
+    """The paired kernel (NOTES.md v38): 128 registers a thread at launch and at most half a SM's 228 KB of shared
+    memory less the CTA's reserved 1 KB, so that two CTAs of 8 warps share a SM; its consumer at 216 registers, the
+    loader at 40 (at 32 the loader spilled), no spill; one consumer's 68 wgmma a step."""
+    rep = _sm90_build(rows=True, dual=True, paired=True, BLOCK_H=pcfg["block_h"], BLOCK_N=64, STAGES=2, SPLIT=True,
+                      FP8=True, num_warps=4, maxnreg=sparse_mla_sm90.PAIRED_MAXNREG,
+                      PIPE=sparse_mla_sm90.pipe_bits(pcfg["pipe"]), KEPT_P=pcfg["kept_p"])
+    assert rep["regs"] <= 128 and {40, 216} <= set(rep["setmaxnreg"])
+    assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 68
+    assert 2 * (rep["smem"] + 1024) <= 228 * 1024
+
+
+def test_paired_tile_is_a_dual_tile_of_two_stages():
+    """check_tile refuses a paired tile that is not the dual-consumer kernel's, or has 4 stages (it would not fit
+    twice a SM); kernel_of_config picks the paired kernel, and its kept max is on by default."""
+    with pytest.raises(Glm5labError, match="paired=True is a form of the dual-consumer"):
+        sparse_mla_sm90.check_tile({**sparse_mla_sm90.ROWS_FP8_CONFIG, "paired": True}, True)
+    with pytest.raises(Glm5labError, match=r"got stages 4 \(paired\)"):
+        sparse_mla_sm90.check_tile({**PAIR8SOPK, "stages": 4}, True, 8)
+    for pcfg in (PAIR8SOPK, PAIR16SOPK):
+        sparse_mla_sm90.check_tile(pcfg, True, 8)
+        assert sparse_mla_sm90.kernel_of_config(pcfg, True) is sparse_mla_sm90._sparse_mla_rows_fp8_paired_sm90_kernel
+        assert sparse_mla_sm90.kept_max_pays(True, {k: v for k, v in pcfg.items() if k != "kept_p"})
+
+
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     """The 16-head dual-consumer tile with O^T's products pipelined (pipe "o", NOTES.md v19) gives its consumers 224
     registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits (S^T's
@@ -1487,6 +1540,6 @@ def test_benchmark_tiles_name_every_key_of_a_tile():
 
     for name, cfg in GLUON_VARIANTS:
         assert {"rows", "ws", "block_h", "block_n", "num_warps", "stages", "resident", "dual_consumers",
-                "one_item"} <= set(cfg), name
+                "one_item", "paired"} <= set(cfg), name
         if cfg.get("block_h") == 64:            # (laid over the 64-head default, which has these since v15 / v16)
             assert {"converter", "p_smem"} <= set(cfg), name

@@ -164,6 +164,18 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   *((f"ws8x2esopd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                         "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sop",
                                         "one_item": True, "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
+                  # ... its step on ONE consumer warpgroup, 2 stages, two CTAs a SM ("paired", NOTES.md v38): the
+                  # 8-head tile "sop" + kept, "s3o3p"; the 16-head tile "sop" + kept; the 8-head "sop" tile's
+                  # consumers alone (d2) and gathers alone (d3)
+                  *((f"pair{h}{pipe}{'k' if kept else ''}", {"rows": True, "ws": False, "block_h": h, "block_n": 64,
+                                                            "num_warps": 4, "stages": 2, "resident": 2,
+                                                            "dual_consumers": True, "paired": True, "pipe": pipe,
+                                                            "kept_p": kept, "one_item": True})
+                    for h, pipe, kept in ((8, "sop", True), (8, "s3o3p", False), (16, "sop", True))),
+                  *((f"pair8sopd{d}", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                       "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
+                                       "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
+                    for d in (2, 3)),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -196,15 +208,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "block_h": 64,
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
-# every tile names dual_consumers, block_h, pipe, kept_p and one_item: the <= 16-head fp8_ds_mla default is the
-# dual-consumer form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18; one item a program since v36) whose
+# every tile names dual_consumers, block_h, pipe, kept_p, one_item and paired: the <= 16-head fp8_ds_mla default is
+# the dual-consumer form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18; one item a program since v36) whose
 # products are pipelined (v19), with P^T against the kept max (v31), and a tile laid over it must not inherit any
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
-                       **cfg})
+                       "paired": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,
-                    **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c"))}}
+                    **{n: True for n, _ in GLUON_VARIANTS if n.startswith(("ws8", "ws64c", "pair"))}}
 GLUON_ENV = "GLM5LAB_BENCH_GLUON"   # names of GLUON_VARIANTS to time (comma-separated; default: all)
 
 

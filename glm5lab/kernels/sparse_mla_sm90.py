@@ -1752,6 +1752,8 @@ PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 PIPE_P = gl.constexpr(16)      # P^T's four tiles re-derived from an opaque 0 each step (`_opaque_view`, NOTES.md v35)
+PAIRED_LOADER_REGS = gl.constexpr(40)   # the paired kernel's loader (32 spilled 8 bytes); its consumer 256 - this
+PAIRED_MAXNREG = 128                     # the paired kernel's registers a thread at launch: two CTAs of 8 warps a SM
 
 
 @gluon.jit
@@ -1916,18 +1918,19 @@ def _products_async(lat, ctx, chunk: gl.constexpr, A_L: gl.constexpr, DEPTH: gl.
 def _fp8_dual_steps(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start,
                     n_end, num_steps, first, g, num_slots, qk_scale_log2, BLOCK_H: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr,
-                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
+                    PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, STRIDE: gl.constexpr = 2):
     """A dual consumer's steps first, first + 2, ... of one split's rows (`_fp8_dual_step`; step i in the ring's
     stage (g + i) % STAGES, g the steps the ring carried before), each stage freed once every warp is done with it.
-    KEPT_P: as `_fp8_dual_step`. Returns its softmax state (m, l, r, O^T in four chunks)."""
+    KEPT_P: as `_fp8_dual_step`; STRIDE 1: every step (the paired kernel's one consumer). Returns its softmax state
+    (m, l, r, O^T in four chunks)."""
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     m_i, l_acc, r_i, acc0, acc1, acc2, acc3, zero_s = _rows_fp8_state(BLOCK_H, BLOCK_N, ST_L)
     sl_rows = _slots(slot_row, n_start + first * BLOCK_N, n_end, BLOCK_N, N_ROWS)
-    for i in range(first, num_steps, 2):
+    for i in range(first, num_steps, STRIDE):
         gi = g + i
         b = gi % STAGES
         cur_rows = sl_rows
-        sl_rows = _slots(slot_row, n_start + (i + 2) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
+        sl_rows = _slots(slot_row, n_start + (i + STRIDE) * BLOCK_N, n_end, BLOCK_N, N_ROWS)
         mbarrier.wait(staged.index(b), (gi // STAGES) & 1)
         if DIAG != 3:                         # (ws_diag 3: the gathers alone)
             m_i, l_acc, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_step(
@@ -2107,6 +2110,63 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
     # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
+
+
+@gluon.jit
+def _fp8_paired_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
+                         staged, free, slot_row, n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h,
+                         num_heads, num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                         ST_L: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False):
+    """The paired kernel's one consumer warpgroup: stages q, runs every step (`_fp8_dual_step`) and writes the
+    result -- no state to hand over."""
+    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
+    if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
+        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+        q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
+        fence_async_shared()                  # (q is read by wgmma through the async proxy)
+        gl.thread_barrier()
+    q_unscale = q_unscale.load(H_COLS)
+    m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
+        q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
+        num_steps, 0, 0, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE, KEPT_P, 1)
+    inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
+    _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
+                  num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
+
+
+@gluon.jit
+def _sparse_mla_rows_fp8_paired_sm90_kernel(
+    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
+    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
+    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
+):
+    """The dual-consumer kernel's step on ONE consumer warpgroup and a loader, half its shared memory (2 stages of raw
+    rows), built for 128 registers a thread (`launch`: maxnreg) so that TWO CTAs share a SM: a program's start
+    (its first slot indices and rows) and end (the last steps, the store) overlap the other CTA's steps instead of
+    leaving the SM's gathers idle (NOTES.md v35 / v37: ~5-7 us a program), and there is no state to merge. The
+    consumer at 256 - the loader's registers (setmaxnreg)."""
+    gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
+    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
+    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
+        Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
+    q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], ROWS_VEC)
+    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
+    p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
+    slot_row = SLOTS + t * stride_st
+    gl.warp_specialize([
+        (_fp8_paired_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                scale_ring, p_ts, staged, free, slot_row, n_start, n_end, num_steps, num_slots,
+                                qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
+                                stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG, PIPE, KEPT_P)),
+        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4], [PAIRED_LOADER_REGS])
 
 
 @gluon.jit
@@ -2337,7 +2397,8 @@ def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     one item a program; nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
     that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
-    dual = kernel_of_config(cfg, fp8) is _sparse_mla_rows_fp8_dual_sm90_kernel
+    dual = kernel_of_config(cfg, fp8) in (_sparse_mla_rows_fp8_dual_sm90_kernel,
+                                          _sparse_mla_rows_fp8_paired_sm90_kernel)
     return kept_fits(fp8, cfg) and bool(fp16_tile or dual)
 
 
@@ -2482,16 +2543,18 @@ def one_item_a_program(cfg: dict) -> bool:
 def kernel_of_config(cfg: dict, fp8: bool):
     """`kernel_of` for a tile config (the keys launch reads)."""
     return kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                     cfg.get("dual_consumers", False), one_item_a_program(cfg))
+                     cfg.get("dual_consumers", False), one_item_a_program(cfg), cfg.get("paired", False))
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False, one_item: bool = False):
+              dual: bool = False, one_item: bool = False, paired: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- with 8-head tiles the persistent kernel unless one_item,
     one (token, split) a program; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
     dequantizes in a producer warpgroup). Every flag explicit, as the offline builds name them; a tile config's
     kernel is `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise."""
+    if rows and fp8 and dual and paired:
+        return _sparse_mla_rows_fp8_paired_sm90_kernel
     if rows and fp8 and dual and block_h == 8 and not one_item:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
@@ -2576,9 +2639,14 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
-    if dual and (cfg["stages"] != 4 or cfg.get("ws_diag", 0) not in (0, 2, 3)):
-        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory) and timing "
-                           f"diagnostics 2-3 only; got stages {cfg['stages']}, ws_diag {cfg.get('ws_diag', 0)}")
+    paired = cfg.get("paired", False)
+    if paired and not dual:
+        raise Glm5labError("paired=True is a form of the dual-consumer fp8_ds_mla kernel (its step on one consumer, two "
+                           f"CTAs a SM); got it with dual_consumers={dual}")
+    if dual and (cfg["stages"] != (2 if paired else 4) or cfg.get("ws_diag", 0) not in (0, 2, 3)):
+        raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory; its paired "
+                           "form 2, ~110 KB, two CTAs a SM) and timing diagnostics 2-3 only; got stages "
+                           f"{cfg['stages']}{' (paired)' if paired else ''}, ws_diag {cfg.get('ws_diag', 0)}")
     if cfg.get("rows") and fp8 and not dual and cfg["stages"] != 2:
         raise Glm5labError("the fp8_ds_mla rows-as-M kernel takes 2 stages (218 KB of shared memory), got "
                            f"{cfg['stages']}")
@@ -2644,5 +2712,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
                                "(or pass _config={'impl': 'triton'})")
         extra["PART_F16"] = True
+    if kernel is _sparse_mla_rows_fp8_paired_sm90_kernel:
+        extra["maxnreg"] = PAIRED_MAXNREG     # (two CTAs of 8 warps a SM)
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
