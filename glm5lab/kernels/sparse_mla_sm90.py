@@ -2641,8 +2641,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     paired = cfg.get("paired", False)
     if paired and not dual:
-        raise Glm5labError("paired=True is a form of the dual-consumer fp8_ds_mla kernel (its step on one consumer, two "
-                           f"CTAs a SM); got it with dual_consumers={dual}")
+        raise Glm5labError("paired=True is a form of the dual-consumer fp8_ds_mla kernel (its step on one consumer, "
+                           f"two CTAs a SM); got it with dual_consumers={dual}")
     if dual and (cfg["stages"] != (2 if paired else 4) or cfg.get("ws_diag", 0) not in (0, 2, 3)):
         raise Glm5labError("the dual-consumer fp8_ds_mla kernel takes 4 stages (~200 KB of shared memory; its paired "
                            "form 2, ~110 KB, two CTAs a SM) and timing diagnostics 2-3 only; got stages "
