@@ -237,9 +237,9 @@ def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg)
 
 # the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
 # 16-head tile "sop" + kept
-PAIR8SOPK = {**WS8X2ESOPK, "stages": 2, "resident": 2, "paired": True}
+PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
-PAIR16SOPK = {**WS8X2SOKP, "stages": 2, "resident": 2, "paired": True}
+PAIR16SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG         # (... at 9-16 heads)
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK], ids=["pair8sopk", "pair8s3o3p",
                                                                                    "pair16sopk"])
 
@@ -938,8 +938,14 @@ def test_gluon_tiles_by_head_count():
         dual = WS8X2ESOPK if H <= 8 else WS8X2SOKP
         assert dual["pipe"] == "sop" and dual["kept_p"] and dual["block_h"] == (8 if H <= 8 else 16)
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
-        assert sm90.default_config(H, True, 512) == sm90.default_config(H, True, 67) == dual
+        assert sm90.default_config(H, True, 132) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
+        # ... and its paired form (one consumer, two CTAs a SM; v38) once the tokens outnumber the SMs
+        paired = PAIR8SOPK if H <= 8 else PAIR16SOPK
+        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True} and not dual["paired"]
+        assert sm90.default_config(H, True, 133) == sm90.default_config(H, True, 512) == paired
+        assert sm90.default_config(H, True, 79, num_sms=78) == paired
+        assert sm90.kernel_of_config(paired, True) is sm90._sparse_mla_rows_fp8_paired_sm90_kernel
         assert sm90.default_config(H, True, 20, num_sms=78) == (dual if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
         assert sm90.default_config(H, True, 3) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)

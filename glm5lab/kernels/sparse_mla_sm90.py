@@ -2425,7 +2425,8 @@ ONE_WAVE_CONFIG = {"impl": "gluon", "rows": False, "ws": False, "p_smem": False,
 # 11.4 / 11.7 / 12.0 / 14.5 / 14.9 against mma.sync 9.0 / 9.6 / 11.6 / 12.1 / 15.2 / 15.9. So the default beyond 8
 # heads, and from FP8_ROWS_MIN_TOKENS tokens at <= 8 heads.
 ROWS_FP8_CONFIG = {"impl": "gluon", "rows": True, "ws": False, "p_smem": False, "block_h": 16, "block_n": 64,
-                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "kept_p": False}
+                   "num_warps": 4, "stages": 2, "resident": 1, "dual_consumers": False, "pipe": "", "kept_p": False,
+                   "paired": False}
 FP8_ROWS_MIN_TOKENS = 4
 # ... its dual-consumer form (NOTES.md v17): no converter and no fp16 copy of the rows -- two consumer warpgroups
 # convert the staged e4m3 bytes into wgmma's register operand themselves, each on every other step; 4 stages of raw
@@ -2489,6 +2490,15 @@ ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"
 # 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop" without the kept max
 # 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
 ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item": True}
+# ... and both tiles' step on one consumer, two CTAs a SM ("paired", `_sparse_mla_rows_fp8_paired_sm90_kernel`): the
+# default at <= 16 heads once the tokens outnumber the SMs (more programs than one wave of the dual kernel). H200,
+# NOTES.md v38 calls 1-2 (13 interleaved rounds, us, the dual tile -> the paired one): 8 heads x 136 / 168 / 200 / 232 /
+# 256 / 512 tokens 91.8 / 92.6 / 93.5 / 95.8 / 99.2 / 197.8 -> 83.5 / 85.2 / 85.4 / 88.7 / 95.4 / 184.0 (0.84 -> 0.91
+# of the roofline at 512); 16 heads 104.7 / 105.1 / 105.3 / 106.0 / 106.6 / 220.3 -> 96.9 / 98.2 / 98.4 / 99.9 / 100.3
+# / 206.2 (2.16x -> 2.31x FlashMLA's fp8 decode at 512). At 128 tokens (one wave of the dual kernel; the paired one
+# split in two, 256 programs, and merged) slower: 8 heads 51.4 -> 57.1, 16 heads 56.1 -> 66.1.
+ROWS_FP8_PAIRED_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "stages": 2, "resident": 2, "paired": True}
+ROWS_FP8_PAIRED_8_CONFIG = {**ROWS_FP8_DUAL_8_CONFIG, "stages": 2, "resident": 2, "paired": True}
 
 
 # The merge launched early (PDL) and let launch from the attention kernel's start (`_let_merge_launch`), by default
@@ -2514,13 +2524,16 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form ("sop": both products pipelined,
     P^T's tiles re-derived each step; P^T against the kept max) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens on
-    16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, the 32-row mma.sync tile
-    at 1-3 tokens of <= 8 heads (more, shorter splits)."""
+    16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, and its paired form (one
+    consumer, two CTAs a SM) beyond num_sms tokens; the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more,
+    shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
+        if num_tokens > num_sms:
+            return dict(ROWS_FP8_PAIRED_CONFIG if num_heads > 8 else ROWS_FP8_PAIRED_8_CONFIG)
         if num_tokens >= (FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS):
             return dict(ROWS_FP8_DUAL_DEEP_CONFIG if num_heads > 8 else ROWS_FP8_DUAL_8_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
