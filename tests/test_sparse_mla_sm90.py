@@ -1162,6 +1162,35 @@ def test_paired_tile_is_a_dual_tile_of_two_stages():
         assert sparse_mla_sm90.kept_max_pays(True, {k: v for k, v in pcfg.items() if k != "kept_p"})
 
 
+def test_a_callers_tile_over_a_paired_default_is_paired_only_as_named():
+    """resolve_paired, which sparse_mla_attention applies to the caller's _config laid over the default: over the
+    paired default a dual tile that names 4 stages runs the dual kernel on one slot a SM, a tile of another kernel is
+    not paired, one that names nothing stays paired; paired True named over a dual default takes 2 stages and two
+    slots; an explicit paired True with 4 stages is left for check_tile to refuse."""
+    sm90 = sparse_mla_sm90
+    paired_default = sm90.default_config(8, True, 512)
+    dual_default = sm90.default_config(8, True, 64)
+    assert paired_default["paired"] and not dual_default["paired"]
+
+    def resolved(default, named):
+        return sm90.resolve_paired({**default, **named}, named)
+
+    four = resolved(paired_default, {"dual_consumers": True, "stages": 4})
+    assert (four["paired"], four["stages"], four["resident"]) == (False, 4, 1)
+    assert sm90.kernel_of_config(four, True) is sm90._sparse_mla_rows_fp8_dual_sm90_kernel
+    kept_resident = resolved(paired_default, {"stages": 4, "resident": 3})
+    assert (kept_resident["paired"], kept_resident["resident"]) == (False, 3)
+    other = resolved(paired_default, sm90.DEFAULT_CONFIG)
+    assert not other["paired"] and sm90.kernel_of_config(other, True) is sm90._sparse_mla_fp8_sm90_kernel
+    assert resolved(paired_default, {"pipe": "s3o3p"}) == {**paired_default, "pipe": "s3o3p"}
+    asked = resolved(dual_default, {"paired": True})
+    assert (asked["paired"], asked["stages"], asked["resident"]) == (True, 2, 2)
+    assert sm90.kernel_of_config(asked, True) is sm90._sparse_mla_rows_fp8_paired_sm90_kernel
+    both = resolved(dual_default, {"paired": True, "stages": 4})
+    with pytest.raises(Glm5labError, match=r"got stages 4 \(paired\)"):
+        sm90.check_tile(both, True, 8)
+
+
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
     """The 16-head dual-consumer tile with O^T's products pipelined (pipe "o", NOTES.md v19) gives its consumers 224
     registers and its loader 56 -- at 208 / 88 it spills -- and leaves one product outstanding in 6 of 18 waits (S^T's
@@ -1408,6 +1437,11 @@ def test_dual_8_head_tile_runs_one_item_unless_named(T, monkeypatch):
     for over, expected in (({}, (dual, True)), ({"one_item": False, "pipe": "so"}, (persistent, False))):
         sparse_mla_attention(q, cache, slots, SCALE, num_splits=1, _config={**tile, **over})
         assert picked.pop() == expected, (T, over)
+    # (the default itself: the paired kernel beyond the SMs -- 8 on CPU --, with its kept max; NOTES.md v38)
+    sparse_mla_attention(q, cache, slots, SCALE, num_splits=1, _config={"impl": "gluon"})
+    small = sparse_mla_sm90.kernel_of_config(sparse_mla_sm90.default_config(8, True, T, 8), True)
+    assert picked.pop() == ((sparse_mla_sm90._sparse_mla_rows_fp8_paired_sm90_kernel, True) if T > 8 else
+                            (small, False)), T
 
 
 @pytest.mark.gpu
@@ -1520,14 +1554,15 @@ def test_named_tiles_forced_over_any_default_are_complete():
 
     for name in ("DEFAULT_CONFIG", "ONE_WAVE_CONFIG", "ROWS_CONFIG", "ROWS_FP8_CONFIG", "ROWS_FP8_DUAL_CONFIG",
                  "ROWS_FP8_DUAL_DEEP_CONFIG", "ROWS_FP8_PERSISTENT_CONFIG", "ROWS_FP8_PERSISTENT_DEEP_CONFIG",
-                 "ROWS_FP8_DUAL_8_CONFIG", "WGMMA_CONFIG", "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
+                 "ROWS_FP8_DUAL_8_CONFIG", "ROWS_FP8_PAIRED_CONFIG", "ROWS_FP8_PAIRED_8_CONFIG", "WGMMA_CONFIG",
+                 "WGMMA_WS_CONFIG", "WGMMA_CV_CONFIG"):
         tile = getattr(sm90, name)
         for fp8 in (False, True):
             if (tile.get("rows") and fp8 != name.startswith("ROWS_FP8")) or (tile.get("converter") and not fp8):
                 continue
             for H in (8, 16, 64):
                 for T in (1, 8, 17, 132, 133, 512):
-                    merged = {**sm90.default_config(H, fp8, T), **tile}
+                    merged = sm90.resolve_paired({**sm90.default_config(H, fp8, T), **tile}, tile)
                     sm90.check_tile(merged, fp8)
                     assert merged.get("rows", False) == tile.get("rows", False), (name, fp8, H, T)
                     assert merged["ws"] == tile["ws"], (name, fp8, H, T)
@@ -1535,6 +1570,8 @@ def test_named_tiles_forced_over_any_default_are_complete():
                     assert merged["block_h"] == tile["block_h"], (name, fp8, H, T)
                     assert merged["pipe"] == tile["pipe"], (name, fp8, H, T)
                     assert merged["kept_p"] == tile["kept_p"], (name, fp8, H, T)
+                    assert merged.get("paired", False) == tile.get("paired", False), (name, fp8, H, T)
+                    assert merged["stages"] == tile["stages"], (name, fp8, H, T)
                     assert sm90.kernel_of_config(merged, fp8) is sm90.kernel_of_config(tile, fp8), (
                         name, fp8, H, T)                                   # (v36: one item a program or persistent)
 

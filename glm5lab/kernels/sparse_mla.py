@@ -1010,7 +1010,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if gluon:
         from glm5lab.kernels import sparse_mla_sm90
 
-        cfg = {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}
+        cfg = sparse_mla_sm90.resolve_paired(
+            {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}, _config or {})
     if cfg.get("_stamps") is not None and not gluon:
         raise Glm5labError("phase stamps (_config '_stamps') come from the 1-3 token fp8_ds_mla Gluon kernel and its "
                            "separate merge: add 'impl': 'gluon' (sm_90)")

@@ -2553,6 +2553,25 @@ def one_item_a_program(cfg: dict) -> bool:
     return bool(cfg.get("one_item", True))
 
 
+def resolve_paired(cfg: dict, named: dict) -> dict:
+    """A call's tile (`named`, the caller's _config, laid over the default) with its paired form settled by what the
+    caller named: over a paired default (beyond num_sms tokens since NOTES.md v38), a tile that is not the
+    dual-consumer kernel's, or that names other stages than the paired form's 2, is not paired (and, unless it names
+    its resident, takes one program slot a SM, the dual kernel's); a tile that names paired True and not its stages
+    takes 2 stages (and two slots)."""
+    out = dict(cfg)
+    if "paired" in named:
+        if named["paired"] and "stages" not in named:
+            out["stages"] = 2
+            if "resident" not in named:
+                out["resident"] = 2
+    elif out.get("paired") and not (out.get("dual_consumers") and out.get("stages") == 2):
+        out["paired"] = False
+        if "resident" not in named:
+            out["resident"] = 1
+    return out
+
+
 def kernel_of_config(cfg: dict, fp8: bool):
     """`kernel_of` for a tile config (the keys launch reads)."""
     return kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
