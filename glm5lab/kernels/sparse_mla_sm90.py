@@ -2017,6 +2017,17 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, bas
 
 
 @gluon.jit
+def _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H: gl.constexpr,
+                         H_COLS: gl.constexpr):
+    """A dual or paired consumer's q staged in the fp16 domain (`_q_fp16_domain`) with its per-head unscale, visible to
+    the warpgroup's wgmma (async proxy) and to every warp of it."""
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+    q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
+    fence_async_shared()                      # (q is read by wgmma through the async proxy)
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts,
                        merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end, num_steps,
                        num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
@@ -2031,11 +2042,8 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
-            q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL,
-                                   True)
-            q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
-            fence_async_shared()              # (q is read by wgmma through the async proxy)
-            gl.thread_barrier()
+            _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H,
+                                 H_COLS)
             mbarrier.arrive(q_ready, count=1)
         else:
             mbarrier.wait(q_ready, 0)
@@ -2122,10 +2130,7 @@ def _fp8_paired_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale
     result -- no state to hand over."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
-        q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
-        q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
-        fence_async_shared()                  # (q is read by wgmma through the async proxy)
-        gl.thread_barrier()
+        _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H, H_COLS)
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
