@@ -945,6 +945,9 @@ def test_gluon_tiles_by_head_count():
         assert paired == {**dual, "stages": 2, "resident": 2, "paired": True} and not dual["paired"]
         assert sm90.default_config(H, True, 133) == sm90.default_config(H, True, 512) == paired
         assert sm90.default_config(H, True, 79, num_sms=78) == paired
+        # (on a GPU of few SMs the paired form starts where the dual one would)
+        assert sm90.default_config(H, True, dual_from, num_sms=8) == paired
+        assert sm90.default_config(H, True, dual_from - 1, num_sms=8) == sm90.ROWS_FP8_CONFIG
         assert sm90.kernel_of_config(paired, True) is sm90._sparse_mla_rows_fp8_paired_sm90_kernel
         assert sm90.default_config(H, True, 20, num_sms=78) == (dual if H <= 8 else sm90.ROWS_FP8_CONFIG)
         assert sm90.default_config(H, True, 1) == (sm90.ROWS_FP8_CONFIG if H > 8 else sm90.DEFAULT_CONFIG)
@@ -1189,6 +1192,16 @@ def test_a_callers_tile_over_a_paired_default_is_paired_only_as_named():
     both = resolved(dual_default, {"paired": True, "stages": 4})
     with pytest.raises(Glm5labError, match=r"got stages 4 \(paired\)"):
         sm90.check_tile(both, True, 8)
+    unpaired = resolved(paired_default, {"paired": False})
+    assert (unpaired["paired"], unpaired["stages"], unpaired["resident"]) == (False, 4, 1)
+    assert sm90.kernel_of_config(unpaired, True) is sm90._sparse_mla_rows_fp8_dual_sm90_kernel
+    persistent = resolved(paired_default, {"one_item": False})
+    assert (persistent["paired"], persistent["stages"], persistent["resident"]) == (False, 4, 1)
+    assert sm90.kernel_of_config(persistent, True) is sm90._sparse_mla_rows_fp8_persistent_sm90_kernel
+    for tile in (unpaired, persistent, four, asked):
+        sm90.check_tile(tile, True, 8)
+    with pytest.raises(Glm5labError, match="one_item=False is the persistent kernel's"):
+        sm90.check_tile({**paired_default, "one_item": False}, True, 8)
 
 
 def test_gluon_rows_fp8_sm90_dual_16_head_tile_pipelines_o_without_spilling():
@@ -1440,7 +1453,7 @@ def test_dual_8_head_tile_runs_one_item_unless_named(T, monkeypatch):
     # (the default itself: the paired kernel beyond the SMs -- 8 on CPU --, with its kept max; NOTES.md v38)
     sparse_mla_attention(q, cache, slots, SCALE, num_splits=1, _config={"impl": "gluon"})
     small = sparse_mla_sm90.kernel_of_config(sparse_mla_sm90.default_config(8, True, T, 8), True)
-    assert picked.pop() == ((sparse_mla_sm90._sparse_mla_rows_fp8_paired_sm90_kernel, True) if T > 8 else
+    assert picked.pop() == ((sparse_mla_sm90._sparse_mla_rows_fp8_paired_sm90_kernel, True) if T >= 16 else
                             (small, False)), T
 
 

@@ -209,8 +209,9 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                       "block_n": 64, "num_warps": 8, "stages": 2, "resident": 1, "partials": "fp16",
                                       "_diagnostic": True, "ws_diag": d}) for d in (2, 4))]
 # every tile names dual_consumers, block_h, pipe, kept_p, one_item and paired: the <= 16-head fp8_ds_mla default is
-# the dual-consumer form (NOTES.md v17), with 8-head tiles at <= 8 heads (v18; one item a program since v36) whose
-# products are pipelined (v19), with P^T against the kept max (v31), and a tile laid over it must not inherit any
+# the dual-consumer form (NOTES.md v17; up to one wave, its paired form beyond since v38), with 8-head tiles at <= 8
+# heads (v18; one item a program since v36) whose products are pipelined (v19), with P^T against the kept max (v31),
+# and a tile laid over it must not inherit any
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
                        "paired": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]

@@ -949,6 +949,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     fp8_ds_mla call whose Gluon grid leaves half the SMs idle (1-2 tokens) is launched early, while the attention runs (programmatic dependent launch; sparse_mla_sm90.pdl_pays, NOTES.md v25);
     _config={"impl": "gluon", "pdl": False | True} decides. A dual-consumer 8-head tile runs one (token, split) a
     program unless its _config says {"one_item": False} (the persistent kernel, the default in NOTES.md v18-v35).
+    Beyond one wave (more tokens than SMs) an fp8_ds_mla call of <= 16 heads runs the dual-consumer tiles' paired
+    form, one consumer a CTA and two CTAs a SM (NOTES.md v38); a _config that names another kernel's tile, 4 stages,
+    one_item False or {"paired": False} runs as it says (sparse_mla_sm90.resolve_paired).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, 576], got {tuple(getattr(q, 'shape', ()))}")

@@ -47,7 +47,10 @@ equal at 512); in v18-v35 the same two consumers on 8-head tiles in a persistent
 0.79 of the roofline, 2.1x at 512 tokens; since v19 both products issued two at a time: 0.76 / 0.81, 2.11 / 2.18x at 128
 / 512 tokens; since v20 three at a time once the top-k is not split, 2-5% faster there in interleaved A/B rounds: 0.76 /
 0.83, 2.10 / 2.24x in one same-run comparison, 0.76 / 0.80 and 2.12 / 2.11x in the suite; v21's suite, in interleaved
-rounds: 0.75 / 0.84 and 2.10 / 2.24x).
+rounds: 0.75 / 0.84 and 2.10 / 2.24x). Beyond one wave (more tokens than SMs) both tiles run as
+`_sparse_mla_rows_fp8_paired_sm90_kernel` since v38: the same step on ONE consumer warpgroup, 2 stages, two CTAs a SM,
+so that a program's start and end overlap the other CTA's steps (4-9% faster at 136-512 tokens; 0.91 of the roofline
+at 8 heads x 512 tokens, 2.31x FlashMLA at 16 heads x 512, in v38's A/B).
 No interpreter runs Gluon: tests/test_sparse_mla_sm90.py checks it on the GPU, and its sm90 build offline.
 """
 from __future__ import annotations
@@ -2399,7 +2402,7 @@ def kept_fits(fp8: bool, cfg: dict) -> bool:
 def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
     (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile and, since NOTES.md v36, its 8-head tile
-    one item a program; nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
+    one item a program, and both in the paired kernel (v38); nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
     that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
     dual = kernel_of_config(cfg, fp8) in (_sparse_mla_rows_fp8_dual_sm90_kernel,
@@ -2490,7 +2493,7 @@ FP8_DUAL_MIN_TOKENS_AT_8_HEADS = 16
 ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"}
 # ... and the dual kernel's own 8-head tile, one (token, split) a program ("one_item": not persistent; P stored
 # [heads, rows] as in the persistent kernel), "sop" + kept max: the default at <= 8 heads from
-# FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens since v36 (NOTES.md v36 call 3, 21 interleaved rounds, us, 8 heads x 16 / 32 /
+# FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens since v36, up to num_sms since v38 (NOTES.md v36 call 3, 21 interleaved rounds, us, 8 heads x 16 / 32 /
 # 64 / 128 / 512 tokens: 16.91 / 22.03 / 33.52 / 52.87 / 204.2 against the 16-head tile 17.38 / 22.55 / 34.16 /
 # 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop" without the kept max
 # 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
@@ -2529,17 +2532,18 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
     fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form ("sop": both products pipelined,
     P^T's tiles re-derived each step; P^T against the kept max) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens on
-    16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, and its paired form (one
-    consumer, two CTAs a SM) beyond num_sms tokens; the 32-row mma.sync tile at 1-3 tokens of <= 8 heads (more,
-    shorter splits)."""
+    16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, and from there its paired
+    form (one consumer, two CTAs a SM) beyond num_sms tokens; the 32-row mma.sync tile at 1-3 tokens of <= 8 heads
+    (more, shorter splits)."""
     if num_heads > 16:
         return dict(WGMMA_WS_CONFIG)
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
-        if num_tokens > num_sms:
+        dual_from = FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS
+        if num_tokens > num_sms and num_tokens >= dual_from:
             return dict(ROWS_FP8_PAIRED_CONFIG if num_heads > 8 else ROWS_FP8_PAIRED_8_CONFIG)
-        if num_tokens >= (FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS):
+        if num_tokens >= dual_from:
             return dict(ROWS_FP8_DUAL_DEEP_CONFIG if num_heads > 8 else ROWS_FP8_DUAL_8_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
@@ -2561,19 +2565,21 @@ def one_item_a_program(cfg: dict) -> bool:
 def resolve_paired(cfg: dict, named: dict) -> dict:
     """A call's tile (`named`, the caller's _config, laid over the default) with its paired form settled by what the
     caller named: over a paired default (beyond num_sms tokens since NOTES.md v38), a tile that is not the
-    dual-consumer kernel's, or that names other stages than the paired form's 2, is not paired (and, unless it names
-    its resident, takes one program slot a SM, the dual kernel's); a tile that names paired True and not its stages
-    takes 2 stages (and two slots)."""
+    dual-consumer kernel's, names other stages than the paired form's 2 or names one_item False (the persistent
+    kernel) is not paired; a tile that names paired takes that form's stages (paired 2, the dual kernel 4) and program
+    slots a SM (2, 1) unless it names them."""
     out = dict(cfg)
     if "paired" in named:
-        if named["paired"] and "stages" not in named:
-            out["stages"] = 2
-            if "resident" not in named:
-                out["resident"] = 2
-    elif out.get("paired") and not (out.get("dual_consumers") and out.get("stages") == 2):
-        out["paired"] = False
+        paired = bool(named["paired"])
+    else:
+        paired = bool(out.get("paired") and out.get("dual_consumers") and out.get("stages") == 2
+                      and one_item_a_program(out))
+    if paired != bool(out.get("paired")) or "paired" in named:
+        out["paired"] = paired
+        if out.get("dual_consumers") and "stages" not in named:
+            out["stages"] = 2 if paired else 4
         if "resident" not in named:
-            out["resident"] = 1
+            out["resident"] = 2 if paired else 1
     return out
 
 
@@ -2587,9 +2593,10 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
               dual: bool = False, one_item: bool = False, paired: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- with 8-head tiles the persistent kernel unless one_item,
-    one (token, split) a program; ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that
-    dequantizes in a producer warpgroup). Every flag explicit, as the offline builds name them; a tile config's
-    kernel is `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise."""
+    one (token, split) a program; with dual and paired its one-consumer form, two CTAs a SM, before any of those;
+    ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer
+    warpgroup). Every flag explicit, as the offline builds name them; a tile config's kernel is
+    `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise."""
     if rows and fp8 and dual and paired:
         return _sparse_mla_rows_fp8_paired_sm90_kernel
     if rows and fp8 and dual and block_h == 8 and not one_item:
@@ -2641,7 +2648,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     """Refuse, with the reason, a tile the kernels do not build: the rows-as-M kernels take 16-head tiles, 64-row
     steps and one (consumer) warpgroup, the fp8 one 2 stages (a _config laid over a default can mix two tiles' keys);
     the dual-consumer kernel also 8-head tiles (one item a program, or persistent), for calls of <= 8 heads
-    (num_heads, when given: more would read every row once per tile)."""
+    (num_heads, when given: more would read every row once per tile), and 4 stages -- its paired form (one consumer,
+    two CTAs a SM, one item a program) 2."""
     dual = cfg.get("dual_consumers", False)
     if cfg.get("rows") and (cfg["block_h"] not in ((8, 16) if dual else (16,))
                             or (cfg["block_n"], cfg["num_warps"]) != (64, 4)):
@@ -2677,6 +2685,8 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            "got "
                            f"it with dual_consumers={dual}, block_h {cfg['block_h']}")
     paired = cfg.get("paired", False)
+    if paired and not one_item_a_program(cfg):
+        raise Glm5labError("paired=True runs one (token, split) a program; one_item=False is the persistent kernel's")
     if paired and not dual:
         raise Glm5labError("paired=True is a form of the dual-consumer fp8_ds_mla kernel (its step on one consumer, "
                            f"two CTAs a SM); got it with dual_consumers={dual}")
