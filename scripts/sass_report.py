@@ -61,8 +61,8 @@ def build(config: dict, sm: int = 90):
         from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern
 
     opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
-    if gluon and kern is sparse_mla_sm90._sparse_mla_rows_fp8_paired_sm90_kernel:
-        opts.setdefault("maxnreg", sparse_mla_sm90.PAIRED_MAXNREG)      # (as `launch` builds it)
+    if gluon:
+        opts = {**sparse_mla_sm90.build_options(kern), **opts}      # (as `launch` builds it)
     opts.setdefault("num_warps", 4)
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")

@@ -227,9 +227,16 @@ def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg)
     """The dual-consumer kernel on 8-head tiles, one (token, split) a program: odd steps, unequal splits, items of one
     or two steps, default splits at small batches; the poisoned outputs all written and matching the float64
     reference; every e4m3 byte pattern."""
-    q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-    out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
-    check(out, lse, ref, torch.bfloat16)
+    _check_tile_cases(pcfg, (H,), T, topk, splits)
+
+
+def _check_tile_cases(pcfg, heads, T, topk, splits):
+    """A tile's calls of T tokens and each head count in heads (splits 0: the default's), then every e4m3 byte
+    pattern at 8 heads; each output poisoned first and checked against the float64 reference."""
+    for H in heads:
+        q, cache, slots, ref = make_case(T, H, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+        out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
+        check(out, lse, ref, torch.bfloat16)
     q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
     out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
     check(out, lse, ref, torch.bfloat16)
@@ -252,13 +259,7 @@ def test_gpu_gluon_paired_tile(H, T, topk, splits, pcfg):
     """The paired kernel (one consumer, two CTAs a SM): more programs than CTA slots, odd steps, unequal splits, items
     of one or two steps, default splits; the poisoned outputs all written and matching the float64 reference; every
     e4m3 byte pattern; the 16-head tile at 16 heads too."""
-    for heads in (H, 16) if pcfg["block_h"] == 16 else (H,):
-        q, cache, slots, ref = make_case(T, heads, topk, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
-        out, lse = run_poisoned(q, cache, slots, num_splits=splits or None, _config={**GLUON, **pcfg})
-        check(out, lse, ref, torch.bfloat16)
-    q, cache, slots, ref = _raw_fp8_case("cuda", T=5, H=8, topk=512, num_slots=4096)
-    out, lse = run_poisoned(q, cache, slots, _config={**GLUON, **pcfg})
-    check(out, lse, ref, torch.bfloat16)
+    _check_tile_cases(pcfg, (H, 16) if pcfg["block_h"] == 16 else (H,), T, topk, splits)
 
 
 def _consumer_moves(step_max):
@@ -1145,8 +1146,8 @@ def test_gluon_paired_tile_builds_for_two_ctas_a_sm(pcfg):
     memory less the CTA's reserved 1 KB, so that two CTAs of 8 warps share a SM; its consumer at 216 registers, the
     loader at 40 (at 32 the loader spilled), no spill; one consumer's 68 wgmma a step."""
     rep = _sm90_build(rows=True, dual=True, paired=True, BLOCK_H=pcfg["block_h"], BLOCK_N=64, STAGES=2, SPLIT=True,
-                      FP8=True, num_warps=4, maxnreg=sparse_mla_sm90.PAIRED_MAXNREG,
-                      PIPE=sparse_mla_sm90.pipe_bits(pcfg["pipe"]), KEPT_P=pcfg["kept_p"])
+                      FP8=True, num_warps=4, PIPE=sparse_mla_sm90.pipe_bits(pcfg["pipe"]), KEPT_P=pcfg["kept_p"])
+    # (no maxnreg named: the build takes launch's, `build_options`)
     assert rep["regs"] <= 128 and {40, 216} <= set(rep["setmaxnreg"])
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 68
     assert 2 * (rep["smem"] + 1024) <= 228 * 1024

@@ -2402,8 +2402,8 @@ def kept_fits(fp8: bool, cfg: dict) -> bool:
 def kept_max_pays(fp8: bool, cfg: dict) -> bool:
     """Whether a Gluon call takes P against the kept max by default: the converter form's fp16 tile
     (`f16_tile_fits` with f16_tile); the dual-consumer kernel's 16-head tile and, since NOTES.md v36, its 8-head tile
-    one item a program, and both in the paired kernel (v38); nothing else -- not the persistent 8-head kernel (v31) -- (an override of the default tile
-    that leaves its kept_p in place gets False where it does not fit)."""
+    one item a program, and both in the paired kernel (v38); nothing else -- not the persistent 8-head kernel (v31)
+    -- (an override of the default tile that leaves its kept_p in place gets False where it does not fit)."""
     fp16_tile = f16_tile_fits(fp8, cfg) and cfg.get("f16_tile")
     dual = kernel_of_config(cfg, fp8) in (_sparse_mla_rows_fp8_dual_sm90_kernel,
                                           _sparse_mla_rows_fp8_paired_sm90_kernel)
@@ -2493,10 +2493,10 @@ FP8_DUAL_MIN_TOKENS_AT_8_HEADS = 16
 ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"}
 # ... and the dual kernel's own 8-head tile, one (token, split) a program ("one_item": not persistent; P stored
 # [heads, rows] as in the persistent kernel), "sop" + kept max: the default at <= 8 heads from
-# FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens since v36, up to num_sms since v38 (NOTES.md v36 call 3, 21 interleaved rounds, us, 8 heads x 16 / 32 /
-# 64 / 128 / 512 tokens: 16.91 / 22.03 / 33.52 / 52.87 / 204.2 against the 16-head tile 17.38 / 22.55 / 34.16 /
-# 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop" without the kept max
-# 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
+# FP8_DUAL_MIN_TOKENS_AT_8_HEADS tokens since v36, up to num_sms since v38 (NOTES.md v36 call 3, 21 interleaved
+# rounds, us, 8 heads x 16 / 32 / 64 / 128 / 512 tokens: 16.91 / 22.03 / 33.52 / 52.87 / 204.2 against the 16-head
+# tile 17.38 / 22.55 / 34.16 / 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop"
+# without the kept max 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
 ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item": True}
 # ... and both tiles' step on one consumer, two CTAs a SM ("paired", `_sparse_mla_rows_fp8_paired_sm90_kernel`): the
 # default at <= 16 heads once the tokens outnumber the SMs (more programs than one wave of the dual kernel). H200,
@@ -2540,10 +2540,9 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     if num_tokens is None:
         return dict(DEFAULT_CONFIG)
     if fp8:
-        dual_from = FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS
-        if num_tokens > num_sms and num_tokens >= dual_from:
-            return dict(ROWS_FP8_PAIRED_CONFIG if num_heads > 8 else ROWS_FP8_PAIRED_8_CONFIG)
-        if num_tokens >= dual_from:
+        if num_tokens >= (FP8_DUAL_MIN_TOKENS if num_heads > 8 else FP8_DUAL_MIN_TOKENS_AT_8_HEADS):
+            if num_tokens > num_sms:
+                return dict(ROWS_FP8_PAIRED_CONFIG if num_heads > 8 else ROWS_FP8_PAIRED_8_CONFIG)
             return dict(ROWS_FP8_DUAL_DEEP_CONFIG if num_heads > 8 else ROWS_FP8_DUAL_8_CONFIG)
         if num_heads > 8 or num_tokens >= FP8_ROWS_MIN_TOKENS:
             return dict(ROWS_FP8_CONFIG)
@@ -2719,6 +2718,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
                            f"ws_diag={cfg.get('ws_diag', 0)}")
 
 
+def build_options(kernel) -> dict:
+    """Compile options a Gluon kernel is built with beyond its tile's (`launch`, and scripts/sass_report.py's offline
+    builds): the paired kernel's register cap, so that two CTAs of 8 warps share a SM."""
+    return {"maxnreg": PAIRED_MAXNREG} if kernel is _sparse_mla_rows_fp8_paired_sm90_kernel else {}
+
+
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
            num_sms: int = 132, pdl: bool = False) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
@@ -2759,7 +2764,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
             raise Glm5labError(f"fp16 partials: only the 64-head Gluon kernels write them, not {kernel.fn.__name__} "
                                "(or pass _config={'impl': 'triton'})")
         extra["PART_F16"] = True
-    if kernel is _sparse_mla_rows_fp8_paired_sm90_kernel:
-        extra["maxnreg"] = PAIRED_MAXNREG     # (two CTAs of 8 warps a SM)
+    extra.update(build_options(kernel))
     kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
                  num_warps=cfg["num_warps"], **extra)
