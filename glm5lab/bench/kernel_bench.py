@@ -165,13 +165,15 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                         "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sop",
                                         "one_item": True, "_diagnostic": True, "ws_diag": d}) for d in (2, 3)),
                   # ... its step on ONE consumer warpgroup, 2 stages, two CTAs a SM ("paired", NOTES.md v38): the
-                  # 8-head tile "sop" + kept, "s3o3p"; the 16-head tile "sop" + kept; both tiles' "sop" consumers
-                  # alone (d2) and gathers alone (d3)
+                  # 8-head tile "sop" + kept, "s3o3p"; the 16-head tile "sop" + kept, "op" + kept and "sop" (the
+                  # other 16-head forms that do not spill at the paired consumer's 216 registers, v39); both tiles'
+                  # "sop" consumers alone (d2) and gathers alone (d3)
                   *((f"pair{h}{pipe}{'k' if kept else ''}", {"rows": True, "ws": False, "block_h": h, "block_n": 64,
                                                             "num_warps": 4, "stages": 2, "resident": 2,
                                                             "dual_consumers": True, "paired": True, "pipe": pipe,
                                                             "kept_p": kept, "one_item": True})
-                    for h, pipe, kept in ((8, "sop", True), (8, "s3o3p", False), (16, "sop", True))),
+                    for h, pipe, kept in ((8, "sop", True), (8, "s3o3p", False), (16, "sop", True), (16, "op", True),
+                                          (16, "sop", False))),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
