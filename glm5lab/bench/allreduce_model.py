@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from glm5lab.bench import records
+
 MODEL_LABEL = "MODEL (paper projection, not measured)"
 GLM5_HIDDEN = 6144
 GLM5_LAYERS = 78
@@ -219,7 +221,7 @@ def _read_tp_rows(results_dir) -> pd.DataFrame:
     frames = []
     for p in sorted((Path(results_dir) / "tp").glob("tp_attention_stack*.csv")):
         try:
-            frames.append(pd.read_csv(p))
+            frames.append(records.read(p))
         except Exception:  # noqa: BLE001  (an unreadable file is not an input)
             continue
     if not frames:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from glm5lab.bench import records
+
 MAIN = [("glm5lab", "bf16"), ("glm5lab", "fp8_ds_mla"), ("flashmla", "bf16"), ("flashmla", "fp8_ds_mla"),
         ("virtual-block-table", "bf16"), ("torch-gather", "bf16")]
 STYLE = {("glm5lab", "bf16"): ("C0", "-", "o"), ("glm5lab", "fp8_ds_mla"): ("C0", "--", "s"),
@@ -18,9 +20,7 @@ LABEL = {("glm5lab", "bf16"): "glm5lab bf16 KV", ("glm5lab", "fp8_ds_mla"): "glm
 
 def summary(csv_path):
     """One row per (implementation, layout, shape): H, T, every metric as a column, plus provenance."""
-    import pandas as pd
-
-    df = pd.read_csv(csv_path)
+    df = records.read(csv_path)
     df = df[df.suite == "sparse_mla_kernel"]
     shapes = df[df.implementation != "copy"]
     wide = shapes.pivot_table(index=["implementation", "layout", "shape"], columns="metric", values="value",
@@ -112,12 +112,10 @@ def last_run(csv_path):
     """The rows of the LAST run (one append of records.append_rows: one timestamp and command) of a kernel benchmark
     CSV, and its provenance (gpu, git_sha, timestamp; empty when the CSV holds no run); a file that is not a
     benchmark CSV is a Glm5labError."""
-    import pandas as pd
-
     from glm5lab.bench.records import COLUMNS
     from glm5lab.errors import Glm5labError
 
-    df = pd.read_csv(csv_path)
+    df = records.read(csv_path)
     if not set(COLUMNS) <= set(df.columns):
         raise Glm5labError(f"{csv_path} is not a benchmark CSV (columns {list(df.columns)[:5]}...)")
     df = df[df.suite == "sparse_mla_kernel"]

@@ -10,6 +10,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from glm5lab.bench import records
+
 
 def _num(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(value=pd.to_numeric(df["value"], errors="coerce"))
@@ -165,7 +167,7 @@ def draw_all(bench_dir: str | Path, profile: str) -> list[Path]:
         p = bench_dir / f"{part}.csv"
         if not p.exists():
             continue
-        df = latest_run(pd.read_csv(p))
+        df = latest_run(records.read(p))
         fig = fn(df, profile)
         if fig is None:
             continue

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from glm5lab.bench import records
+
 DATASHEET = ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition datasheet / product page "
              "(nvidia.com/en-us/products/workstations/professional-desktop-gpus/rtx-pro-6000/), 2025")
 SPEC_ARTICLE = "hardware-corner.net, 'RTX 5090 vs RTX Pro 6000 spec comparison', 2025-03-21"
@@ -125,7 +127,7 @@ def load_measurements(results_dir: str | Path) -> pd.DataFrame:
     for prio, sub in enumerate(("bench/gpu", "kernels", "indexer")):
         for p in sorted((root / sub).glob("*.csv")) if (root / sub).exists() else []:
             try:
-                frames.append(pd.read_csv(p).assign(_prio=prio))
+                frames.append(records.read(p).assign(_prio=prio))
             except Exception:  # noqa: BLE001  (an unreadable file is simply not an input)
                 continue
     df = _gpu_rows(frames)

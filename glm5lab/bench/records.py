@@ -50,11 +50,16 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
     return len(rows)
 
 
+# provenance columns that are text even when they look like numbers: a git SHA such as 7e8792557537 parses as a
+# float (inf) otherwise, and the plots' captions said "git inf"
+TEXT_COLUMNS = ("gpu", "torch", "triton", "vllm", "glm5lab", "git_sha", "timestamp", "command")
+
+
 def read(path: str | os.PathLike):
-    """The CSV as a pandas DataFrame."""
+    """The CSV as a pandas DataFrame, its provenance's text columns (TEXT_COLUMNS) as text."""
     import pandas as pd
 
-    return pd.read_csv(path)
+    return pd.read_csv(path, dtype=dict.fromkeys(TEXT_COLUMNS, str))
 
 
 def history_path(path: str | os.PathLike) -> Path:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from glm5lab.bench import records
+
 SUITES = {"full": "gpu", "cpu": "cpu"}
 
 
@@ -283,7 +285,7 @@ def read_results(results_dir: str | Path, profile: str, part: str, latest: bool 
     p = out_dir(results_dir, profile) / f"{part}.csv"
     if not p.exists():
         return pd.DataFrame()
-    df = pd.read_csv(p)
+    df = records.read(p)
     return latest_run(df) if latest else df
 
 
