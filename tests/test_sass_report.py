@@ -28,3 +28,27 @@ def test_fp8_tiles_build_for_sm80_through_the_bit_conversion():
         {"BLOCK_H": 64, "BLOCK_N": 32, "FP8": True, "F16": True, "CVT": 2, "num_warps": 8}, sm=80)
     assert "fp8e4nv not supported" in default["error"]
     assert f16_16["report"]["HMMA"] > 0 and f16_64["report"]["HMMA"] > 0
+
+
+def test_backward_spans_tell_a_partitions_step_loop_from_an_mbarrier_retry_jump(monkeypatch):
+    """`backward_spans` on SASS shaped as a warp-specialized kernel's: a loader loop, a consumer step loop closed by a
+    conditional branch, and an mbarrier wait's out-of-line retry block that ends in an unconditional jump back into
+    the loader. The report's "loop" is the longest backward branch of any kind (that jump: nearly the whole kernel),
+    "step_loop" the longest conditional one (the consumer's loop); code without a conditional one has no step_loop."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    # (the script pops TRITON_INTERPRET on import, for its real builds: monkeypatch puts it back after the test)
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    spec = importlib.util.spec_from_file_location("sass_report_script",
+                                                  Path(__file__).parents[1] / "scripts" / "sass_report.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ins = [(0x100, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R4"), (0x110, "@!P1 BRA 0x900"),
+           (0x120, "LDGSTS.E [R2], desc[UR6][R4.64]"), (0x200, "@P0 BRA 0x100"),            # the loader's loop
+           (0x300, "HGMMA.64x16x16.F32 R24, R32, gdesc[UR8], RZ"), (0x700, "@P4 BRA 0x300"),  # the consumer's
+           (0x900, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R4"), (0x910, "@!P1 BRA 0x900"),
+           (0x920, "BRA 0x110")]                                                            # the retry block
+    assert script.backward_spans(ins) == ((0x110, 0x920), (0x300, 0x700))
+    assert script.backward_spans([(0x10, "NOP"), (0x20, "BRA 0x10")]) == ((0x10, 0x20), None)
