@@ -121,8 +121,8 @@ def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_w
 
 def test_a_git_sha_that_looks_like_a_number_reads_back_as_text(tmp_path, monkeypatch):
     """records.read (and every reader of the bench CSVs through it: kernel_plots.last_run, the plots' captions) keeps
-    the provenance's text columns as text: pandas alone reads the SHA 7e8792557537 as a float, inf (v39's notebook 05
-    caption said "git inf"), and 123456789012 as an integer."""
+    the provenance's text columns as text: pandas alone reads the SHA 7e8792557537 (a commit of v39's) as a float,
+    inf, and 123456789012 as an integer."""
     from glm5lab.bench import kernel_plots, records
 
     row = {"suite": "sparse_mla_kernel", "implementation": "glm5lab", "shape": "H8_T1_K2048", "dtype": "bf16",

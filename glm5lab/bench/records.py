@@ -51,7 +51,7 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
 
 
 # provenance columns that are text even when they look like numbers: a git SHA such as 7e8792557537 parses as a
-# float (inf) otherwise, and the plots' captions said "git inf"
+# float (inf) otherwise, in kernel_plots.last_run's provenance and the plots' captions
 TEXT_COLUMNS = ("gpu", "torch", "triton", "vllm", "glm5lab", "git_sha", "timestamp", "command")
 
 
