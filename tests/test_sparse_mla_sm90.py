@@ -247,8 +247,13 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
 PAIR16SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG         # (... at 9-16 heads)
-PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK], ids=["pair8sopk", "pair8s3o3p",
-                                                                                   "pair16sopk"])
+# ... and both with the shorter step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h" P^T scaled in
+# fp16 pairs); the dual 16-head tile with "h"
+PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
+PAIR16SOPFHK = {**PAIR16SOPK, "pipe": "sopfh"}
+WS8X2SOKPH = {**WS8X2SOKP, "pipe": "soph"}
+PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK],
+                                 ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk"])
 
 
 @pytest.mark.gpu
@@ -272,10 +277,11 @@ def _consumer_moves(step_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pcfg", [WS8X2PP, WS8X2PP3, WS8X2PPK, WS8X2PP3K, WS8X2O, WS8X2OK, WS8X2SOK, WS8X2PP3KP,
-                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOPK, WS8X2ES3O3P, PAIR8SOPK, PAIR16SOPK],
+                                  WS8X2SOKP, WS8X2OKP, WS8X2PP3P, WS8X2ESOPK, WS8X2ES3O3P, PAIR8SOPK, PAIR16SOPK,
+                                  PAIR8SOPFHK, PAIR16SOPFHK, WS8X2SOKPH],
                          ids=["ws8x2pp", "ws8x2pp3", "ws8x2ppk", "ws8x2pp3k", "ws8x2o", "ws8x2ok", "ws8x2sok",
                               "ws8x2pp3kp", "ws8x2sokp", "ws8x2okp", "ws8x2pp3p", "ws8x2esopk", "ws8x2es3o3p",
-                              "pair8sopk", "pair16sopk"])
+                              "pair8sopk", "pair16sopk", "pair8sopfhk", "pair16sopfhk", "ws8x2sokph"])
 @pytest.mark.parametrize("spread", [1.0, 16.0], ids=["q-as-drawn", "q-16x"])
 def test_gpu_gluon_8_head_tiles_rows_sorted_by_score(pcfg, spread):
     """One split a token (32 steps, 16 a consumer), each token's rows in order of their score summed over the heads,
@@ -364,6 +370,22 @@ def test_gpu_gluon_skipped_rows_are_never_read(fp8_cfg):
                          ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
 def test_gpu_gluon_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
     """As the f16 path's range test: q beyond / below fp16's range, chunk scales spanning 100x at 1e-8 or 1e2."""
+    _check_range_case(fp8_cfg, q_mag, scale_range)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_cfg", [PAIR8SOPK, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, WS8X2SOKPH],
+                         ids=["pair8sopk", "pair16sopk", "pair8sopfhk", "pair16sopfhk", "ws8x2sokph"])
+@pytest.mark.parametrize("q_mag,scale_range", [(3e4, (1e-8, 1e-6)), (1e-6, (1e2, 1e4))],
+                         ids=["q-beyond-fp16-tiny-scales", "q-below-fp16-normals-large-scales"])
+def test_gpu_gluon_paired_and_short_step_q_and_scale_ranges(fp8_cfg, q_mag, scale_range):
+    """The range test on the paired tiles and the shorter step's forms (NOTES.md v40): with "f" q's rope part is
+    staged times q's multiplier (here 2^-2 .. 2^32), with "h" P^T's chunk scales over r are rounded to fp16."""
+    _check_range_case(fp8_cfg, q_mag, scale_range)
+
+
+def _check_range_case(fp8_cfg, q_mag, scale_range):
+    """One range case (`_range_case`, 8 heads) of a tile against the float64 reference, the output poisoned first."""
     q, cache, slots = _range_case(q_mag, scale_range, H=8)
     ref = sparse_mla_reference(q, dequantize_fp8_ds_mla(cache), slots, SCALE)
     out, lse = run_poisoned(q.cuda(), cache.cuda(), slots.cuda(), _config=fp8_cfg)
@@ -1077,7 +1099,12 @@ def test_dual_consumers_is_a_form_of_the_fp8_rows_kernel_only():
     for pipe in ("", "o", "so", "op", "sop"):
         sm90.check_tile({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": pipe}, True, 16)
     assert [sm90.pipe_bits(p) for p in ("op", "sop", "s3o3p")] == [2 | 16, 1 | 2 | 16, 15 | 16]
+    for pipe in ("sopf", "soph", "sopfh", "s3o3pfh", "fh"):                    # (the shorter step, v40)
+        sm90.check_tile({**n8, "pipe": pipe}, True, 8)
+    sm90.check_tile({**sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sopfh"}, True, 16)
+    assert [sm90.pipe_bits(p) for p in ("sopf", "soph", "sopfh")] == [19 | 32, 19 | 64, 19 | 32 | 64]
     for cfg in ({**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o"},
+                {**n8, "pipe": "sophf"}, {**n8, "pipe": "fsop"}, {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3fh"},
                 {**sm90.ROWS_FP8_DUAL_CONFIG, "pipe": "s3o3p"}, {**n8, "pipe": "ps"}, {**n8, "pipe": "p"},
                 {**n8, "pipe": "so3"}, {**n8, "pipe": "sor"}, {**n8, "pipe": "x"},
                 {**sm90.ROWS_FP8_CONFIG, "pipe": "o"}, {**sm90.WGMMA_WS_CONFIG, "pipe": "so"}):

@@ -173,7 +173,16 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                                             "dual_consumers": True, "paired": True, "pipe": pipe,
                                                             "kept_p": kept, "one_item": True})
                     for h, pipe, kept in ((8, "sop", True), (8, "s3o3p", False), (16, "sop", True), (16, "op", True),
-                                          (16, "sop", False))),
+                                          (16, "sop", False), (8, "sopfh", True), (16, "sopfh", True),
+                                          (16, "soph", True))),
+                  # ... the shorter consumer step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h"
+                  # P^T scaled in fp16 pairs) on the dual kernel's 16-head tile ("h" alone: "f" spills there) and its
+                  # 8-head tile one item a program
+                  ("ws8x2sokph", {"rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
+                                  "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "soph", "kept_p": True}),
+                  ("ws8x2esopfhk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
+                                    "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sopfh",
+                                    "kept_p": True, "one_item": True}),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})

@@ -468,11 +468,13 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
 
 @gluon.jit
 def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
-                   QL: gl.constexpr, K_ORDER: gl.constexpr = False):
+                   QL: gl.constexpr, K_ORDER: gl.constexpr = False, ROPE_MUL: gl.constexpr = False):
     """The fp8 kernels' q: its latent part scaled per head by a power of two into fp16 range (exact) into q_lat
     [4, BLOCK_H, 128] (chunk-major), the rope part as is (bf16) into q_rope [BLOCK_H, 64]. Returns the per-head
     multiplier (in SliceLayout(1, QL)); the scores are divided by it. K_ORDER: each chunk's columns in the order
-    the dual-consumer kernel reads the rows' bytes into registers (`_k_order`)."""
+    the dual-consumer kernel reads the rows' bytes into registers (`_k_order`). ROPE_MUL (PIPE_F): the rope part times
+    the multiplier too (exact, a power of two, unless the rope part is 2^114 times the latent part's largest value),
+    so that the whole score is q_mul times the true one and one multiply a score unscales it."""
     heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     hm_q = heads_q < num_heads
     d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
@@ -495,7 +497,10 @@ def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
         q_lat.index(2).store((q2 * q_mul[:, None]).to(gl.float16))
         q_lat.index(3).store((q3 * q_mul[:, None]).to(gl.float16))
     d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    q_rope.store(gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0))
+    rope = gl.load(q_rows + 512 + d64[None, :], mask=hm_q[:, None], other=0.0)
+    if ROPE_MUL:
+        rope = (rope.to(gl.float32) * q_mul[:, None]).to(gl.bfloat16)
+    q_rope.store(rope)
     return q_mul
 
 
@@ -1371,10 +1376,11 @@ def _rows_fp8_start(Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BL
 
 @gluon.jit
 def _stage_q_rows(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
-                  ST_L: gl.constexpr, K_ORDER: gl.constexpr):
+                  ST_L: gl.constexpr, K_ORDER: gl.constexpr, ROPE_MUL: gl.constexpr = False):
     """A rows-as-M fp8 consumer warpgroup stages q itself (`_q_fp16_domain`), made visible to its wgmma (async proxy)
     and to all its warps. Returns 1 / q's per-head multiplier in SliceLayout(0, ST_L) (the scores' unscale)."""
-    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, K_ORDER)
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, K_ORDER,
+                           ROPE_MUL)
     q_unscale = gl.convert_layout(1.0 / q_mul, gl.SliceLayout(0, ST_L))
     fence_async_shared()                      # (q is read by wgmma through the async proxy)
     gl.thread_barrier()
@@ -1589,26 +1595,35 @@ def _fp8_rows_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, kv16, rope1
 
 
 @gluon.jit
-def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r):
+def _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r, HALF: gl.constexpr = False):
     """The fp8 rows consumers' P^T into its four chunk tiles, each chunk's probabilities times its scale over r (fp16),
     visible to the async proxy and to every warp before O^T's products read them. Returns the tiles."""
-    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r)
+    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r, HALF)
     fence_async_shared()
     gl.thread_barrier()
     return p_t0, p_t1, p_t2, p_t3
 
 
 @gluon.jit
-def _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r):
-    """`_store_p_chunks`'s stores alone."""
+def _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r, HALF: gl.constexpr = False):
+    """`_store_p_chunks`'s stores alone. HALF (PIPE_H): p converted to fp16 once and each chunk's scale over r rounded
+    to fp16 and multiplied in fp16 pairs -- three roundings of P^T instead of one (each 2^-11 relative, at most),
+    half the multiplies and conversions of the scores' tile at 16 heads."""
     p_t0 = p_ts[0]
     p_t1 = p_ts[1]
     p_t2 = p_ts[2]
     p_t3 = p_ts[3]
-    p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-    p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-    p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-    p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+    if HALF:
+        ph = p.to(gl.float16)
+        p_t0.store(ph * (s0 * inv_r).to(gl.float16)[:, None])
+        p_t1.store(ph * (s1 * inv_r).to(gl.float16)[:, None])
+        p_t2.store(ph * (s2 * inv_r).to(gl.float16)[:, None])
+        p_t3.store(ph * (s3 * inv_r).to(gl.float16)[:, None])
+    else:
+        p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
+        p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
+        p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
+        p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
     return p_t0, p_t1, p_t2, p_t3
 
 
@@ -1755,6 +1770,10 @@ PIPE_O = gl.constexpr(2)       # O^T's products likewise
 PIPE_S3 = gl.constexpr(4)      # ... S^T's three at a time (the 8-head tile, consumers at 224 registers)
 PIPE_O3 = gl.constexpr(8)      # ... O^T's three at a time (likewise)
 PIPE_P = gl.constexpr(16)      # P^T's four tiles re-derived from an opaque 0 each step (`_opaque_view`, NOTES.md v35)
+PIPE_F = gl.constexpr(32)      # q's rope part staged times q's multiplier: one multiply a score unscales it (v40)
+PIPE_H = gl.constexpr(64)      # P^T's chunk tiles scaled in fp16 pairs: p converted once, each chunk's scale over r
+#                                rounded to fp16 and multiplied in; with the kept max l summed after its rare branch
+#                                (v40)
 PAIRED_LOADER_REGS = gl.constexpr(40)   # the paired kernel's loader (32 spilled 8 bytes); its consumer 256 - this
 PAIRED_MAXNREG = 128                     # the paired kernel's registers a thread at launch: two CTAs of 8 warps a SM
 
@@ -1815,12 +1834,16 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
                             use_acc=False) * s2[:, None]
         st += warpgroup_mma(_k_operand(lat, 3, A_L), q_lat.index(3 + opaque0).permute((1, 0)), zero_s,
                             use_acc=False) * s3[:, None]
-    st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+    if PIPE & PIPE_F:                         # (q's rope part staged times q's multiplier)
+        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st)
+        s_t = _masked_scores(st, cur_rows, num_slots, (qk_scale_log2 * q_unscale)[None, :], 0)
+    else:
+        st = warpgroup_mma(raw_rope.index(b), q_rope.permute((1, 0)), st * q_unscale[None, :])
+        s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     scale_max = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
-    s_t = _masked_scores(st, cur_rows, num_slots, qk_scale_log2, 0)
     if KEPT_P:
         m_i, l_acc, r_new, acc0, acc1, acc2, acc3, p_t0, p_t1, p_t2, p_t3 = _kept_max_rows(
-            s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts)
+            s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts, (PIPE & PIPE_H) != 0)
         keep = 1.0                            # (O^T rescaled in `_kept_max_rows`, on the steps that move)
     else:
         col_max, col_scale = gl.reduce((s_t, gl.zeros_like(s_t) + scale_max[:, None]), 0, _max_pair)
@@ -1828,7 +1851,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
         r_new = gl.maximum(r_i, gl.max(col_scale, 0))
         keep = (alpha * (r_i / r_new))[None, :]
         inv_r = 1.0 / r_new
-        p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r)
+        p_t0, p_t1, p_t2, p_t3 = _store_p_chunks(p_ts, p, s0, s1, s2, s3, inv_r, (PIPE & PIPE_H) != 0)
     if PIPE & PIPE_O:
         acc0, acc1, acc2, acc3 = _products_async(lat, ((p_t0, p_t1, p_t2, p_t3), (acc0, acc1, acc2, acc3), keep),
                                                  _o_chunk, A_L, 3 if PIPE & PIPE_O3 else 2)
@@ -1841,24 +1864,27 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
 
 
 @gluon.jit
-def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts):
+def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, acc2, acc3, p_ts,
+                   HALF: gl.constexpr = False):
     """The dual consumers' softmax with P^T against the KEPT max and r (NOTES.md v31; `_kept_max_softmax` is the
     64-head form): P^T stored at once as p * s_c / r with p against the running max as it stands, each warp flagging
     a score above it by more than LAZY_TAU or a chunk scale above r times KEPT_R_SLACK (P^T <= 2^8 x 2^4 in fp16), the
     flags carried by P^T's own barrier. Only when a flag is up (the first step; a moved max or scale; uniform over
     the consumer's warpgroup: every thread reads all four) the scores' max and the scales' over the rows are reduced
     across the warps, P^T is stored again behind a second barrier and O^T rescaled. Returns (m, l, r, O^T's four
-    chunks, P^T's four tiles)."""
+    chunks, P^T's four tiles). HALF (PIPE_H): P^T scaled in fp16 pairs (`_p_chunk_stores`), l summed after the rare
+    branch."""
     H: gl.constexpr = s_t.shape[1]
     p_flags = p_ts[4]
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
     p = gl.exp2(s_t - gl.expand_dims(m_ref, 0))
-    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_i)
+    p_t0, p_t1, p_t2, p_t3 = _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_i, HALF)
     up = (s_t > gl.expand_dims(m_i + LAZY_TAU, 0)) | gl.expand_dims(scale_max > r_i * KEPT_R_SLACK, 1)
     p_flags.store(gl.max(gl.max(gl.reshape(up.to(gl.int32), [4, 16, H]), 2), 1))     # (rows 16 w .. 16 w + 15)
     fence_async_shared()
     gl.thread_barrier()
     l_new = l_acc + p
+    l_base = l_acc
     m_new = m_i
     r_new = r_i
     if _warp_uniform(gl.max(p_flags.load(ROWS_FLAGS_ALL), 0)) != 0:
@@ -1866,7 +1892,8 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
         step_r = gl.max(col_scale, 0)
         r_new = gl.where(step_r > r_i * KEPT_R_SLACK, step_r, r_i)
         p, alpha, m_new, l_new = _lazy_update(s_t, col_max, m_i, l_acc, 0)
-        _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_new)
+        l_base = l_acc * alpha[None, :]
+        _p_chunk_stores(p_ts, p, s0, s1, s2, s3, 1.0 / r_new, HALF)
         keep = (alpha * (r_i / r_new))[None, :]
         acc0 = acc0 * keep
         acc1 = acc1 * keep
@@ -1874,6 +1901,8 @@ def _kept_max_rows(s_t, scale_max, s0, s1, s2, s3, m_i, l_acc, r_i, acc0, acc1, 
         acc3 = acc3 * keep
         fence_async_shared()
         gl.thread_barrier()
+    if HALF:        # (l's sum after the branch: the common path's goes straight into l's registers, not via 8 moves)
+        l_new = l_base + p
     return m_new, l_new, r_new, acc0, acc1, acc2, acc3, p_t0, p_t1, p_t2, p_t3
 
 
@@ -2021,10 +2050,11 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, bas
 
 @gluon.jit
 def _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H: gl.constexpr,
-                         H_COLS: gl.constexpr):
+                         H_COLS: gl.constexpr, ROPE_MUL: gl.constexpr = False):
     """A dual or paired consumer's q staged in the fp16 domain (`_q_fp16_domain`) with its per-head unscale, visible to
     the warpgroup's wgmma (async proxy) and to every warp of it."""
-    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True)
+    q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True,
+                           ROPE_MUL)
     q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
     fence_async_shared()                      # (q is read by wgmma through the async proxy)
     gl.thread_barrier()
@@ -2046,7 +2076,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
             _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H,
-                                 H_COLS)
+                                 H_COLS, (PIPE & PIPE_F) != 0)
             mbarrier.arrive(q_ready, count=1)
         else:
             mbarrier.wait(q_ready, 0)
@@ -2133,7 +2163,8 @@ def _fp8_paired_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale
     result -- no state to hand over."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
-        _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H, H_COLS)
+        _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H, H_COLS,
+                             (PIPE & PIPE_F) != 0)
     q_unscale = q_unscale.load(H_COLS)
     m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
         q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
@@ -2241,7 +2272,8 @@ def _fp8_persistent_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, raw_l
     for item in range(pid, num_items, G):
         t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
                                                                SLOTS, stride_st, BLOCK_N)
-        q_unscale = _stage_q_rows(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ST_L, True)
+        q_unscale = _stage_q_rows(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, BLOCK_H, ST_L, True,
+                                  (PIPE & PIPE_F) != 0)
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(     # (its steps: global index g + i of WG's parity)
             q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row, n_start, n_end,
             num_steps, (g + WG) % 2, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
@@ -2618,14 +2650,26 @@ def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, con
 # 136-192); a "p" after any of them but "": P^T's tiles re-derived each step (PIPE_P, v35: no spill left in the
 # 16-head "so" build)
 PIPES_OF_TILE = {8: ("", "o", "so", "s3o3", "op", "sop", "s3o3p"), 16: ("", "o", "so", "op", "sop")}
+# ... each of them with an "f" (PIPE_F) and / or an "h" (PIPE_H) after it: a shorter consumer step (NOTES.md v40)
+STEP_SUFFIXES = ("", "f", "h", "fh")
+
+
+def pipe_base(pipe: str) -> tuple[str, str]:
+    """A pipe split into its products' part and its step suffix (`STEP_SUFFIXES`), e.g. "sopfh" -> ("sop", "fh")."""
+    for suffix in ("fh", "f", "h"):
+        if pipe.endswith(suffix):
+            return pipe[:-len(suffix)], suffix
+    return pipe, ""
 
 
 def pipe_bits(pipe: str) -> int:
     """The kernels' PIPE constexpr of a tile's "pipe" (its letters: s for PIPE_S, o for PIPE_O; a 3 after one: that
-    side three products at a time, PIPE_S3 / PIPE_O3; p: P^T's tiles re-derived each step, PIPE_P)."""
+    side three products at a time, PIPE_S3 / PIPE_O3; p: P^T's tiles re-derived each step, PIPE_P; f: q's rope part
+    staged times its multiplier, PIPE_F; h: P^T scaled in fp16 pairs, PIPE_H)."""
     return ((PIPE_S.value if "s" in pipe else 0) | (PIPE_O.value if "o" in pipe else 0)
             | (PIPE_S3.value if "s3" in pipe else 0) | (PIPE_O3.value if "o3" in pipe else 0)
-            | (PIPE_P.value if "p" in pipe else 0))
+            | (PIPE_P.value if "p" in pipe else 0) | (PIPE_F.value if "f" in pipe else 0)
+            | (PIPE_H.value if "h" in pipe else 0))
 
 
 # Timing diagnostics of the warp-specialized kernels (_config {"ws_diag": N, "_diagnostic": True}; results wrong on
@@ -2675,10 +2719,12 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
         raise Glm5labError("dual_consumers=True is a form of the fp8_ds_mla rows-as-M kernel (<= 16 heads); got it "
                            f"with rows={cfg.get('rows', False)} and {'an fp8_ds_mla' if fp8 else 'a bf16/fp16'} cache")
     pipe = cfg.get("pipe", "")
-    if pipe not in (PIPES_OF_TILE[cfg["block_h"]] if dual else ("",)):     # (dual: an 8- or 16-head tile, above)
+    base, suffix = pipe_base(pipe) if dual else (pipe, "")
+    if base not in (PIPES_OF_TILE[cfg["block_h"]] if dual else ("",)):     # (dual: an 8- or 16-head tile, above)
         raise Glm5labError(f"pipe={pipe!r}: the dual-consumer fp8_ds_mla kernel's products issued async, two at a time "
                            "(NOTES.md v18-v19), on S^T's side 's' and/or O^T's 'o', a 3 after one: three (v20), "
-                           "a 'p' after all: P^T's tiles re-derived each step (v35) -- "
+                           "a 'p' after all: P^T's tiles re-derived each step (v35), then 'f' and / or 'h': q's rope "
+                           "part staged times its multiplier, P^T scaled in fp16 pairs (v40) -- "
                            "the 8-head tile any of "
                            f"{PIPES_OF_TILE[8]}, the 16-head tile {PIPES_OF_TILE[16]} (three in flight spill there); "
                            "got "
