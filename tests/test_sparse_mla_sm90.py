@@ -116,7 +116,7 @@ WS8X2OKP = sparse_mla_sm90.ROWS_FP8_DUAL_CONFIG    # ... P^T's tiles re-derived 
 WS8X2OK = {**WS8X2OKP, "pipe": "o"}             # ... v31-v34's form
 WS8X2O = {**WS8X2OK, "kept_p": False}           # ... without the kept max (v19-v30)
 WS8X2 = {**WS8X2O, "pipe": ""}                  # ... and v17's form
-WS8X2SOKP = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG   # ... S^T's too (the default unsplit, NOTES.md v34-v35)
+WS8X2SOKP = {**sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG, "pipe": "sop"}   # ... S^T's too (the default, v35-v39)
 WS8X2SOK = {**WS8X2SOKP, "pipe": "so"}                   # ... v34's form
 VARIANT_CFGS = [{**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 2}, {**sparse_mla_sm90.DEFAULT_CONFIG, "stages": 3}, WS8,
                 WS8X2, WS8X2O, WS8X2OK]
@@ -214,13 +214,15 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
 
 # the dual kernel's 8-head tile one item a program (not persistent, NOTES.md v36), "sop" with the kept max (the default
 # at <= 8 heads from 16 tokens since v36) and without, "s3o3p"
-WS8X2ESOPK = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG
+WS8X2ESOPK = {**sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG, "pipe": "sop"}
 WS8X2ESOP = {**WS8X2ESOPK, "kept_p": False}
+WS8X2ESOPFHK = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG      # (the shorter step, NOTES.md v40: the default since)
 WS8X2ES3O3P = {**WS8X2PP3P, "one_item": True}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pcfg", [WS8X2ESOPK, WS8X2ESOP, WS8X2ES3O3P], ids=["ws8x2esopk", "ws8x2esop", "ws8x2es3o3p"])
+@pytest.mark.parametrize("pcfg", [WS8X2ESOPK, WS8X2ESOP, WS8X2ES3O3P, WS8X2ESOPFHK],
+                         ids=["ws8x2esopk", "ws8x2esop", "ws8x2es3o3p", "ws8x2esopfhk"])
 @pytest.mark.parametrize("H,T,topk,splits", [(8, 200, 2048, 1), (6, 150, 2000, 3), (8, 97, 77, 5), (8, 8, 2048, 0),
                                              (3, 1, 2048, 0), (8, 300, 130, 1)])
 def test_gpu_gluon_dual_8_head_tile_one_item_a_program(H, T, topk, splits, pcfg):
@@ -244,14 +246,15 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 
 # the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
 # 16-head tile "sop" + kept
-PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
+PAIR8SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG, "pipe": "sop"}   # (the default at <= 8 heads beyond one wave
+#                                                                         in v38-v39)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
-PAIR16SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG         # (... at 9-16 heads)
+PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (... at 9-16 heads)
 # ... and both with the shorter step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h" P^T scaled in
-# fp16 pairs); the dual 16-head tile with "h"
-PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
-PAIR16SOPFHK = {**PAIR16SOPK, "pipe": "sopfh"}
-WS8X2SOKPH = {**WS8X2SOKP, "pipe": "soph"}
+# fp16 pairs; the defaults since), the dual 16-head tile with "h" (its default since)
+PAIR8SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG
+PAIR16SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG
+WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK],
                                  ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk"])
 
@@ -952,20 +955,21 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, False, 132) == sm90.ONE_WAVE_CONFIG
         assert sm90.default_config(H, False, 133) == sm90.DEFAULT_CONFIG        # 32-row steps beyond
         assert sm90.default_config(H, False, 100, num_sms=78) == sm90.DEFAULT_CONFIG
-        # the dual-consumer 16-head tile (NOTES.md v17; "sop", v34-v36) from 24 tokens at 9-16 heads and from 16 at
-        # <= 8 heads (v36), ...
+        # the dual-consumer 16-head tile (NOTES.md v17; "sop", v34-v39, the shorter step since v40) from 24 tokens at
+        # 9-16 heads and from 16 at <= 8 heads (v36), ...
         dual_from = sm90.FP8_DUAL_MIN_TOKENS_AT_8_HEADS if H <= 8 else sm90.FP8_DUAL_MIN_TOKENS
         assert (dual_from, sm90.FP8_DUAL_MIN_TOKENS) == ((16, 24) if H <= 8 else (24, 24))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         # ... at <= 8 heads on the dual kernel's own 8-head tile, one item a program (v36; v18-v35 the persistent one)
-        dual = WS8X2ESOPK if H <= 8 else WS8X2SOKP
-        assert dual["pipe"] == "sop" and dual["kept_p"] and dual["block_h"] == (8 if H <= 8 else 16)
+        dual = WS8X2ESOPFHK if H <= 8 else WS8X2SOKPH
+        assert dual["pipe"] == ("sopfh" if H <= 8 else "soph") and dual["kept_p"]
+        assert dual["block_h"] == (8 if H <= 8 else 16)
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
         assert sm90.default_config(H, True, 132) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
         # ... and its paired form (one consumer, two CTAs a SM; v38) once the tokens outnumber the SMs
-        paired = PAIR8SOPK if H <= 8 else PAIR16SOPK
-        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True} and not dual["paired"]
+        paired = PAIR8SOPFHK if H <= 8 else PAIR16SOPFHK
+        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True, "pipe": "sopfh"} and not dual["paired"]
         assert sm90.default_config(H, True, 133) == sm90.default_config(H, True, 512) == paired
         assert sm90.default_config(H, True, 79, num_sms=78) == paired
         # (on a GPU of few SMs the paired form starts where the dual one would)
