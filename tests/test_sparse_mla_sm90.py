@@ -214,9 +214,9 @@ def test_gpu_gluon_persistent_kernel_walks_many_items_a_program(T, topk, splits,
 
 # the dual kernel's 8-head tile one item a program (not persistent, NOTES.md v36), "sop" with the kept max (the default
 # at <= 8 heads from 16 tokens since v36) and without, "s3o3p"
-WS8X2ESOPK = {**sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG, "pipe": "sop"}
+WS8X2ESOPK = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG
 WS8X2ESOP = {**WS8X2ESOPK, "kept_p": False}
-WS8X2ESOPFHK = sparse_mla_sm90.ROWS_FP8_DUAL_8_CONFIG      # (the shorter step, NOTES.md v40: the default since)
+WS8X2ESOPFHK = {**WS8X2ESOPK, "pipe": "sopfh"}              # (the shorter step, NOTES.md v40; no default at 8 heads)
 WS8X2ES3O3P = {**WS8X2PP3P, "one_item": True}
 
 
@@ -246,13 +246,12 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 
 # the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
 # 16-head tile "sop" + kept
-PAIR8SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG, "pipe": "sop"}   # (the default at <= 8 heads beyond one wave
-#                                                                         in v38-v39)
+PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
 PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (... at 9-16 heads)
 # ... and both with the shorter step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h" P^T scaled in
-# fp16 pairs; the defaults since), the dual 16-head tile with "h" (its default since)
-PAIR8SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG
+# fp16 pairs; the 16-head tile's default since), the dual 16-head tile with "h" (its default since)
+PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
 PAIR16SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK],
@@ -961,15 +960,16 @@ def test_gluon_tiles_by_head_count():
         assert (dual_from, sm90.FP8_DUAL_MIN_TOKENS) == ((16, 24) if H <= 8 else (24, 24))
         assert sm90.default_config(H, True, 4) == sm90.default_config(H, True, dual_from - 1) == sm90.ROWS_FP8_CONFIG
         # ... at <= 8 heads on the dual kernel's own 8-head tile, one item a program (v36; v18-v35 the persistent one)
-        dual = WS8X2ESOPFHK if H <= 8 else WS8X2SOKPH
-        assert dual["pipe"] == ("sopfh" if H <= 8 else "soph") and dual["kept_p"]
+        dual = WS8X2ESOPK if H <= 8 else WS8X2SOKPH
+        assert dual["pipe"] == ("sop" if H <= 8 else "soph") and dual["kept_p"]
         assert dual["block_h"] == (8 if H <= 8 else 16)
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
         assert sm90.default_config(H, True, 132) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
         # ... and its paired form (one consumer, two CTAs a SM; v38) once the tokens outnumber the SMs
-        paired = PAIR8SOPFHK if H <= 8 else PAIR16SOPFHK
-        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True, "pipe": "sopfh"} and not dual["paired"]
+        paired = PAIR8SOPK if H <= 8 else PAIR16SOPFHK
+        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True, "pipe": "sop" if H <= 8 else "sopfh"}
+        assert not dual["paired"]
         assert sm90.default_config(H, True, 133) == sm90.default_config(H, True, 512) == paired
         assert sm90.default_config(H, True, 79, num_sms=78) == paired
         # (on a GPU of few SMs the paired form starts where the dual one would)

@@ -2495,11 +2495,13 @@ FP8_DUAL_MIN_TOKENS = 24
 # 64 / 128 / 512 tokens 1.843 / 1.910 / 1.967 -> 1.946 / 2.055 / 2.144 (p20-p80 apart; "op" 1.952 / 2.035 / 2.111).
 # Since v36 "sop" on split calls too, the dual tile's one pipe (us, "op" -> "sop": 16 heads x 24 / 32 / 48 / 64 tokens
 # 23.82 / 26.76 / 36.16 / 39.03 -> 23.79 / 26.72 / 35.74 / 38.57 in v36 call 2; v35 call 3 read them equal at 64).
-# The shorter consumer step since v40 (NOTES.md v40 call 1, 21 interleaved rounds, us, "sop" -> the suffixed form, both
-# with the kept max; the common path of the paired 16-head step 885 -> 845 instructions): this 16-head tile "soph"
-# 55.5 -> 55.1 at 16 heads x 128 tokens ("f" spills 16 bytes here); the paired 16-head tile "sopfh" 103.4 / 204.0 ->
-# 102.3 / 201.6 at 16 heads x 256 / 512; the paired 8-head tile 186.0 -> 185.1 at 8 x 512; relative error of the
-# output 0.00167 -> 0.00169 (FlashMLA's fp8 decode 0.0039-0.0043).
+# The shorter consumer step on the 16-head tiles since v40 (NOTES.md v40 calls 1-2, 21 interleaved rounds, us, "sop" ->
+# the suffixed form, both with the kept max; the common path of the paired 16-head step 885 -> 845 instructions):
+# this tile "soph" 55.5 -> 55.1 at 16 heads x 128 tokens, 39.4 -> 39.1 at 64, 26.6 -> 26.8 at 32 ("f" spills 16 bytes
+# here); the paired 16-head tile "sopfh" 103.4 / 204.0 -> 102.3 / 201.6 at 16 heads x 256 / 512 (call 1), 98.0 / 199.2
+# -> 96.9 / 197.5 at 168 / 512 (call 2); relative error of the output 0.00167 -> 0.00169 (FlashMLA's fp8 decode
+# 0.0039-0.0043). Not on the 8-head tiles: "sopfh" 16.9 / 21.8 / 32.8 -> 17.1 / 22.0 / 33.2 at 8 heads x 16 / 32 / 64
+# tokens, the paired one 186.0 -> 185.1 (call 1) and 182.7 -> 183.0 (call 2) at 512.
 ROWS_FP8_DUAL_DEEP_CONFIG = {**ROWS_FP8_DUAL_CONFIG, "pipe": "soph"}
 # ... its 8-head tile (<= 8 heads: GLM-5 at TP8), which is persistent (NOTES.md v18: one program a SM walks the
 # (token, split) items, so the ring does not drain between them; each consumer stages q itself, ~207 KB of shared
@@ -2534,7 +2536,7 @@ ROWS_FP8_PERSISTENT_DEEP_CONFIG = {**ROWS_FP8_PERSISTENT_CONFIG, "pipe": "s3o3p"
 # rounds, us, 8 heads x 16 / 32 / 64 / 128 / 512 tokens: 16.91 / 22.03 / 33.52 / 52.87 / 204.2 against the 16-head
 # tile 17.38 / 22.55 / 34.16 / 55.49 / 220.8 and the persistent "s3o3p" 18.38 / 24.02 / 36.12 / 53.88 / 204.7; "sop"
 # without the kept max 17.26 / 22.65 / 34.01 / 53.88 / 210.4). No spill (sm90), 186 KB of shared memory.
-ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item": True, "pipe": "sopfh"}   # (v40)
+ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item": True, "pipe": "sop"}   # (v40: no "fh")
 # ... and both tiles' step on one consumer, two CTAs a SM ("paired", `_sparse_mla_rows_fp8_paired_sm90_kernel`): the
 # default at <= 16 heads once the tokens outnumber the SMs (more programs than one wave of the dual kernel). H200,
 # NOTES.md v38 calls 1-2 (13 interleaved rounds, us, the dual tile -> the paired one): 8 heads x 136 / 168 / 200 / 232 /
@@ -2567,9 +2569,9 @@ def default_config(num_heads: int, fp8: bool = False, num_tokens: int | None = N
     """The Gluon tile of a call: the warp-specialized 64-head wgmma tile beyond 16 heads; up to 16 heads one head
     tile a token, and the tile follows the batch -- bf16/fp16: rows-as-M wgmma up to ROWS_MAX_PROGRAMS tokens, the
     64-row mma.sync tile up to one wave (num_sms tokens), the 32-row mma.sync tile (two CTAs a SM) beyond;
-    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form ("sop" + "h" / "fh": both products
-    pipelined, P^T's tiles re-derived each step, the shorter step of NOTES.md v40; P^T against the kept max) at 9-16
-    heads from FP8_DUAL_MIN_TOKENS tokens on
+    fp8_ds_mla: the warp-specialized rows-as-M kernel, its dual-consumer form ("sop": both products pipelined, P^T's
+    tiles re-derived each step; the 16-head tiles with NOTES.md v40's shorter step, "h" / "fh"; P^T against the kept
+    max) at 9-16 heads from FP8_DUAL_MIN_TOKENS tokens on
     16-head tiles and at <= 8 heads from FP8_DUAL_MIN_TOKENS_AT_8_HEADS on 8-head tiles, and from there its paired
     form (one consumer, two CTAs a SM) beyond num_sms tokens; the 32-row mma.sync tile at 1-3 tokens of <= 8 heads
     (more, shorter splits)."""
