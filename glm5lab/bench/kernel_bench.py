@@ -183,11 +183,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2esopfhk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                     "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sopfh",
                                     "kept_p": True, "one_item": True}),
-                  # ... and the paired defaults with the loader's row offsets in 32 bits ("offs32", NOTES.md v40)
-                  *((f"pair{h}{pipe}k32", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
-                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
-                                           "pipe": pipe, "kept_p": True, "one_item": True, "offs32": True})
-                    for h, pipe in ((8, "sop"), (16, "sopfh"))),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
