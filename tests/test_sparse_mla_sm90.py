@@ -248,7 +248,7 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 # 16-head tile "sop" + kept
 PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
-PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (... at 9-16 heads)
+PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (... at 9-16 heads in v38-v39)
 # ... and both with the shorter step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h" P^T scaled in
 # fp16 pairs; the 16-head tile's default since), the dual 16-head tile with "h" (its default since)
 PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
