@@ -1614,16 +1614,11 @@ def _p_chunk_stores(p_ts, p, s0, s1, s2, s3, inv_r, HALF: gl.constexpr = False):
     p_t2 = p_ts[2]
     p_t3 = p_ts[3]
     if HALF:
-        ph = p.to(gl.float16)
-        p_t0.store(ph * (s0 * inv_r).to(gl.float16)[:, None])
-        p_t1.store(ph * (s1 * inv_r).to(gl.float16)[:, None])
-        p_t2.store(ph * (s2 * inv_r).to(gl.float16)[:, None])
-        p_t3.store(ph * (s3 * inv_r).to(gl.float16)[:, None])
-    else:
-        p_t0.store((p * (s0 * inv_r)[:, None]).to(gl.float16))
-        p_t1.store((p * (s1 * inv_r)[:, None]).to(gl.float16))
-        p_t2.store((p * (s2 * inv_r)[:, None]).to(gl.float16))
-        p_t3.store((p * (s3 * inv_r)[:, None]).to(gl.float16))
+        p = p.to(gl.float16)
+    p_t0.store((p * (s0 * inv_r).to(p.dtype)[:, None]).to(gl.float16))   # (the products in p's precision)
+    p_t1.store((p * (s1 * inv_r).to(p.dtype)[:, None]).to(gl.float16))
+    p_t2.store((p * (s2 * inv_r).to(p.dtype)[:, None]).to(gl.float16))
+    p_t3.store((p * (s3 * inv_r).to(p.dtype)[:, None]).to(gl.float16))
     return p_t0, p_t1, p_t2, p_t3
 
 
@@ -2664,10 +2659,8 @@ STEP_SUFFIXES = ("", "f", "h", "fh")
 
 def pipe_base(pipe: str) -> tuple[str, str]:
     """A pipe split into its products' part and its step suffix (`STEP_SUFFIXES`), e.g. "sopfh" -> ("sop", "fh")."""
-    for suffix in ("fh", "f", "h"):
-        if pipe.endswith(suffix):
-            return pipe[:-len(suffix)], suffix
-    return pipe, ""
+    suffix = max((x for x in STEP_SUFFIXES if pipe.endswith(x)), key=len)     # ("" ends every pipe)
+    return pipe[:len(pipe) - len(suffix)], suffix
 
 
 def pipe_bits(pipe: str) -> int:
