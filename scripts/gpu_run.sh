@@ -2,7 +2,8 @@
 # The whole GPU measurement in one call, on a CUDA machine with torch + triton (the lent H200 has no
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
-#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kptx kpower:
+#                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kptx kpower
+#                                           # ktma:
 #                                           # kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
@@ -86,6 +87,10 @@ part kptx ${KPTX_S:-540} python3 scripts/ptx_variant.py --work /tmp/ptx_variant 
   python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}_{edit}.csv" \
   ${KERNEL_BENCH_ARGS:-}
 part kpower ${KPOWER_S:-120} python3 -m glm5lab.bench.power_probe --out "$stage/results/kernels/power_probe_h200.csv" ${KPOWER_ARGS:-}
+# the TMA gather probe: its GPU test (the rows it gathers), then its rounds and sustained blocks beside the paired
+# kernel's gathers alone
+part ktma ${KTMA_S:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gather_probe.py && \
+  python3 -m glm5lab.bench.tma_gather_probe --out $stage/results/kernels/tma_gather_probe_h200.csv ${KTMA_ARGS:-}"
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \

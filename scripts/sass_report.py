@@ -13,6 +13,8 @@ conditional one).
                                     # "BLOCK_H": 64 with "num_warps": 8: the wgmma kernel; "rows": true with
                                     # "BLOCK_N": 64: the rows-as-M kernels; "ws": true with "BLOCK_H": 64:
                                     # the warp-specialized 64-head kernel)
+    PYTHONPATH=. python scripts/sass_report.py --config '{"tma_probe": true, "plan": "rows3"}'   # the TMA gather
+                                    # probe's kernel (glm5lab.bench.tma_gather_probe)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -35,7 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL", "STL", "F2FP", "F2F", "PRMT",
-        "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "REDUX", "BAR", "WARPGROUP.DEPBAR"]
+        "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "REDUX", "BAR", "WARPGROUP.DEPBAR", "UTMALDG"]
 KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
                    "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
 POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32",
@@ -48,6 +50,11 @@ def build(config: dict, sm: int = 90):
     kernel_of picks for "BLOCK_H", "FP8" (default true) and "rows") for sm_<sm> with the constexprs and options in
     `config`."""
     cfg = dict(config)
+    if cfg.pop("tma_probe", False):       # glm5lab.bench.tma_gather_probe's kernel ("plan", "check")
+        from glm5lab.bench import tma_gather_probe
+
+        src, opts = tma_gather_probe.offline_source(**cfg)
+        return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
     gluon = cfg.pop("gluon", False)
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source

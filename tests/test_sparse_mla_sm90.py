@@ -254,8 +254,24 @@ PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (...
 PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
 PAIR16SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
-PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK],
-                                 ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk"])
+# ... and the paired defaults with the loader's row offsets in 32 bits (an option, NOTES.md v40)
+PAIR8SOPK32, PAIR16SOPFHK32 = {**PAIR8SOPK, "offs32": True}, {**PAIR16SOPFHK, "offs32": True}
+PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, PAIR8SOPK32,
+                                          PAIR16SOPFHK32],
+                                 ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk",
+                                      "pair8sopk32", "pair16sopfhk32"])
+
+
+def test_offs32_is_refused_where_it_does_not_apply():
+    """The loader's 32-bit row offsets (offs32) are the paired kernel's option, for a cache of < 2^31 elements: on
+    another kernel, or with a larger cache, launch says so before anything is built."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+    big = torch.empty(2**31, dtype=torch.uint8, device="meta")
+    args = (None, big) + (None,) * 18
+    with pytest.raises(Glm5labError, match=r"offs32=True needs a cache of < 2\^31 elements"):
+        sm90.launch((1, 1, 1), args, PAIR16SOPFHK32, False, True, num_heads=16)
+    with pytest.raises(Glm5labError, match="offs32=True: only the paired fp8_ds_mla kernel takes it"):
+        sm90.launch((1, 1, 1), args, {**WS8X2SOKPH, "offs32": True}, False, True, num_heads=16)
 
 
 @pytest.mark.gpu

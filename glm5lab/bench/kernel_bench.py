@@ -183,6 +183,11 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                   ("ws8x2esopfhk", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
                                     "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sopfh",
                                     "kept_p": True, "one_item": True}),
+                  # ... and the paired defaults with the loader's row offsets in 32 bits ("offs32", NOTES.md v40)
+                  *((f"pair{h}{pipe}k32", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
+                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
+                                           "pipe": pipe, "kept_p": True, "one_item": True, "offs32": True})
+                    for h, pipe in ((8, "sop"), (16, "sopfh"))),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
@@ -369,9 +374,13 @@ def graph_timer(calls, replays: int = 10):
     `replays` times between two events and returns the GPU time of one call in us (`median_us` takes the median of
     a few; interleaved timing, `timing.interleaved_samples`, calls the timers of a shape's implementations in
     turn)."""
-    import torch
+    return replay_timer(capture_graph(calls), len(calls), replays)
 
-    graph = capture_graph(calls)
+
+def replay_timer(graph, calls_a_replay: int, replays: int = 10):
+    """A no-argument call that replays a captured `graph` (of `calls_a_replay` calls) `replays` times between two
+    events and returns the GPU time of one call in us."""
+    import torch
 
     def one_timing() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -380,7 +389,7 @@ def graph_timer(calls, replays: int = 10):
             graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+        return start.elapsed_time(end) * 1e3 / (replays * calls_a_replay)
     return one_timing
 
 

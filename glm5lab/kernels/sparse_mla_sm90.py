@@ -201,11 +201,16 @@ def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDTH: gl.constexpr, DT: gl.constexpr,
-               L: gl.constexpr):
+               L: gl.constexpr, OFFS32: gl.constexpr = False):
     """cp.async WIDTH values of type DT starting OFFSET cache elements into each gathered row, into buf [rows,
-    WIDTH]; rows with slot -1 or past the cache are not read (zero-filled)."""
-    ok = (slots >= 0) & (slots < num_slots)
-    rows = gl.where(ok, slots, 0).to(gl.int64)
+    WIDTH]; rows with slot -1 or past the cache are not read (zero-filled). OFFS32 (`launch`: a cache of < 2^31
+    elements): a row's offset a 32-bit product and one unsigned bounds check (slot -1 is 2^32 - 1 unsigned)."""
+    if OFFS32:
+        ok = slots.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
+        rows = gl.where(ok, slots, 0)
+    else:
+        ok = (slots >= 0) & (slots < num_slots)
+        rows = gl.where(ok, slots, 0).to(gl.int64)
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
     async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
@@ -213,12 +218,17 @@ def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDT
 
 @gluon.jit
 def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr):
-    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales."""
-    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT)
-    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L)
-    ok = (sl_scale >= 0) & (sl_scale < num_slots)
-    rows = gl.where(ok, sl_scale, 0).to(gl.int64)
+                  LAT: gl.constexpr, ROPE_L: gl.constexpr, SCALE_L: gl.constexpr, OFFS32: gl.constexpr = False):
+    """One ring slot of fp8_ds_mla rows: the 512 e4m3 bytes, 64 bf16 rope values and (chunk-major) 4 scales
+    (OFFS32: `_copy_rows`)."""
+    _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT, OFFS32)
+    _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L, OFFS32)
+    if OFFS32:
+        ok = sl_scale.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
+        rows = gl.where(ok, sl_scale, 0)
+    else:
+        ok = (sl_scale >= 0) & (sl_scale < num_slots)
+        rows = gl.where(ok, sl_scale, 0).to(gl.int64)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
@@ -252,12 +262,12 @@ def _ring_slots(slot_row, n0, n_end, BLOCK_N: gl.constexpr, LAT: gl.constexpr, R
 @gluon.jit
 def _request_step(KV, row_stride, num_slots, slot_row, n_next, n_end, lat_buf, rope_buf, scale_buf,
                   sl_lat, sl_rope, sl_scale, BLOCK_N: gl.constexpr, LAT: gl.constexpr, ROPE_L: gl.constexpr,
-                  SCALE_L: gl.constexpr, FP8: gl.constexpr):
+                  SCALE_L: gl.constexpr, FP8: gl.constexpr, OFFS32: gl.constexpr = False):
     """Request one ring slot's rows (their slot indices were loaded a step earlier), then load the slot indices of
     the rows from n_next on for the next request: a step never waits on an address. Returns those indices."""
     if FP8:
         _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf, rope_buf, scale_buf,
-                      LAT, ROPE_L, SCALE_L)
+                      LAT, ROPE_L, SCALE_L, OFFS32)
     else:
         _request_rows_16bit(KV, row_stride, num_slots, sl_lat, sl_rope, lat_buf, rope_buf, LAT, ROPE_L)
     return _ring_slots(slot_row, n_next, n_end, BLOCK_N, LAT, ROPE_L, SCALE_L, FP8)
@@ -1743,9 +1753,9 @@ def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
 @gluon.jit
 def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end, num_steps,
                      num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     DIAG: gl.constexpr):
+                     DIAG: gl.constexpr, OFFS32: gl.constexpr = False):
     """The dual-consumer kernel's loader warpgroup: step i's gathers (cp.async) into stage i % STAGES as soon as its
-    consumer has freed it; each thread's copies arrive on `staged[b]` when they land."""
+    consumer has freed it; each thread's copies arrive on `staged[b]` when they land (OFFS32: `_copy_rows`)."""
     slot_row = SLOTS + t * stride_st
     sl, sr, ss = _ring_slots(slot_row, n_start, n_end, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
     for i in range(num_steps):
@@ -1754,7 +1764,7 @@ def _fp8_dual_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t
         if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
             sl, sr, ss = _request_step(KV, kv_row_stride, num_slots, slot_row, n_start + (i + 1) * BLOCK_N, n_end,
                                        raw_lat.index(b), raw_rope.index(b), scale_stages.index(b), sl, sr, ss,
-                                       BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True)
+                                       BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE, True, OFFS32)
         async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
     async_copy.wait_group(0)
 
@@ -2175,13 +2185,14 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, OFFS32: gl.constexpr = False,
 ):
     """The dual-consumer kernel's step on ONE consumer warpgroup and a loader, half its shared memory (2 stages of raw
     rows), built for 128 registers a thread (`launch`: maxnreg) so that TWO CTAs share a SM: a program's start
     (its first slot indices and rows) and end (the last steps, the store) overlap the other CTA's steps instead of
     leaving the SM's gathers idle (NOTES.md v35 / v37: ~5-7 us a program), and there is no state to merge. The
-    consumer at 256 - the loader's registers (setmaxnreg)."""
+    consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40): the loader's
+    row offsets in 32 bits (`_copy_rows`; `launch` refuses it for a cache of 2^31 elements or more)."""
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2199,7 +2210,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
                                 qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
                                 stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG, PIPE, KEPT_P)),
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
-                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, OFFS32)),
     ], [4], [PAIRED_LOADER_REGS])
 
 
@@ -2798,6 +2809,13 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["POW2"] = bool(cfg["_f16_pow2"])
     if cfg.get("kept_p"):
         extra["KEPT_P"] = True
+    if cfg.get("offs32"):                        # (the paired kernel's loader, NOTES.md v40: an option)
+        if "OFFS32" not in kernel.arg_names:
+            raise Glm5labError(f"offs32=True: only the paired fp8_ds_mla kernel takes it, not {kernel.fn.__name__}")
+        if args[1].numel() >= 2**31:
+            raise Glm5labError(f"offs32=True needs a cache of < 2^31 elements (32-bit row offsets); this one has "
+                               f"{args[1].numel()}")
+        extra["OFFS32"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic

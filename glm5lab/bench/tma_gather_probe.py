@@ -1,0 +1,262 @@
+"""Can the Hopper TMA engine gather a token's random fp8_ds_mla rows as fast as cp.async, and for less power?
+
+The paired kernels' loader is 128 threads issuing 22 cp.async a step each, ~447 instructions a thread a step, about a
+third of what a paired SM issues (NOTES.md v40); under sustained load both paired kernels run at the 700 W cap. A
+loader built from TMA copies would issue the same bytes from ONE thread: a few boxes a row, each completing on the
+stage's mbarrier by bytes, with rows at slot -1 or past the cache zero-filled by TMA's bounds. Before anyone rebuilds
+the kernel around that, this measures the gather alone: the paired kernel's ring (2 stages of 64 rows, two CTAs a
+SM, one program a token), filled by TMA and freed at once by a consumer that does nothing else -- the TMA twin of
+the kernel's own gathers-alone diagnostic (`pair16sopd3`), which `run` times beside it in the same process on the
+same inputs (interleaved CUDA-graph rounds, and sustained blocks with NVML's clock, power and energy a call).
+
+Two box plans (`PLANS`), the cache viewed as int32 [slots, 164]:
+- "rows3": three boxes a row: the 512 latent bytes ([1, 128] words), the rope ([1, 32] at word 132), the scales
+  ([1, 4] at word 128, each in a 128-byte slot: TMA writes shared memory at 128-byte aligned addresses);
+- "rows6": the latent part in four 128-byte boxes instead (the chunk tiles a swizzled loader would need).
+Boxes land unswizzled: this probe's question is the engine's rate and power on small random boxes, not the consumers'
+bank conflicts (NOTES.md v22: one-row boxes into 128-byte swizzled tiles are refused by Gluon 3.6).
+
+    python -m glm5lab.bench.tma_gather_probe --out results/kernels/tma_gather_probe_h200.csv --tokens 128 512
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from glm5lab.errors import Glm5labError, one_line_errors
+
+SUITE = "tma_gather_probe"
+ROW_WORDS = gl.constexpr(164)    # an fp8_ds_mla row: 512 e4m3 bytes, 4 float32 scales, 64 bf16 rope values
+SCALE_WORD = gl.constexpr(128)
+ROPE_WORD = gl.constexpr(132)
+BLOCK_N = gl.constexpr(64)       # rows a step (the paired kernels')
+STAGES = gl.constexpr(2)
+PLANS = {"rows3": 3, "rows6": 6}  # boxes a row
+BOX_WORDS = (128, 32, 32, 4)     # the descriptors' boxes: latent part, one 128-byte chunk of it, rope, scales
+LAUNCH = {"num_warps": 4, "maxnreg": 128}   # a consumer warpgroup and the loader's warp; two CTAs a SM, as paired
+UNSWIZZLED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+SLOT_L = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
+ONE_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+STORE_L = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _step_slots(slot_row, i, topk):
+    """Step i's 64 slot indices (-1 past the top-k), two a lane of the loader's warp."""
+    n = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=SLOT_L)
+    return gl.load(slot_row + n, mask=n < topk, other=-1)
+
+
+@gluon.jit
+def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring, slot_buf,
+                    full, free, t, topk, num_steps, stride_st, BOXES: gl.constexpr):
+    """One warp: step i's rows by TMA into stage i % STAGES once it is free, every box on `full[b]` by bytes. A
+    step's slot indices are loaded a step ahead (one vector load) and parked in shared memory, from which each box
+    reads its row's index as a scalar: no copy waits on a global load."""
+    slot_row = SLOTS + t * stride_st
+    slot_buf.store(_step_slots(slot_row, 0, topk))
+    gl.thread_barrier()
+    for i in range(num_steps):
+        b = i % STAGES
+        nxt = _step_slots(slot_row, i + 1, topk)
+        mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(b), BLOCK_N * (512 + 128 + 16))
+        for r in gl.static_range(BLOCK_N):
+            slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)   # -1 / past the cache: zero-filled by TMA
+            if BOXES == 3:
+                tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b), lat_ring.index(b).slice(r, 1))
+            else:
+                for c in gl.static_range(4):
+                    tma.async_copy_global_to_shared(chunk_desc, [slot, 32 * c], full.index(b),
+                                                    lat_ring.index(b).slice(r, 1).slice(32 * c, 32, dim=1))
+            tma.async_copy_global_to_shared(rope_desc, [slot, ROPE_WORD], full.index(b),
+                                            rope_ring.index(b).slice(r, 1))
+            tma.async_copy_global_to_shared(scale_desc, [slot, SCALE_WORD], full.index(b),
+                                            scale_ring.index(b).slice(r, 1).slice(0, 4, dim=1))
+        gl.thread_barrier()
+        slot_buf.store(nxt)
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _drain_rows(OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, CHECK: gl.constexpr):
+    """The consumer: waits for each stage and frees it; with CHECK it first stores the stage's rows to OUT [tokens,
+    topk, 164] int32 (what a test compares with the cache's rows)."""
+    for i in range(num_steps):
+        b = i % STAGES
+        mbarrier.wait(full.index(b), (i // STAGES) & 1)
+        if CHECK:
+            rows = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, STORE_L))
+            base = OUT + (t * topk + rows[:, None]).to(gl.int64) * ROW_WORDS
+            ok = rows[:, None] < topk
+            w = gl.arange(0, 128, layout=gl.SliceLayout(0, STORE_L))
+            lat = lat_ring.index(b).load(STORE_L)
+            gl.store(base + w[None, :], lat, mask=ok)
+            w = gl.arange(0, 32, layout=gl.SliceLayout(0, STORE_L))
+            rope = rope_ring.index(b).load(STORE_L)
+            gl.store(base + ROPE_WORD + w[None, :], rope, mask=ok)
+            sc = scale_ring.index(b).load(STORE_L)
+            gl.store(base + SCALE_WORD + w[None, :], sc, mask=ok & (w[None, :] < 4))
+            gl.thread_barrier()
+        mbarrier.arrive(free.index(b))
+
+
+@gluon.jit
+def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, topk, stride_st,
+                       BOXES: gl.constexpr, CHECK: gl.constexpr):
+    """Program t: token t's top-k rows through a 2-stage ring of 64-row steps filled by TMA."""
+    t = gl.program_id(0)
+    num_steps = gl.cdiv(topk, BLOCK_N)
+    lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 128], UNSWIZZLED)
+    rope_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
+    scale_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
+    slot_buf = gl.allocate_shared_memory(gl.int32, [BLOCK_N], FLAT)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(full.index(j), count=1)
+        mbarrier.init(free.index(j), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, CHECK)),
+        (_tma_row_loader, (lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring,
+                           slot_buf, full, free, t, topk, num_steps, stride_st, BOXES)),
+    ], [1], [96])
+
+
+def descriptors(cache_words):
+    """The four TMA descriptors over the cache as int32 [slots, 164]: the whole latent part, one 128-byte chunk of
+    it, the rope part, the scales."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if cache_words.dtype.itemsize != 4 or cache_words.dim() != 2 or cache_words.shape[1] != ROW_WORDS.value:
+        raise Glm5labError(f"the cache must be viewed as int32 [slots, {ROW_WORDS.value}] (fp8_ds_mla rows); got "
+                           f"{cache_words.dtype} {tuple(cache_words.shape)}")
+    return [TensorDescriptor.from_tensor(cache_words, [1, w], UNSWIZZLED.value) for w in BOX_WORDS]
+
+
+def offline_source(plan: str = "rows3", check: bool = False):
+    """The probe kernel as a Gluon source for `triton.compile` without a GPU (scripts/sass_report.py
+    {"tma_probe": true}), with the options `tma_gather` launches it with: (source, options)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if plan not in PLANS:
+        raise Glm5labError(f"unknown TMA box plan {plan!r}; expected one of {sorted(PLANS)}")
+    desc = [f"tensordesc<i32[1, {w}],{UNSWIZZLED.value!r}>" for w in BOX_WORDS]
+    sig = {"lat_desc": desc[0], "chunk_desc": desc[1], "rope_desc": desc[2], "scale_desc": desc[3],
+           "SLOTS": "*i32", "OUT": "*i32", "topk": "i32", "stride_st": "i32", "BOXES": "constexpr",
+           "CHECK": "constexpr"}
+    names = list(_tma_gather_kernel.arg_names)
+    consts = {(names.index("BOXES"),): PLANS[plan], (names.index("CHECK"),): check}
+    return GluonASTSource(fn=_tma_gather_kernel, signature=sig, constexprs=consts), dict(LAUNCH)
+
+
+def tma_gather(cache_words, slots, plan: str = "rows3", out=None, check: bool = False):
+    """Token t's top-k rows (slots [tokens, topk] int32) gathered by TMA; with check, returned as [tokens, topk, 164]
+    int32 (zeros where a slot is -1 or past the cache), else only waited for (the probe's timed form)."""
+    import torch
+
+    if plan not in PLANS:
+        raise Glm5labError(f"unknown TMA box plan {plan!r}; expected one of {sorted(PLANS)}")
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.stride(1) != 1:
+        raise Glm5labError(f"slots must be int32 [tokens, topk] with contiguous rows; got {slots.dtype} "
+                           f"{tuple(slots.shape)}")
+    num_tokens, topk = slots.shape
+    if out is None:
+        out = torch.zeros(num_tokens if check else 1, topk if check else 1, ROW_WORDS.value, dtype=torch.int32,
+                          device=slots.device)
+    _tma_gather_kernel[(num_tokens,)](*descriptors(cache_words), slots, out, topk, slots.stride(0),
+                                      BOXES=PLANS[plan], CHECK=check, **LAUNCH)
+    return out
+
+
+def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6"), rounds: int = 21,
+        sustained_rounds: int = 3, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
+    """Per token count: every TMA plan beside the paired kernel's gathers alone (cp.async, `pair16sopd3` or its
+    8-head twin) and the paired default, interleaved CUDA-graph rounds, then sustained blocks (NVML)."""
+    import torch
+
+    from glm5lab.bench import power_probe
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph, input_sets, replay_timer, rotating_sets
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import interleaved_samples, need_gpu, quantiles
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    need_gpu("the TMA gather probe")
+    known = dict(GLUON_VARIANTS)
+    d3 = f"pair{heads}sopd3"
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    cache = quantize_fp8_ds_mla(torch.randn(num_slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
+    words = cache.view(torch.int32).reshape(num_slots, ROW_WORDS.value)
+    scale = mla_softmax_scale()
+    dev = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
+    nvml = power_probe.Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
+    rows_out = []
+    try:
+        for T in tokens:
+            sets = input_sets(T, heads, topk, num_slots, rotating_sets(T, topk), gen)
+            for q, s in sets[:1]:                       # the probe's rows are the cache's rows
+                for plan in plans:
+                    got = tma_gather(words, s, plan, check=True)
+                    want = words[s.clamp(0, num_slots - 1).long()] * (s >= 0)[..., None]
+                    if not torch.equal(got, want):
+                        raise Glm5labError(f"TMA plan {plan} gathered wrong rows at {T} tokens")
+            graphs = {f"tma-{p}": capture_graph([lambda s=s, p=p: tma_gather(words, s, p) for _, s in sets])
+                      for p in plans}
+            for form, cfg in ((d3, known[d3]), ("glm5lab", None)):
+                cfg = None if cfg is None else {**cfg, "impl": "gluon"}
+                graphs[form] = capture_graph([lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale,
+                                                                                             _config=cfg)
+                                              for q, s in sets])
+            shape = f"H{heads}_T{T}_K{topk}"
+            times = interleaved_samples({f: replay_timer(g, len(sets)) for f, g in graphs.items()}, rounds)
+            rows = []
+            for form, us in times.items():
+                q = quantiles(us)
+                rows.append({"suite": SUITE, "implementation": form, "shape": shape, "dtype": "bf16",
+                             "layout": "fp8_ds_mla", "metric": "time", "value": q["p50"], "unit": "us", **q})
+            samples = {f: [] for f in graphs}
+            forms = list(graphs)
+            for r in range(sustained_rounds):
+                for j in range(len(forms)):
+                    form = forms[(r + j) % len(forms)]
+                    samples[form].append(power_probe.sustained_block(graphs[form], len(sets), 1.0, nvml))
+            rows += [{**row, "suite": SUITE} for row in power_probe.rows_of(samples, shape)]
+            append_rows(out_csv, rows, command=command)
+            rows_out += rows
+            for form in forms:
+                p50 = {row["metric"]: row["value"] for row in rows if row["implementation"] == form}
+                print(f"T{T} {form:>14}: rounds {p50['time']:.1f} us | sustained {p50['time_us']:.1f} us "
+                      f"{p50['sm_clock_mhz']:.0f} MHz {p50['power_w']:.0f} W {p50['energy_uj_per_call'] / 1e3:.1f} mJ",
+                      flush=True)
+    finally:
+        nvml.close()
+    return rows_out
+
+
+@one_line_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--heads", type=int, default=16, choices=(8, 16))
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--sustained-rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    run(args.out, tuple(args.tokens), args.heads, tuple(args.plans), args.rounds, args.sustained_rounds,
+        command=" ".join(["python -m glm5lab.bench.tma_gather_probe", *sys.argv[1:]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The TMA gather probe (glm5lab.bench.tma_gather_probe): its kernel's sm90 build (offline, no GPU), its refusals, and
+on the GPU that the rows it gathers are the cache's rows (zeros where a slot is -1 or past the cache)."""
+import pytest
+import torch
+
+from glm5lab.bench import tma_gather_probe as probe
+from glm5lab.errors import Glm5labError
+from tests.offline_build import sass_report
+
+
+def test_probe_kernel_builds_one_tma_copy_a_box_and_fits_two_ctas_a_sm():
+    """sm90 build of both box plans: the loader's step issues 64 rows x (3 or 6) TMA copies and nothing else moves
+    the rows (no cp.async); no spill, at most 128 registers and under half the SM's shared memory, so two CTAs share
+    a SM as in the paired kernels the probe is compared with."""
+    rows3, rows6 = sass_report({"tma_probe": True, "plan": "rows3"}, {"tma_probe": True, "plan": "rows6"})
+    for res, boxes in ((rows3, 3), (rows6, 6)):
+        rep = res["report"]
+        assert rep["UTMALDG"] == probe.BLOCK_N.value * boxes, rep
+        assert "LDGSTS" not in rep and rep["stack"] == 0 and rep["regs"] <= 128
+        assert rep["smem"] <= 227 * 1024 // 2 - 1024
+
+
+def test_probe_refuses_an_unknown_plan_and_a_cache_not_viewed_as_rows_of_164_words():
+    cache = torch.zeros(64, 164, dtype=torch.int32)
+    slots = torch.zeros(2, 64, dtype=torch.int32)
+    with pytest.raises(Glm5labError, match="unknown TMA box plan 'rows4'"):
+        probe.tma_gather(cache, slots, "rows4")
+    with pytest.raises(Glm5labError, match=r"int32 \[slots, 164\]"):
+        probe.tma_gather(cache.view(torch.uint8), slots)
+    with pytest.raises(Glm5labError, match="slots must be int32"):
+        probe.tma_gather(cache, slots.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", sorted(probe.PLANS))
+@pytest.mark.parametrize("topk", [77, 1000, 2048])
+def test_gpu_probe_gathers_the_cache_rows_with_zeros_for_invalid_slots(plan, topk):
+    """Random rows of a random cache, with -1 anywhere in a row and slots past the cache: every gathered word is the
+    cache's (or zero), in an output poisoned before the call; odd top-k ends in a partial step."""
+    gen = torch.Generator(device="cuda").manual_seed(topk)
+    num_slots = 4099
+    cache = torch.randint(-2**31, 2**31 - 1, (num_slots, 164), device="cuda", dtype=torch.int32, generator=gen)
+    slots = torch.randint(0, num_slots, (5, topk), device="cuda", dtype=torch.int32, generator=gen)
+    holes = torch.rand(5, topk, device="cuda", generator=gen)
+    slots[holes < 0.1] = -1
+    slots[holes > 0.95] = num_slots + 7
+    slots[3] = -1                                   # a token with no valid row
+    out = torch.full((5, topk, 164), 0x7FC00001, device="cuda", dtype=torch.int32)
+    got = probe.tma_gather(cache, slots, plan, out=out, check=True)
+    torch.cuda.synchronize()
+    ok = (slots >= 0) & (slots < num_slots)
+    want = cache[slots.clamp(0, num_slots - 1).long()] * ok[..., None]
+    assert torch.equal(got, want)
