@@ -35,10 +35,13 @@ SCALE_WORD = gl.constexpr(128)
 ROPE_WORD = gl.constexpr(132)
 BLOCK_N = gl.constexpr(64)       # rows a step (the paired kernels')
 STAGES = gl.constexpr(2)
-PLANS = {"rows3": 3, "rows6": 6}  # boxes a row
+PLANS = {"rows3": (3, False), "rows6": (6, False), "rows3p": (3, True)}   # boxes a row, latent rows padded
 BOX_WORDS = (128, 32, 32, 4)     # the descriptors' boxes: latent part, one 128-byte chunk of it, rope, scales
 LAUNCH = {"num_warps": 4, "maxnreg": 128}   # a consumer warpgroup and the loader's warp; two CTAs a SM, as paired
 UNSWIZZLED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+# "rows3p": the latent rows 528 bytes apart (16 bytes of padding a row), the layout in which the dual consumers' K and
+# V^T loads (DUAL_K8 / DUAL_V8) read no bank twice without a swizzle -- if TMA writes 16-byte aligned destinations
+PADDED_ROWS = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[128, 4]], [BLOCK_N.value, 128], [1, 0]))
 SLOT_L = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
 ONE_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -54,7 +57,7 @@ def _step_slots(slot_row, i, topk):
 
 @gluon.jit
 def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring, slot_buf,
-                    full, free, t, topk, num_steps, stride_st, BOXES: gl.constexpr):
+                    full, free, t, topk, num_steps, stride_st, BOXES: gl.constexpr, PAD: gl.constexpr):
     """One warp: step i's rows by TMA into stage i % STAGES once it is free, every box on `full[b]` by bytes. A
     step's slot indices are loaded a step ahead (one vector load) and parked in shared memory, from which each box
     reads its row's index as a scalar: no copy waits on a global load."""
@@ -68,7 +71,10 @@ def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring
         mbarrier.expect(full.index(b), BLOCK_N * (512 + 128 + 16))
         for r in gl.static_range(BLOCK_N):
             slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)   # -1 / past the cache: zero-filled by TMA
-            if BOXES == 3:
+            if PAD:
+                dst = lat_ring.index(b).slice(r, 1)._reinterpret(gl.int32, [1, 128], UNSWIZZLED)
+                tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b), dst)
+            elif BOXES == 3:
                 tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b), lat_ring.index(b).slice(r, 1))
             else:
                 for c in gl.static_range(4):
@@ -108,11 +114,14 @@ def _drain_rows(OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_s
 
 @gluon.jit
 def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, topk, stride_st,
-                       BOXES: gl.constexpr, CHECK: gl.constexpr):
+                       BOXES: gl.constexpr, PAD: gl.constexpr, CHECK: gl.constexpr):
     """Program t: token t's top-k rows through a 2-stage ring of 64-row steps filled by TMA."""
     t = gl.program_id(0)
     num_steps = gl.cdiv(topk, BLOCK_N)
-    lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 128], UNSWIZZLED)
+    if PAD:
+        lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 128], PADDED_ROWS)
+    else:
+        lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 128], UNSWIZZLED)
     rope_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
     scale_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
     slot_buf = gl.allocate_shared_memory(gl.int32, [BLOCK_N], FLAT)
@@ -126,7 +135,7 @@ def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, 
     gl.warp_specialize([
         (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, CHECK)),
         (_tma_row_loader, (lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring,
-                           slot_buf, full, free, t, topk, num_steps, stride_st, BOXES)),
+                           slot_buf, full, free, t, topk, num_steps, stride_st, BOXES, PAD)),
     ], [1], [96])
 
 
@@ -151,9 +160,10 @@ def offline_source(plan: str = "rows3", check: bool = False):
     desc = [f"tensordesc<i32[1, {w}],{UNSWIZZLED.value!r}>" for w in BOX_WORDS]
     sig = {"lat_desc": desc[0], "chunk_desc": desc[1], "rope_desc": desc[2], "scale_desc": desc[3],
            "SLOTS": "*i32", "OUT": "*i32", "topk": "i32", "stride_st": "i32", "BOXES": "constexpr",
-           "CHECK": "constexpr"}
+           "PAD": "constexpr", "CHECK": "constexpr"}
     names = list(_tma_gather_kernel.arg_names)
-    consts = {(names.index("BOXES"),): PLANS[plan], (names.index("CHECK"),): check}
+    boxes, pad = PLANS[plan]
+    consts = {(names.index("BOXES"),): boxes, (names.index("PAD"),): pad, (names.index("CHECK"),): check}
     return GluonASTSource(fn=_tma_gather_kernel, signature=sig, constexprs=consts), dict(LAUNCH)
 
 
@@ -172,7 +182,7 @@ def tma_gather(cache_words, slots, plan: str = "rows3", out=None, check: bool = 
         out = torch.zeros(num_tokens if check else 1, topk if check else 1, ROW_WORDS.value, dtype=torch.int32,
                           device=slots.device)
     _tma_gather_kernel[(num_tokens,)](*descriptors(cache_words), slots, out, topk, slots.stride(0),
-                                      BOXES=PLANS[plan], CHECK=check, **LAUNCH)
+                                      BOXES=PLANS[plan][0], PAD=PLANS[plan][1], CHECK=check, **LAUNCH)
     return out
 
 
