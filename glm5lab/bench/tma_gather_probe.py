@@ -45,6 +45,7 @@ PADDED_ROWS = gl.constexpr(gl.PaddedSharedLayout.with_identity_for([[128, 4]], [
 SLOT_L = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))
 ONE_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+UNITS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 STORE_L = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]))
 
 
@@ -62,6 +63,7 @@ def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring
     step's slot indices are loaded a step ahead (one vector load) and parked in shared memory, from which each box
     reads its row's index as a scalar: no copy waits on a global load."""
     slot_row = SLOTS + t * stride_st
+    units = lat_ring._reinterpret(gl.int32, [8192, 1, 4], UNITS)       # PAD: the ring as 16-byte units
     slot_buf.store(_step_slots(slot_row, 0, topk))
     gl.thread_barrier()
     for i in range(num_steps):
@@ -71,8 +73,8 @@ def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring
         mbarrier.expect(full.index(b), BLOCK_N * (512 + 128 + 16))
         for r in gl.static_range(BLOCK_N):
             slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)   # -1 / past the cache: zero-filled by TMA
-            if PAD:
-                dst = lat_ring.index(b).slice(r, 1)._reinterpret(gl.int32, [1, 128], UNSWIZZLED)
+            if PAD:      # (a slice of the padded view would drop its padding: address the 16-byte units instead)
+                dst = units.index((b * BLOCK_N + r) * 33)._reinterpret(gl.int32, [1, 128], UNSWIZZLED)
                 tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b), dst)
             elif BOXES == 3:
                 tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b), lat_ring.index(b).slice(r, 1))
