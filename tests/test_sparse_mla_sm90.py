@@ -256,10 +256,12 @@ PAIR16SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
 # ... and the paired defaults with the loader's row offsets in 32 bits (an option, NOTES.md v40)
 PAIR8SOPK32, PAIR16SOPFHK32 = {**PAIR8SOPK, "offs32": True}, {**PAIR16SOPFHK, "offs32": True}
+# ... and with the TMA loader (an option, NOTES.md v41)
+PAIR8SOPKT, PAIR16SOPFHKT = {**PAIR8SOPK, "tma": True}, {**PAIR16SOPFHK, "tma": True}
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, PAIR8SOPK32,
-                                          PAIR16SOPFHK32],
+                                          PAIR16SOPFHK32, PAIR8SOPKT, PAIR16SOPFHKT],
                                  ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk",
-                                      "pair8sopk32", "pair16sopfhk32"])
+                                      "pair8sopk32", "pair16sopfhk32", "pair8sopkt", "pair16sopfhkt"])
 
 
 def test_offs32_is_refused_where_it_does_not_apply():
@@ -272,6 +274,23 @@ def test_offs32_is_refused_where_it_does_not_apply():
         sm90.launch((1, 1, 1), args, PAIR16SOPFHK32, False, True, num_heads=16)
     with pytest.raises(Glm5labError, match="offs32=True: only the paired fp8_ds_mla kernel takes it"):
         sm90.launch((1, 1, 1), args, {**WS8X2SOKPH, "offs32": True}, False, True, num_heads=16)
+
+
+def test_tma_loader_is_refused_where_it_does_not_apply():
+    """The TMA loader (tma) is the paired kernel's option, for fp8_ds_mla bytes with 16-byte aligned rows and 32-bit
+    slot coordinates: on another kernel, a 16-bit cache or rows that TMA cannot address, launch says so first."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm90
+    cache = torch.empty(64, 656, dtype=torch.uint8, device="meta")
+    args = (None, cache, None, None, None, None, None, 1.0, 64, 16, 2048, 2048, 1, 0, 0, 656) + (None,) * 4
+    with pytest.raises(Glm5labError, match="tma=True: only the paired fp8_ds_mla kernel takes it"):
+        sm90.launch((1, 1, 1), args, {**WS8X2SOKPH, "tma": True}, False, True, num_heads=16)
+    with pytest.raises(Glm5labError, match="16-byte aligned rows"):
+        sm90.launch((1, 1, 1), args[:15] + (650,) + args[16:], PAIR16SOPFHKT, False, True, num_heads=16)
+    with pytest.raises(Glm5labError, match="16-byte aligned rows"):
+        sm90.launch((1, 1, 1), (None, cache.view(torch.bfloat16)) + args[2:], PAIR16SOPFHKT, False, True,
+                    num_heads=16)
+    with pytest.raises(Glm5labError, match="TMA coordinates are 32-bit"):
+        sm90.launch((1, 1, 1), args[:8] + (2**31,) + args[9:], PAIR16SOPFHKT, False, True, num_heads=16)
 
 
 @pytest.mark.gpu

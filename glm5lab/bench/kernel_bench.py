@@ -192,6 +192,17 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
                     for h in (8, 16) for d in (2, 3)),
+                  # ... and the paired defaults with the TMA loader ("tma", NOTES.md v41: five 128-byte boxes a row
+                  # from four loader warps), with its gathers alone (d3)
+                  *((f"pair{h}{pipe}kt", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
+                                          "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
+                                          "pipe": pipe, "kept_p": True, "one_item": True, "tma": True})
+                    for h, pipe in ((8, "sop"), (16, "sopfh"))),
+                  *((f"pair{h}sopd3t", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
+                                        "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
+                                        "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": 3,
+                                        "tma": True})
+                    for h in (8, 16)),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
