@@ -2282,10 +2282,10 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], ROWS_VEC)
-    p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
     slot_row = SLOTS + t * stride_st
     if KV_DESC is None:
         raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
+        p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
         staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
         gl.warp_specialize([
             (_fp8_paired_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
@@ -2298,6 +2298,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
         ], [4], [PAIRED_LOADER_REGS])
     else:                                     # the TMA loader (tile key "tma", NOTES.md v41): four one-warp loaders
         raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring_tma(STAGES, BLOCK_N)
+        p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
         slot_bufs = gl.allocate_shared_memory(gl.int32, [BLOCK_N], ROWS_VEC)
         # staged[b]: each loader warp's expected bytes (one arrival) and its lanes' scale copies (32)
         staged, free = _handover_barriers(STAGES, TMA_LOADERS * 33)
