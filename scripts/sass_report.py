@@ -74,7 +74,6 @@ def build(config: dict, sm: int = 90):
     opts.setdefault("num_warps", 4)
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
-    tma = cfg.pop("tma", False)          # the paired kernel's TMA loader (KV_DESC a descriptor, NOTES.md v41)
     stamps = cfg.pop("STAMPS", False)       # true: the phase stamps' buffer (a pointer); else None, as by default
     consts = ({**KERNEL_DEFAULTS, **cfg} if not gluon
               else {k: v for k, v in cfg.items() if k != "FP8" or "FP8" in kern.arg_names})
@@ -89,10 +88,7 @@ def build(config: dict, sm: int = 90):
     unknown = set(consts) - set(names)
     if unknown:
         raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
-    if "KV_DESC" in names and not tma:     # the paired kernel: None is its cp.async loader
-        consts["KV_DESC"] = None
     ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if cfg.get("FP8") else f"*{qdt}", **POINTERS,
-           **({"KV_DESC": sparse_mla_sm90.KV_DESC_SIGNATURE} if tma else {}),
            **({"PART_O": "*fp16"} if cfg.get("PART_F16") else {})}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ALIGNED}

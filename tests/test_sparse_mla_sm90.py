@@ -246,22 +246,21 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 
 # the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
 # 16-head tile "sop" + kept
-PAIR8SOPK = sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG        # (the default at <= 8 heads beyond one wave since v38)
+# (the v38-v40 forms: 64-bit row offsets in the loader, as named here; the defaults take 32-bit ones since v41)
+PAIR8SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG, "offs32": False}   # (the <= 8-head default in v38-v40)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
-PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop"}    # (... at 9-16 heads in v38-v39)
+PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop", "offs32": False}   # (9-16 heads, v38-v39)
 # ... and both with the shorter step (NOTES.md v40: "f" q's rope part staged times its multiplier, "h" P^T scaled in
 # fp16 pairs; the 16-head tile's default since), the dual 16-head tile with "h" (its default since)
 PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
-PAIR16SOPFHK = sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG
+PAIR16SOPFHK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "offs32": False}
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
-# ... and the paired defaults with the loader's row offsets in 32 bits (an option, NOTES.md v40)
+# ... and with the loader's row offsets in 32 bits (NOTES.md v40; the defaults' "auto" takes them since v41)
 PAIR8SOPK32, PAIR16SOPFHK32 = {**PAIR8SOPK, "offs32": True}, {**PAIR16SOPFHK, "offs32": True}
-# ... and with the TMA loader (an option, NOTES.md v41)
-PAIR8SOPKT, PAIR16SOPFHKT = {**PAIR8SOPK, "tma": True}, {**PAIR16SOPFHK, "tma": True}
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, PAIR8SOPK32,
-                                          PAIR16SOPFHK32, PAIR8SOPKT, PAIR16SOPFHKT],
+                                          PAIR16SOPFHK32],
                                  ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk",
-                                      "pair8sopk32", "pair16sopfhk32", "pair8sopkt", "pair16sopfhkt"])
+                                      "pair8sopk32", "pair16sopfhk32"])
 
 
 def test_offs32_is_refused_where_it_does_not_apply():
@@ -276,21 +275,20 @@ def test_offs32_is_refused_where_it_does_not_apply():
         sm90.launch((1, 1, 1), args, {**WS8X2SOKPH, "offs32": True}, False, True, num_heads=16)
 
 
-def test_tma_loader_is_refused_where_it_does_not_apply():
-    """The TMA loader (tma) is the paired kernel's option, for fp8_ds_mla bytes with 16-byte aligned rows and 32-bit
-    slot coordinates: on another kernel, a 16-bit cache or rows that TMA cannot address, launch says so first."""
+def test_offs32_auto_takes_32_bit_offsets_where_the_kernel_and_the_cache_allow():
+    """The paired defaults' "auto" (NOTES.md v41): the paired kernel with a cache of < 2^31 elements gets 32-bit row
+    offsets; a larger cache (a vLLM cache of every layer in one tensor) or another kernel laid over the default gets
+    the 64-bit ones, without an error."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
-    cache = torch.empty(64, 656, dtype=torch.uint8, device="meta")
-    args = (None, cache, None, None, None, None, None, 1.0, 64, 16, 2048, 2048, 1, 0, 0, 656) + (None,) * 4
-    with pytest.raises(Glm5labError, match="tma=True: only the paired fp8_ds_mla kernel takes it"):
-        sm90.launch((1, 1, 1), args, {**WS8X2SOKPH, "tma": True}, False, True, num_heads=16)
-    with pytest.raises(Glm5labError, match="16-byte aligned rows"):
-        sm90.launch((1, 1, 1), args[:15] + (650,) + args[16:], PAIR16SOPFHKT, False, True, num_heads=16)
-    with pytest.raises(Glm5labError, match="16-byte aligned rows"):
-        sm90.launch((1, 1, 1), (None, cache.view(torch.bfloat16)) + args[2:], PAIR16SOPFHKT, False, True,
-                    num_heads=16)
-    with pytest.raises(Glm5labError, match="TMA coordinates are 32-bit"):
-        sm90.launch((1, 1, 1), args[:8] + (2**31,) + args[9:], PAIR16SOPFHKT, False, True, num_heads=16)
+    small = torch.empty(2**31 - 1, dtype=torch.uint8, device="meta")
+    big = torch.empty(2**31, dtype=torch.uint8, device="meta")
+    paired = sm90.kernel_of_config(sm90.ROWS_FP8_PAIRED_CONFIG, True)
+    dual = sm90.kernel_of_config(WS8X2SOKPH, True)
+    assert sm90.ROWS_FP8_PAIRED_CONFIG["offs32"] == sm90.ROWS_FP8_PAIRED_8_CONFIG["offs32"] == "auto"
+    assert sm90.loader_offs32(sm90.ROWS_FP8_PAIRED_CONFIG, paired, small)
+    assert not sm90.loader_offs32(sm90.ROWS_FP8_PAIRED_CONFIG, paired, big)
+    assert not sm90.loader_offs32({**WS8X2SOKPH, "offs32": "auto"}, dual, small)
+    assert not sm90.loader_offs32(PAIR16SOPFHK, paired, small) and sm90.loader_offs32(PAIR16SOPFHK32, paired, small)
 
 
 @pytest.mark.gpu

@@ -192,17 +192,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
                     for h in (8, 16) for d in (2, 3)),
-                  # ... and the paired defaults with the TMA loader ("tma", NOTES.md v41: five 128-byte boxes a row
-                  # from four loader warps), with its gathers alone (d3)
-                  *((f"pair{h}{pipe}kt", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
-                                          "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
-                                          "pipe": pipe, "kept_p": True, "one_item": True, "tma": True})
-                    for h, pipe in ((8, "sop"), (16, "sopfh"))),
-                  *((f"pair{h}sopd3t", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
-                                        "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
-                                        "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": 3,
-                                        "tma": True})
-                    for h in (8, 16)),
                   # ... the 16-head tile's timing diagnostics as v34's default ran split calls (pipe "o"; wrong results
                   # on purpose): the consumers alone (d2), the gathers alone (d3)
                   *((f"ws8x2d{d}", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
@@ -238,9 +227,10 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
 # every tile names dual_consumers, block_h, pipe, kept_p, one_item and paired: the <= 16-head fp8_ds_mla default is
 # the dual-consumer form (NOTES.md v17; up to one wave, its paired form beyond since v38), with 8-head tiles at <= 8
 # heads (v18; one item a program since v36) whose products are pipelined (v19), with P^T against the kept max (v31),
-# and a tile laid over it must not inherit any
+# its paired form's loader with 32-bit row offsets where the cache allows (v41), and a tile laid over it must not
+# inherit any
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
-                       "paired": False, **cfg})
+                       "paired": False, "offs32": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,

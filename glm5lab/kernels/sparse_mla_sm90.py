@@ -58,7 +58,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
@@ -69,7 +69,6 @@ from glm5lab.kernels.sparse_mla import (_E4M3X4_TO_F16X4, STAMP_SLOTS, _pow2_int
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
 SCALE_OFFSET = gl.constexpr(512)
-ROW_BYTES = 656                          # an fp8_ds_mla row
 # registers a thread of the warp-specialized 64-head kernel's loader warpgroup (setmaxnreg; the two consumer
 # warpgroups get the rest of the 12 warps' 168 each)
 WS64_LOADER_REGS = gl.constexpr(56)
@@ -1364,14 +1363,6 @@ def _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse
 ROWS_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROWS_SMP = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
 ROWS_SM8 = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-CHUNK_SM8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))   # (v41)
-TMA_LOADERS = gl.constexpr(4)            # the TMA loader's warps (v41: one warp issues its rows' boxes one at a time)
-# the TMA loader's descriptor: the cache as [slots, 656] bytes, 128-byte boxes, named in the kernel with an unswizzled
-# layout (a one-row box into a swizzled tile is refused) and encoded with the 128-byte swizzle at launch (v41)
-TMA_BOX = (1, 128)
-TMA_BOX_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-KV_DESC_SIGNATURE = f"tensordesc<u8[{TMA_BOX[0]}, {TMA_BOX[1]}],{TMA_BOX_SM.value!r}>"
-SWIZZLE_128B = 3                         # CUtensorMapSwizzle
 ROWS_VEC = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 ROWS_RAW = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 ROWS_QL = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
@@ -1741,20 +1732,9 @@ def _v_column(dl):
 
 
 @gluon.jit
-def _lat_chunk(lat, c: gl.constexpr):
-    """Chunk c ([64 rows, 128 bytes]) of a stage's e4m3 rows: a column slice of [64, 512] rows (XOR-swizzled 16-byte
-    units, the cp.async loaders') or a row slice of [4 x 64, 128] chunk tiles (wgmma's 128-byte swizzle, the TMA
-    loader's, `_raw_ring_tma`) -- the same banks for every load."""
-    if lat.shape[1] == 512:
-        return lat.slice(c * 128, 128, dim=1)
-    else:
-        return lat.slice(c * 64, 64, dim=0)
-
-
-@gluon.jit
 def _k_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
     """Chunk c of the staged e4m3 rows as S^T's A operand in registers (fp16, exact; columns in `_k_order`)."""
-    raw = _lat_chunk(lat, c).load(DUAL_K8)
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_K8)
     return gl.convert_layout(_k_order(raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)), A_L)
 
 
@@ -1765,7 +1745,7 @@ def _v_operand(lat, c: gl.constexpr, A_L: gl.constexpr):
     bytes are put in the operand's order first -- one byte permute makes two pairs -- and converted after, by the
     PTX cvt on each pair (the Triton kernel's `_E4M3X4_TO_F16X4`). NOTES.md v33: converted first, Triton's cast and
     then one permute a register pair took 64 more PRMT a consumer step; its cast of the permuted bytes, more still."""
-    raw = _lat_chunk(lat, c).load(DUAL_V8)
+    raw = lat.slice(c * 128, 128, dim=1).load(DUAL_V8)
     return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [gl.convert_layout(_v_order(raw), A_L)],
                                      dtype=gl.float16, is_pure=True, pack=4)
 
@@ -1800,7 +1780,6 @@ PIPE_H = gl.constexpr(64)      # P^T's chunk tiles scaled in fp16 pairs: p conve
 #                                rounded to fp16 and multiplied in; with the kept max l summed after its rare branch
 #                                (v40)
 PAIRED_LOADER_REGS = gl.constexpr(40)   # the paired kernel's loader (32 spilled 8 bytes); its consumer 256 - this
-TMA_LOADER_REGS = gl.constexpr(40)       # each TMA loader warp's (v41)
 PAIRED_MAXNREG = 128                     # the paired kernel's registers a thread at launch: two CTAs of 8 warps a SM
 
 
@@ -2011,66 +1990,6 @@ def _raw_ring(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _raw_ring_tma(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """`_raw_ring` for the TMA loader: each stage's e4m3 rows as four [rows, 128-byte] chunk tiles in wgmma's
-    128-byte swizzle ([STAGES, 4 x rows, 128]), which TMA writes one row's chunk at a time (`_fp8_tma_loader`)."""
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * BLOCK_N, 128], CHUNK_SM8)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], ROWS_SM)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], ROWS_VEC)
-    return raw_lat, raw_rope, scale_ring, scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], ROWS_RAW)
-
-
-@gluon.jit
-def _fp8_tma_loader(KV, KV_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t, n_start, n_end,
-                    num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    DIAG: gl.constexpr, W: gl.constexpr):
-    """Loader warp W of TMA_LOADERS (NOTES.md v41): rows [16W, 16W + 16) of step i into stage i % STAGES once its
-    consumer has freed it -- each row's four latent chunks and its rope part as five 128-byte TMA boxes from one
-    thread (KV_DESC: the cache as [slots, 656] bytes; slot -1 or past the cache lies out of the box's bounds and
-    lands as zeros), its four scales by cp.async (4 bytes each: the consumers read them chunk-major). The boxes name
-    an unswizzled one-row view of the swizzled tiles (all Gluon 3.6 accepts) and `launch` gives KV_DESC the 128-byte
-    swizzle, which TMA applies by the destination's address. A step's slot indices are loaded a step ahead and parked
-    in shared memory, where each box reads its row's as a scalar."""
-    ROWS: gl.constexpr = BLOCK_N // TMA_LOADERS
-    SC_L: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [0, 1])       # [4 chunks, ROWS] scale copies
-    SL_L: gl.constexpr = gl.SliceLayout(0, SC_L)
-    ONE_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    slot_row = SLOTS + t * stride_st
-    slot_buf = slot_bufs.slice(W * ROWS, ROWS)
-    sl = _slots(slot_row, n_start + W * ROWS, n_end, ROWS, SL_L)
-    for i in range(num_steps):
-        b = i % STAGES
-        slot_buf.store(sl)
-        gl.thread_barrier()
-        nxt = _slots(slot_row, n_start + (i + 1) * BLOCK_N + W * ROWS, n_end, ROWS, SL_L)
-        mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
-        if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
-            mbarrier.expect(staged.index(b), ROWS * (512 + 128))
-            chunks = raw_lat.index(b)._reinterpret(gl.uint8, [4 * BLOCK_N, 128], TMA_BOX_SM)
-            rope = raw_rope.index(b)._reinterpret(gl.uint8, [BLOCK_N, 128], TMA_BOX_SM)
-            for r in gl.static_range(ROWS):
-                slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)
-                for c in gl.static_range(4):     # (row W * ROWS + r written out: held in a variable it is a value)
-                    tma.async_copy_global_to_shared(KV_DESC, [slot, 128 * c], staged.index(b),
-                                                    chunks.slice(c * BLOCK_N + W * ROWS + r, 1))
-                tma.async_copy_global_to_shared(KV_DESC, [slot, ROPE_OFFSET], staged.index(b),
-                                                rope.slice(W * ROWS + r, 1))
-            ok = (sl >= 0) & (sl < num_slots)
-            rows = gl.where(ok, sl, 0).to(gl.int64)
-            chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SC_L))
-            ptr = (KV + rows[None, :] * kv_row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
-            async_copy.async_copy_global_to_shared(scale_stages.index(b).slice(W * ROWS, ROWS, dim=1), ptr,
-                                                   mask=ok[None, :])
-            async_copy.commit_group()
-        else:
-            mbarrier.arrive(staged.index(b))
-        async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
-        gl.thread_barrier()                    # (every lane has read slot_buf before it is overwritten)
-        sl = nxt
-    async_copy.wait_group(0)
-
-
-@gluon.jit
 def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
     """One chunk's P^T [rows, heads], O^T's B operand: 16 heads as they are; 8 heads (16-byte rows, below the
     smallest swizzle) stored as P [heads, rows] and read transposed."""
@@ -2267,14 +2186,14 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, OFFS32: gl.constexpr = False,
-    KV_DESC=None,
 ):
     """The dual-consumer kernel's step on ONE consumer warpgroup and a loader, half its shared memory (2 stages of raw
     rows), built for 128 registers a thread (`launch`: maxnreg) so that TWO CTAs share a SM: a program's start
     (its first slot indices and rows) and end (the last steps, the store) overlap the other CTA's steps instead of
     leaving the SM's gathers idle (NOTES.md v35 / v37: ~5-7 us a program), and there is no state to merge. The
-    consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40): the loader's
-    row offsets in 32 bits (`_copy_rows`; `launch` refuses it for a cache of 2^31 elements or more)."""
+    consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40-v41): the
+    loader's row offsets in 32 bits (`_copy_rows`; `launch` refuses True for a cache of 2^31 elements or more, and
+    "auto", the paired defaults', takes it where the cache allows)."""
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2282,46 +2201,18 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], ROWS_VEC)
+    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
+    p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
-    if KV_DESC is None:
-        raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-        p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
-        staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
-        gl.warp_specialize([
-            (_fp8_paired_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                    scale_ring, p_ts, staged, free, slot_row, n_start, n_end, num_steps, num_slots,
-                                    qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh,
-                                    stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG, PIPE,
-                                    KEPT_P)),
-            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, OFFS32)),
-        ], [4], [PAIRED_LOADER_REGS])
-    else:                                     # the TMA loader (tile key "tma", NOTES.md v41): four one-warp loaders
-        raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring_tma(STAGES, BLOCK_N)
-        p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
-        slot_bufs = gl.allocate_shared_memory(gl.int32, [BLOCK_N], ROWS_VEC)
-        # staged[b]: each loader warp's expected bytes (one arrival) and its lanes' scale copies (32)
-        staged, free = _handover_barriers(STAGES, TMA_LOADERS * 33)
-        # (every partition's arguments written out: a tuple held in a variable turns its constexprs into values)
-        gl.warp_specialize([
-            (_fp8_paired_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                    scale_ring, p_ts, staged, free, slot_row, n_start, n_end, num_steps, num_slots,
-                                    qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh,
-                                    stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG, PIPE,
-                                    KEPT_P)),
-            (_fp8_tma_loader, (KV, KV_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t,
-                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                               0)),
-            (_fp8_tma_loader, (KV, KV_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t,
-                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                               1)),
-            (_fp8_tma_loader, (KV, KV_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t,
-                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                               2)),
-            (_fp8_tma_loader, (KV, KV_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t,
-                               n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                               3)),
-        ], [1, 1, 1, 1], [TMA_LOADER_REGS, TMA_LOADER_REGS, TMA_LOADER_REGS, TMA_LOADER_REGS])
+    gl.warp_specialize([
+        (_fp8_paired_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
+                                scale_ring, p_ts, staged, free, slot_row, n_start, n_end, num_steps, num_slots,
+                                qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt, stride_qh, stride_ot,
+                                stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG, PIPE, KEPT_P)),
+        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, OFFS32)),
+    ], [4], [PAIRED_LOADER_REGS])
 
 
 @gluon.jit
@@ -2660,8 +2551,13 @@ ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item":
 # of the roofline at 512); 16 heads 104.7 / 105.1 / 105.3 / 106.0 / 106.6 / 220.3 -> 96.9 / 98.2 / 98.4 / 99.9 / 100.3
 # / 206.2 (2.16x -> 2.31x FlashMLA's fp8 decode at 512). At 128 tokens (one wave of the dual kernel; the paired one
 # split in two, 256 programs, and merged) slower: 8 heads 51.4 -> 57.1, 16 heads 56.1 -> 66.1.
-ROWS_FP8_PAIRED_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "stages": 2, "resident": 2, "paired": True, "pipe": "sopfh"}
-ROWS_FP8_PAIRED_8_CONFIG = {**ROWS_FP8_DUAL_8_CONFIG, "stages": 2, "resident": 2, "paired": True}
+# Their loader's row offsets in 32 bits where the cache allows ("offs32": "auto", v41 calls 1, 2 and 7; a per-layer
+# vLLM cache of < 2 GB does): 16 heads x 128 / 256 / 512 tokens 65.3 / 104.4 / 206.3 -> 64.9 / 103.5 / 203.1 us (21
+# interleaved rounds, p20-p80 apart at 128 / 256), and under sustained load (power probe) 227.2 / 226.9 -> 222.8 /
+# 221.6 us a call, 153.6 -> 151.5 mJ (v18 / v20 saw no gain from them in the one-CTA loaders).
+ROWS_FP8_PAIRED_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "stages": 2, "resident": 2, "paired": True, "pipe": "sopfh",
+                          "offs32": "auto"}
+ROWS_FP8_PAIRED_8_CONFIG = {**ROWS_FP8_DUAL_8_CONFIG, "stages": 2, "resident": 2, "paired": True, "offs32": "auto"}
 
 
 # The merge launched early (PDL) and let launch from the attention kernel's start (`_let_merge_launch`), by default
@@ -2892,6 +2788,22 @@ def build_options(kernel) -> dict:
     return {"maxnreg": PAIRED_MAXNREG} if kernel is _sparse_mla_rows_fp8_paired_sm90_kernel else {}
 
 
+def loader_offs32(cfg: dict, kernel, kv) -> bool:
+    """Whether a launch builds the paired kernel's loader with 32-bit row offsets (tile key "offs32", NOTES.md
+    v40-v41): True asks for them (refused on another kernel or a cache of 2^31 elements or more), "auto" (the paired
+    defaults') takes them where the kernel and the cache allow, False / absent never."""
+    offs32 = cfg.get("offs32", False)
+    if offs32 == "auto":
+        return "OFFS32" in kernel.arg_names and kv.numel() < 2**31
+    if offs32:
+        if "OFFS32" not in kernel.arg_names:
+            raise Glm5labError(f"offs32=True: only the paired fp8_ds_mla kernel takes it, not {kernel.fn.__name__}")
+        if kv.numel() >= 2**31:
+            raise Glm5labError(f"offs32=True needs a cache of < 2^31 elements (32-bit row offsets); this one has "
+                               f"{kv.numel()}")
+    return bool(offs32)
+
+
 def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False, num_heads: int | None = None,
            num_sms: int = 132, pdl: bool = False) -> None:
     """One launch of a Gluon kernel; args as the Triton kernel's, without its fused-merge counter. part_f16: the
@@ -2919,17 +2831,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["POW2"] = bool(cfg["_f16_pow2"])
     if cfg.get("kept_p"):
         extra["KEPT_P"] = True
-    if cfg.get("offs32"):                        # (the paired kernel's loader, NOTES.md v40: an option)
-        if "OFFS32" not in kernel.arg_names:
-            raise Glm5labError(f"offs32=True: only the paired fp8_ds_mla kernel takes it, not {kernel.fn.__name__}")
-        if args[1].numel() >= 2**31:
-            raise Glm5labError(f"offs32=True needs a cache of < 2^31 elements (32-bit row offsets); this one has "
-                               f"{args[1].numel()}")
+    if loader_offs32(cfg, kernel, args[1]):
         extra["OFFS32"] = True
-    if cfg.get("tma"):                           # (the paired kernel's TMA loader, NOTES.md v41: an option)
-        if "KV_DESC" not in kernel.arg_names:
-            raise Glm5labError(f"tma=True: only the paired fp8_ds_mla kernel takes it, not {kernel.fn.__name__}")
-        extra["KV_DESC"] = kv_descriptor(args[1], args[8], args[15])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
@@ -2944,32 +2847,5 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
                                "(or pass _config={'impl': 'triton'})")
         extra["PART_F16"] = True
     extra.update(build_options(kernel))
-    consts = dict(BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
-                  num_warps=cfg["num_warps"], **extra)
-    if "KV_DESC" in extra:
-        _swizzled_kv_descriptor(kernel.warmup(*args, grid=grid, **consts))
-    kernel[grid](*args, **consts)
-
-
-def kv_descriptor(kv, num_slots: int, kv_row_stride: int):
-    """The TMA loader's descriptor (v41): an fp8_ds_mla cache as [num_slots, 656] bytes, 128-byte boxes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    if kv.dtype.itemsize != 1 or kv_row_stride % 16 or kv.data_ptr() % 16:
-        raise Glm5labError(f"tma=True: the cache must be fp8_ds_mla bytes with 16-byte aligned rows (TMA); got "
-                           f"{kv.dtype}, row stride {kv_row_stride}")
-    if num_slots >= 2**31:
-        raise Glm5labError(f"tma=True: TMA coordinates are 32-bit; this cache has {num_slots} slots")
-    return TensorDescriptor(kv, [num_slots, ROW_BYTES], [kv_row_stride, 1], list(TMA_BOX), TMA_BOX_SM.value)
-
-
-def _swizzled_kv_descriptor(compiled) -> None:
-    """Have Triton's launcher encode KV_DESC with the 128-byte swizzle. The kernel names its boxes' destinations
-    through unswizzled one-row views (Gluon 3.6 refuses a one-row box into a swizzled tile), so its descriptor's
-    metadata says no swizzle; the tiles the consumers read are swizzled, and TMA swizzles by the destination's
-    shared-memory address, so the same copies land in the tiles' layout once the descriptor carries it (checked
-    on the H200 by the paired tile's GPU tests with tma=True)."""
-    meta = compiled.metadata.tensordesc_meta
-    if not meta or len(meta) != 1 or list(meta[0]["block_size"]) != list(TMA_BOX):
-        raise Glm5labError(f"unexpected TMA descriptor metadata {meta!r}: Triton's launcher changed (tma=True)")
-    meta[0]["swizzle"] = SWIZZLE_128B
+    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
+                 num_warps=cfg["num_warps"], **extra)
