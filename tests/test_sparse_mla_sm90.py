@@ -276,7 +276,7 @@ def test_offs32_is_refused_where_it_does_not_apply():
 
 
 def test_offs32_auto_takes_32_bit_offsets_where_the_kernel_and_the_cache_allow():
-    """The paired defaults' "auto" (NOTES.md v41): the paired kernel with a cache of < 2^31 elements gets 32-bit row
+    """The paired 16-head default's "auto" (NOTES.md v41): the paired kernel with a cache of < 2^31 elements gets 32-bit row
     offsets; a larger cache (a vLLM cache of every layer in one tensor) or another kernel laid over the default gets
     the 64-bit ones, without an error."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
@@ -284,7 +284,8 @@ def test_offs32_auto_takes_32_bit_offsets_where_the_kernel_and_the_cache_allow()
     big = torch.empty(2**31, dtype=torch.uint8, device="meta")
     paired = sm90.kernel_of_config(sm90.ROWS_FP8_PAIRED_CONFIG, True)
     dual = sm90.kernel_of_config(WS8X2SOKPH, True)
-    assert sm90.ROWS_FP8_PAIRED_CONFIG["offs32"] == sm90.ROWS_FP8_PAIRED_8_CONFIG["offs32"] == "auto"
+    assert sm90.ROWS_FP8_PAIRED_CONFIG["offs32"] == "auto"            # (the 8-head tile's: False, v41 call 5)
+    assert not sm90.loader_offs32(sm90.ROWS_FP8_PAIRED_8_CONFIG, paired, small)
     assert sm90.loader_offs32(sm90.ROWS_FP8_PAIRED_CONFIG, paired, small)
     assert not sm90.loader_offs32(sm90.ROWS_FP8_PAIRED_CONFIG, paired, big)
     assert not sm90.loader_offs32({**WS8X2SOKPH, "offs32": "auto"}, dual, small)

@@ -2551,13 +2551,14 @@ ROWS_FP8_DUAL_8_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "block_h": 8, "one_item":
 # of the roofline at 512); 16 heads 104.7 / 105.1 / 105.3 / 106.0 / 106.6 / 220.3 -> 96.9 / 98.2 / 98.4 / 99.9 / 100.3
 # / 206.2 (2.16x -> 2.31x FlashMLA's fp8 decode at 512). At 128 tokens (one wave of the dual kernel; the paired one
 # split in two, 256 programs, and merged) slower: 8 heads 51.4 -> 57.1, 16 heads 56.1 -> 66.1.
-# Their loader's row offsets in 32 bits where the cache allows ("offs32": "auto", v41 calls 1, 2 and 7; a per-layer
-# vLLM cache of < 2 GB does): 16 heads x 128 / 256 / 512 tokens 65.3 / 104.4 / 206.3 -> 64.9 / 103.5 / 203.1 us (21
-# interleaved rounds, p20-p80 apart at 128 / 256), and under sustained load (power probe) 227.2 / 226.9 -> 222.8 /
-# 221.6 us a call, 153.6 -> 151.5 mJ (v18 / v20 saw no gain from them in the one-CTA loaders).
+# The 16-head tile's loader with its row offsets in 32 bits where the cache allows ("offs32": "auto", v41 calls 1, 2
+# and 4; a per-layer vLLM cache of < 2 GB does): 16 heads x 128 / 256 / 512 tokens 65.3 / 104.4 / 206.3 -> 64.9 /
+# 103.5 / 203.1 us (21 interleaved rounds), and under sustained load (power probe) 227.2 / 226.9 -> 222.8 / 221.6 us
+# a call, 153.6 -> 151.5 mJ. Not the 8-head tile's: 8 heads x 168 / 256 / 512 tokens 84.4 / 93.8 / 186.5 -> 86.4 /
+# 94.2 / 189.5 us (v41 call 5; v18 / v20 saw no gain from them in the one-CTA loaders either).
 ROWS_FP8_PAIRED_CONFIG = {**ROWS_FP8_DUAL_DEEP_CONFIG, "stages": 2, "resident": 2, "paired": True, "pipe": "sopfh",
                           "offs32": "auto"}
-ROWS_FP8_PAIRED_8_CONFIG = {**ROWS_FP8_DUAL_8_CONFIG, "stages": 2, "resident": 2, "paired": True, "offs32": "auto"}
+ROWS_FP8_PAIRED_8_CONFIG = {**ROWS_FP8_DUAL_8_CONFIG, "stages": 2, "resident": 2, "paired": True, "offs32": False}
 
 
 # The merge launched early (PDL) and let launch from the attention kernel's start (`_let_merge_launch`), by default
