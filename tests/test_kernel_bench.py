@@ -226,3 +226,25 @@ def test_targets_table_reads_the_last_run_and_prefers_the_interleaved_rounds(tmp
     assert abs(r.measured - 1.8) < 1e-12 and r.met is False and r.source == "graph"
     r = row[("roofline", 16, 128, "bf16")]
     assert r.measured != r.measured and r.met is None and r.source == ""
+
+
+def test_graph_timer_keeps_the_captured_calls_alive(monkeypatch):
+    """A CUDA graph replays its calls' kernels on whatever those calls held outside the graph's memory pool (FlashMLA's
+    scheduler metadata): the timer must hold the calls, or a replay reads freed memory (v41 call 6: "operation not
+    supported on global/shared address space" in the suite's interleaved rounds)."""
+    import gc
+    import weakref
+
+    from glm5lab.bench import kernel_bench
+
+    class Call:
+        def __call__(self):
+            pass
+
+    monkeypatch.setattr(kernel_bench, "capture_graph", lambda calls: object())
+    call = Call()
+    held = weakref.ref(call)
+    timer = kernel_bench.graph_timer([call])
+    del call
+    gc.collect()
+    assert held() is not None and timer.keep_alive[0] is held()

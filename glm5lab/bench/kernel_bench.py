@@ -375,12 +375,15 @@ def graph_timer(calls, replays: int = 10):
     `replays` times between two events and returns the GPU time of one call in us (`median_us` takes the median of
     a few; interleaved timing, `timing.interleaved_samples`, calls the timers of a shape's implementations in
     turn)."""
-    return replay_timer(capture_graph(calls), len(calls), replays)
+    return replay_timer(capture_graph(calls), len(calls), replays, keep_alive=calls)
 
 
-def replay_timer(graph, calls_a_replay: int, replays: int = 10):
+def replay_timer(graph, calls_a_replay: int, replays: int = 10, keep_alive=None):
     """A no-argument call that replays a captured `graph` (of `calls_a_replay` calls) `replays` times between two
-    events and returns the GPU time of one call in us."""
+    events and returns the GPU time of one call in us. keep_alive: whatever the captured calls read or write outside
+    the graph's own memory pool (their callables, e.g. FlashMLA's with its scheduler metadata), held as long as the
+    timer: freed, a replay reads memory reused by others (v41: "operation not supported on global/shared address
+    space" in the suite's rounds)."""
     import torch
 
     def one_timing() -> float:
@@ -391,6 +394,7 @@ def replay_timer(graph, calls_a_replay: int, replays: int = 10):
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / (replays * calls_a_replay)
+    one_timing.keep_alive = keep_alive
     return one_timing
 
 
