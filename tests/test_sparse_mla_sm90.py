@@ -1000,9 +1000,11 @@ def test_gluon_tiles_by_head_count():
         assert sm90.default_config(H, True, dual_from) == sm90.default_config(H, True, 66) == dual
         assert sm90.default_config(H, True, 132) == sm90.default_config(H, True, 67) == dual
         assert sm90.default_config(H, True, 40, num_sms=78) == dual
-        # ... and its paired form (one consumer, two CTAs a SM; v38) once the tokens outnumber the SMs
-        paired = PAIR8SOPK if H <= 8 else PAIR16SOPFHK
-        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True, "pipe": "sop" if H <= 8 else "sopfh"}
+        # ... and its paired form (one consumer, two CTAs a SM; v38) once the tokens outnumber the SMs, at 9-16 heads
+        # with its loader's row offsets in 32 bits where the cache allows (v41)
+        paired = sm90.ROWS_FP8_PAIRED_8_CONFIG if H <= 8 else sm90.ROWS_FP8_PAIRED_CONFIG
+        assert paired == {**dual, "stages": 2, "resident": 2, "paired": True, "pipe": "sop" if H <= 8 else "sopfh",
+                          "offs32": False if H <= 8 else "auto"}
         assert not dual["paired"]
         assert sm90.default_config(H, True, 133) == sm90.default_config(H, True, 512) == paired
         assert sm90.default_config(H, True, 79, num_sms=78) == paired

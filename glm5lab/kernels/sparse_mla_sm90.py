@@ -2832,7 +2832,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["POW2"] = bool(cfg["_f16_pow2"])
     if cfg.get("kept_p"):
         extra["KEPT_P"] = True
-    if loader_offs32(cfg, kernel, args[1]):
+    if cfg.get("offs32") and loader_offs32(cfg, kernel, args[1]):
         extra["OFFS32"] = True
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
