@@ -29,9 +29,10 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from glm5lab.errors import Glm5labError, one_line_errors
+from glm5lab.kernels.sparse_mla_sm90 import _handover_barriers
 
 SUITE = "tma_gather_probe"
 ROW_WORDS = gl.constexpr(164)    # an fp8_ds_mla row: 512 e4m3 bytes, 4 float32 scales, 64 bf16 rope values
@@ -141,13 +142,7 @@ def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, 
     rope_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
     scale_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 32], UNSWIZZLED)
     slot_bufs = gl.allocate_shared_memory(gl.int32, [LOADERS * BLOCK_N], FLAT)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(full.index(j), count=LOADERS)
-        mbarrier.init(free.index(j), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
+    full, free = _handover_barriers(STAGES, LOADERS)     # full[b]: each loader warp's expected bytes arrived
     # (the partitions' arguments written out in each call: a tuple held in a variable turns its constexprs into
     # runtime values)
     if LOADERS == 1:

@@ -200,17 +200,24 @@ def _slots(SLOTS_ROW, n0, n_end, BLOCK_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _valid_rows(slots, num_slots, OFFS32: gl.constexpr = False):
+    """(which slots name a cache row, the row each copy reads: 0 for the others, whose copies are zero-filled).
+    OFFS32: one unsigned bounds check (slot -1 is 2^32 - 1 unsigned) and 32-bit rows; else 64-bit rows."""
+    if OFFS32:
+        ok = slots.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
+        return ok, gl.where(ok, slots, 0)
+    else:
+        ok = (slots >= 0) & (slots < num_slots)
+        return ok, gl.where(ok, slots, 0).to(gl.int64)
+
+
+@gluon.jit
 def _copy_rows(buf, KV, row_stride, slots, num_slots, OFFSET: gl.constexpr, WIDTH: gl.constexpr, DT: gl.constexpr,
                L: gl.constexpr, OFFS32: gl.constexpr = False):
     """cp.async WIDTH values of type DT starting OFFSET cache elements into each gathered row, into buf [rows,
     WIDTH]; rows with slot -1 or past the cache are not read (zero-filled). OFFS32 (`launch`: a cache of < 2^31
-    elements): a row's offset a 32-bit product and one unsigned bounds check (slot -1 is 2^32 - 1 unsigned)."""
-    if OFFS32:
-        ok = slots.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
-        rows = gl.where(ok, slots, 0)
-    else:
-        ok = (slots >= 0) & (slots < num_slots)
-        rows = gl.where(ok, slots, 0).to(gl.int64)
+    elements): a row's offset a 32-bit product (`_valid_rows`)."""
+    ok, rows = _valid_rows(slots, num_slots, OFFS32)
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     ptr = (KV + rows[:, None] * row_stride + OFFSET).to(gl.pointer_type(DT)) + cols[None, :]
     async_copy.async_copy_global_to_shared(buf, ptr, mask=ok[:, None])
@@ -223,12 +230,7 @@ def _request_rows(KV, row_stride, num_slots, sl_lat, sl_rope, sl_scale, lat_buf,
     (OFFS32: `_copy_rows`)."""
     _copy_rows(lat_buf, KV, row_stride, sl_lat, num_slots, 0, 512, gl.uint8, LAT, OFFS32)
     _copy_rows(rope_buf, KV, row_stride, sl_rope, num_slots, ROPE_OFFSET, 64, gl.bfloat16, ROPE_L, OFFS32)
-    if OFFS32:
-        ok = sl_scale.to(gl.uint32, bitcast=True) < num_slots.to(gl.uint32, bitcast=True)
-        rows = gl.where(ok, sl_scale, 0)
-    else:
-        ok = (sl_scale >= 0) & (sl_scale < num_slots)
-        rows = gl.where(ok, sl_scale, 0).to(gl.int64)
+    ok, rows = _valid_rows(sl_scale, num_slots, OFFS32)
     chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_L))
     ptr = (KV + rows[None, :] * row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
     async_copy.async_copy_global_to_shared(scale_buf, ptr, mask=ok[None, :])
