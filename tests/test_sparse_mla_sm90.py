@@ -276,9 +276,9 @@ def test_offs32_is_refused_where_it_does_not_apply():
 
 
 def test_offs32_auto_takes_32_bit_offsets_where_the_kernel_and_the_cache_allow():
-    """The paired 16-head default's "auto" (NOTES.md v41): the paired kernel with a cache of < 2^31 elements gets 32-bit row
-    offsets; a larger cache (a vLLM cache of every layer in one tensor) or another kernel laid over the default gets
-    the 64-bit ones, without an error."""
+    """The paired 16-head default's "auto" (NOTES.md v41): the paired kernel with a cache of < 2^31 elements gets
+    32-bit row offsets; a larger cache (a vLLM cache of every layer in one tensor) or another kernel laid over the
+    default gets the 64-bit ones, without an error; the 8-head default and the forms named with False never."""
     from glm5lab.kernels import sparse_mla_sm90 as sm90
     small = torch.empty(2**31 - 1, dtype=torch.uint8, device="meta")
     big = torch.empty(2**31, dtype=torch.uint8, device="meta")

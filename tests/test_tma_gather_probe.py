@@ -9,9 +9,9 @@ from tests.offline_build import sass_report
 
 
 def test_probe_kernel_builds_one_tma_copy_a_box_and_fits_two_ctas_a_sm():
-    """sm90 build of every box plan (with the check's stores): the loader warps' step issues 64 rows x (3 or 6) TMA copies and nothing else moves
-    the rows (no cp.async); no spill, at most 128 registers and under half the SM's shared memory, so two CTAs share
-    a SM as in the paired kernels the probe is compared with."""
+    """sm90 build of every box plan (with the check's stores): the loader warps' step issues 64 rows x (3 or 6) TMA
+    copies and nothing else moves the rows (no cp.async); no spill, at most 128 registers and under half the SM's
+    shared memory, so two CTAs share a SM as in the paired kernels the probe is compared with."""
     plans = sorted(probe.PLANS)
     for plan, res in zip(plans, sass_report(*({"tma_probe": True, "plan": p, "check": True} for p in plans))):
         boxes = probe.PLANS[plan][0]

@@ -229,7 +229,8 @@ def _swizzle_chunk_descriptor(compiled) -> None:
     meta[1]["swizzle"] = SWIZZLE_128B
 
 
-def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"), rounds: int = 21,
+def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"),
+        rounds: int = 21,
         sustained_rounds: int = 3, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
     """Per token count: every TMA plan beside the paired kernel's gathers alone (cp.async, `pair16sopd3` or its
     8-head twin) and the paired default, interleaved CUDA-graph rounds, then sustained blocks (NVML)."""

@@ -2195,7 +2195,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     leaving the SM's gathers idle (NOTES.md v35 / v37: ~5-7 us a program), and there is no state to merge. The
     consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40-v41): the
     loader's row offsets in 32 bits (`_copy_rows`; `launch` refuses True for a cache of 2^31 elements or more, and
-    "auto", the paired defaults', takes it where the cache allows)."""
+    "auto", the paired 16-head default's, takes it where the cache allows)."""
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2794,7 +2794,7 @@ def build_options(kernel) -> dict:
 def loader_offs32(cfg: dict, kernel, kv) -> bool:
     """Whether a launch builds the paired kernel's loader with 32-bit row offsets (tile key "offs32", NOTES.md
     v40-v41): True asks for them (refused on another kernel or a cache of 2^31 elements or more), "auto" (the paired
-    defaults') takes them where the kernel and the cache allow, False / absent never."""
+    16-head default's) takes them where the kernel and the cache allow, False / absent never."""
     offs32 = cfg.get("offs32", False)
     if offs32 == "auto":
         return "OFFS32" in kernel.arg_names and kv.numel() < 2**31
