@@ -375,15 +375,12 @@ def graph_timer(calls, replays: int = 10):
     `replays` times between two events and returns the GPU time of one call in us (`median_us` takes the median of
     a few; interleaved timing, `timing.interleaved_samples`, calls the timers of a shape's implementations in
     turn)."""
-    return replay_timer(capture_graph(calls), len(calls), replays, keep_alive=calls)
+    return replay_timer(capture_graph(calls), len(calls), replays)
 
 
-def replay_timer(graph, calls_a_replay: int, replays: int = 10, keep_alive=None):
+def replay_timer(graph, calls_a_replay: int, replays: int = 10):
     """A no-argument call that replays a captured `graph` (of `calls_a_replay` calls) `replays` times between two
-    events and returns the GPU time of one call in us. keep_alive: whatever the captured calls read or write outside
-    the graph's own memory pool (their callables, e.g. FlashMLA's with its scheduler metadata), held as long as the
-    timer: freed, a replay reads memory reused by others (v41: "operation not supported on global/shared address
-    space" in the suite's rounds)."""
+    events and returns the GPU time of one call in us; it holds the graph, and so its calls (`capture_graph`)."""
     import torch
 
     def one_timing() -> float:
@@ -394,13 +391,16 @@ def replay_timer(graph, calls_a_replay: int, replays: int = 10, keep_alive=None)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / (replays * calls_a_replay)
-    one_timing.keep_alive = keep_alive
+    one_timing.graph = graph
     return one_timing
 
 
 def capture_graph(calls):
     """`calls` (one call per input set) run once on a side stream (compilation, allocation), then captured in a CUDA
-    graph and replayed once; returns the graph (`graph_timer`, `power_probe`)."""
+    graph and replayed once; returns the graph (`graph_timer`, `power_probe`), which holds the calls: a replay runs
+    their kernels on whatever they hold outside the graph's memory pool (FlashMLA's callables, their scheduler
+    metadata), and freed, that memory is reused by others (v41: "operation not supported on global/shared address
+    space" in the suite's rounds, once a timer no longer held them)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -416,6 +416,7 @@ def capture_graph(calls):
             c()
     graph.replay()
     torch.cuda.synchronize()
+    graph.calls = list(calls)
     return graph
 
 
