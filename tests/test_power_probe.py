@@ -45,3 +45,20 @@ def test_power_probe_names_an_unknown_form_before_anything_else(tmp_path, capsys
     err = capsys.readouterr().err
     assert "unknown form(s) ['ws64cps16x']" in err and "flashmla" in err
     assert not (tmp_path / "p.csv").exists()
+
+
+def test_sustained_samples_alternate_the_forms_and_rotate_their_order(monkeypatch):
+    """Every form gets one block a round, in an order rotated by one place a round (no form always first), each block
+    of the form's own graph with the calls a replay holds."""
+    order = []
+
+    def block(graph, calls, seconds, nvml):
+        order.append(graph)
+        return {"graph": graph, "calls": calls, "seconds": seconds}
+
+    monkeypatch.setattr(power_probe, "sustained_block", block)
+    samples = power_probe.sustained_samples({"a": "ga", "b": "gb", "c": "gc"}, 4, 3, 0.5, nvml=None)
+    assert order == ["ga", "gb", "gc", "gb", "gc", "ga", "gc", "ga", "gb"]
+    assert {f: [b["graph"] for b in s] for f, s in samples.items()} == {"a": ["ga"] * 3, "b": ["gb"] * 3,
+                                                                      "c": ["gc"] * 3}
+    assert all(b["calls"] == 4 and b["seconds"] == 0.5 for s in samples.values() for b in s)

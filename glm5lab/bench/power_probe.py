@@ -111,6 +111,36 @@ def sustained_block(graph, calls_a_replay: int, seconds: float, nvml: Nvml, ever
     return block_stats(start.elapsed_time(end), replays * calls_a_replay, wall_s, reads, first, nvml.read())
 
 
+def sustained_samples(graphs: dict, calls_a_replay: int, rounds: int, seconds: float, nvml: Nvml) -> dict:
+    """{form: [`sustained_block` a round]}: every form's graph kept busy `seconds` a block, forms alternating, the
+    order rotated by one place a round (as `timing.interleaved_samples`)."""
+    forms = list(graphs)
+    samples = {f: [] for f in forms}
+    for r in range(rounds):
+        for j in range(len(forms)):
+            form = forms[(r + j) % len(forms)]
+            samples[form].append(sustained_block(graphs[form], calls_a_replay, seconds, nvml))
+    return samples
+
+
+def current_device_nvml() -> Nvml:
+    """NVML of the current CUDA device (found by its UUID where torch gives one)."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
+    return Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
+
+
+def random_fp8_cache(num_slots: int, gen):
+    """A random fp8_ds_mla cache of num_slots rows (the probes' inputs, seeded by `gen`)."""
+    import torch
+
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+
+    return quantize_fp8_ds_mla(torch.randn(num_slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
+
+
 def rows_of(samples: dict, shape: str) -> list:
     """Long-format rows ({form: [block_stats a block]} -> one row a form and metric, p20 / p50 / p80 over blocks)."""
     from glm5lab.bench.timing import quantiles
@@ -136,7 +166,6 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph, input_sets, rotating_sets
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import need_gpu
-    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
@@ -148,11 +177,9 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
     if "flashmla" in forms:
         from glm5lab.bench import flashmla_anchor
         flashmla_anchor.load()
-    dev = torch.cuda.current_device()
-    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
-    nvml = Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
+    nvml = current_device_nvml()
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    cache = quantize_fp8_ds_mla(torch.randn(num_slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
+    cache = random_fp8_cache(num_slots, gen)
     scale = mla_softmax_scale()
     all_rows = []
     try:
@@ -169,11 +196,7 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
                     graphs[form] = capture_graph([lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale,
                                                                                                  _config=cfg)
                                                   for q, s in sets])
-                samples = {f: [] for f in forms}
-                for r in range(rounds):
-                    for j in range(len(forms)):
-                        form = forms[(r + j) % len(forms)]
-                        samples[form].append(sustained_block(graphs[form], len(sets), seconds, nvml))
+                samples = sustained_samples(graphs, len(sets), rounds, seconds, nvml)
                 rows = rows_of(samples, f"H{H}_T{T}_K{topk}")
                 append_rows(out_csv, rows, command=command)
                 all_rows += rows

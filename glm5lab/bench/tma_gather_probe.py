@@ -240,7 +240,6 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6
     from glm5lab.bench.kernel_bench import GLUON_VARIANTS, capture_graph, input_sets, replay_timer, rotating_sets
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import interleaved_samples, need_gpu, quantiles
-    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
@@ -248,12 +247,10 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6
     known = dict(GLUON_VARIANTS)
     d3 = f"pair{heads}sopd3"
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    cache = quantize_fp8_ds_mla(torch.randn(num_slots // 64, 64, 576, device="cuda", generator=gen).to(torch.bfloat16))
+    cache = power_probe.random_fp8_cache(num_slots, gen)
     words = cache.view(torch.int32).reshape(num_slots, ROW_WORDS.value)
     scale = mla_softmax_scale()
-    dev = torch.cuda.current_device()
-    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
-    nvml = power_probe.Nvml(dev, f"GPU-{uuid}" if uuid is not None else None)
+    nvml = power_probe.current_device_nvml()
     rows_out = []
     try:
         for T in tokens:
@@ -278,16 +275,11 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6
                 q = quantiles(us)
                 rows.append({"suite": SUITE, "implementation": form, "shape": shape, "dtype": "bf16",
                              "layout": "fp8_ds_mla", "metric": "time", "value": q["p50"], "unit": "us", **q})
-            samples = {f: [] for f in graphs}
-            forms = list(graphs)
-            for r in range(sustained_rounds):
-                for j in range(len(forms)):
-                    form = forms[(r + j) % len(forms)]
-                    samples[form].append(power_probe.sustained_block(graphs[form], len(sets), 1.0, nvml))
+            samples = power_probe.sustained_samples(graphs, len(sets), sustained_rounds, 1.0, nvml)
             rows += [{**row, "suite": SUITE} for row in power_probe.rows_of(samples, shape)]
             append_rows(out_csv, rows, command=command)
             rows_out += rows
-            for form in forms:
+            for form in graphs:
                 p50 = {row["metric"]: row["value"] for row in rows if row["implementation"] == form}
                 print(f"T{T} {form:>14}: rounds {p50['time']:.1f} us | sustained {p50['time_us']:.1f} us "
                       f"{p50['sm_clock_mhz']:.0f} MHz {p50['power_w']:.0f} W {p50['energy_uj_per_call'] / 1e3:.1f} mJ",
