@@ -246,7 +246,7 @@ def _check_tile_cases(pcfg, heads, T, topk, splits):
 
 # the dual kernel's step on one consumer, two CTAs a SM (NOTES.md v38): the 8-head tile "sop" + kept and "s3o3p", the
 # 16-head tile "sop" + kept
-# (the v38-v40 forms: 64-bit row offsets in the loader, as named here; the defaults take 32-bit ones since v41)
+# (the v38-v40 forms: 64-bit row offsets in the loader, as named here; the 16-head default takes 32-bit ones (v41))
 PAIR8SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_8_CONFIG, "offs32": False}   # (the <= 8-head default in v38-v40)
 PAIR8S3O3P = {**WS8X2ES3O3P, "stages": 2, "resident": 2, "paired": True}
 PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop", "offs32": False}   # (9-16 heads, v38-v39)
@@ -255,7 +255,7 @@ PAIR16SOPK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "pipe": "sop", "offs32":
 PAIR8SOPFHK = {**PAIR8SOPK, "pipe": "sopfh"}
 PAIR16SOPFHK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "offs32": False}
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
-# ... and with the loader's row offsets in 32 bits (NOTES.md v40; the defaults' "auto" takes them since v41)
+# ... and with the loader's row offsets in 32 bits (NOTES.md v40; the 16-head default's "auto" takes them, v41)
 PAIR8SOPK32, PAIR16SOPFHK32 = {**PAIR8SOPK, "offs32": True}, {**PAIR16SOPFHK, "offs32": True}
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, PAIR8SOPK32,
                                           PAIR16SOPFHK32],
