@@ -18,6 +18,11 @@ Box plans (`PLANS`), the cache viewed as int32 [slots, 164]:
 - "rows6s": those four boxes into [64, 128]-byte chunk tiles in wgmma's 128-byte swizzle -- the layout the dual
   consumers read without conflicts (Gluon 3.6 refuses a one-row box into a swizzled tile, NOTES.md v22: the copies
   name an unswizzled view of the tile and the descriptor carries the swizzle, which TMA applies by address);
+- "rows3s": three boxes a row with the latent part in the 128-byte swizzle: a 3-D box [1, 4, 128 bytes] (the cache
+  viewed as [slots, 4 chunks, 32 words]) lands a row's four chunks in four consecutive 128-byte lines, and TMA XORs
+  each line's 16-byte units with its address bits 7-9: chunk j of row r with j + 4 * (r & 1). Whether TMA issues
+  such a box at the rate of one 512-byte box (rows3) or of four 128-byte ones (rows6) says whether a swizzled
+  three-box loader can exist (NOTES.md v42);
 - "x4": the same boxes issued from four loader warps instead of one (a warp issues its rows' copies one at a time).
 
     python -m glm5lab.bench.tma_gather_probe --out results/kernels/tma_gather_probe_h200.csv --tokens 128 512
@@ -41,11 +46,14 @@ ROPE_WORD = gl.constexpr(132)
 BLOCK_N = gl.constexpr(64)       # rows a step (the paired kernels')
 STAGES = gl.constexpr(2)
 PLANS = {"rows3": (3, False, 1), "rows6": (6, False, 1), "rows3x4": (3, False, 4), "rows6x4": (6, False, 4),
-         "rows6s": (6, True, 1), "rows6sx4": (6, True, 4)}   # boxes a row, latent in swizzled chunk tiles, loader warps
+         "rows6s": (6, True, 1), "rows6sx4": (6, True, 4), "rows3s": (3, True, 1), "rows3sx4": (3, True, 4)}
+# (boxes a row, latent in wgmma's 128-byte swizzle, loader warps)
 BOX_WORDS = (128, 32, 32, 4)     # the descriptors' boxes: latent part, one 128-byte chunk of it, rope, scales
 LAUNCH = {"num_warps": 4, "maxnreg": 128}   # a consumer warpgroup and the loader's warps; two CTAs a SM, as paired
 SWIZZLE_128B = 3                 # CUtensorMapSwizzle
 UNSWIZZLED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+UNSWIZZLED3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+LINE_BOX = [1, 4, 32]            # rows3s: a row's latent part as four 128-byte lines
 # the swizzled plans' chunk tiles [64 rows, 128 bytes], 1024-byte aligned, in wgmma's 128-byte swizzle: TMA writes a
 # row's chunk through an unswizzled one-row view of the tile (Gluon 3.6 refuses a one-row box into a swizzled tile)
 # with a descriptor whose swizzle `tma_gather` sets to 128B -- the hardware swizzles by the destination's address
@@ -83,8 +91,12 @@ def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring
             if r % LOADERS == W:
                 slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)   # -1 / past the cache: zero-filled
                 if BOXES == 3:
-                    tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b),
-                                                    lat_ring.index(b).slice(r, 1))
+                    if SWIZZLED:    # the row's four lines, 512 bytes from the stage's start times r
+                        dst = lat_ring.index(b)._reinterpret(gl.int32, [BLOCK_N, 4, 32], UNSWIZZLED3).slice(r, 1)
+                        tma.async_copy_global_to_shared(lat_desc, [slot, 0, 0], full.index(b), dst)
+                    else:
+                        tma.async_copy_global_to_shared(lat_desc, [slot, 0], full.index(b),
+                                                        lat_ring.index(b).slice(r, 1))
                 else:
                     for c in gl.static_range(4):
                         if SWIZZLED:
@@ -104,10 +116,11 @@ def _tma_row_loader(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring
 
 @gluon.jit
 def _drain_rows(OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, SWIZZLED: gl.constexpr,
-                CHECK: gl.constexpr):
+                CHECK: gl.constexpr, BOXES: gl.constexpr):
     """The consumer: waits for each stage and frees it; with CHECK it first stores the stage's rows to OUT [tokens,
-    topk, 164] int32 (what a test compares with the cache's rows), the swizzled chunk tiles read through their
-    swizzled layout."""
+    topk, 164] int32 (what a test compares with the cache's rows), the swizzled latent read through its swizzled
+    layout (rows3s: the stage's 512-byte rows as 128-byte lines in wgmma's 128-byte swizzle, which TMA's
+    address-keyed swizzle matches on a 1024-byte aligned stage)."""
     for i in range(num_steps):
         b = i % STAGES
         mbarrier.wait(full.index(b), (i // STAGES) & 1)
@@ -116,7 +129,12 @@ def _drain_rows(OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_s
             base = OUT + (t * topk + rows[:, None]).to(gl.int64) * ROW_WORDS
             ok = rows[:, None] < topk
             w = gl.arange(0, 32, layout=gl.SliceLayout(0, STORE_L))
-            if SWIZZLED:
+            if SWIZZLED and BOXES == 3:    # the stage as 256 lines of 128 bytes, line 4 r + j = row r's chunk j
+                lines = i * BLOCK_N * 4 + gl.arange(0, BLOCK_N * 4, layout=gl.SliceLayout(1, STORE_L))
+                at = OUT + (t * topk + lines[:, None] // 4).to(gl.int64) * ROW_WORDS + 32 * (lines[:, None] % 4)
+                lat = lat_ring.index(b)._reinterpret(gl.int32, [BLOCK_N * 4, 32], CHUNK_TILE).load(STORE_L)
+                gl.store(at + w[None, :], lat, mask=lines[:, None] // 4 < topk)
+            elif SWIZZLED:
                 for c in gl.static_range(4):
                     gl.store(base + 32 * c + w[None, :], lat_ring.index(4 * b + c).load(STORE_L), mask=ok)
             else:
@@ -135,7 +153,9 @@ def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, 
     """Program t: token t's top-k rows through a 2-stage ring of 64-row steps filled by TMA from LOADERS warps."""
     t = gl.program_id(0)
     num_steps = gl.cdiv(topk, BLOCK_N)
-    if SWIZZLED:
+    if SWIZZLED and BOXES == 3:     # 512-byte rows, 1024-byte aligned stages: the swizzle by address bits 7-9
+        lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N * 4, 32], CHUNK_TILE)
+    elif SWIZZLED:
         lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BLOCK_N, 32], CHUNK_TILE)
     else:
         lat_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 128], UNSWIZZLED)
@@ -147,14 +167,16 @@ def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, 
     # runtime values)
     if LOADERS == 1:
         gl.warp_specialize([
-            (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, SWIZZLED, CHECK)),
+            (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, SWIZZLED, CHECK,
+                            BOXES)),
             (_tma_row_loader, (lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring,
                                slot_bufs, full, free, t, topk, num_steps, stride_st, BOXES, SWIZZLED, LOADERS, 0)),
         ], [1], [96])
     else:
         gl.static_assert(LOADERS == 4, "1 or 4 loader warps")
         gl.warp_specialize([
-            (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, SWIZZLED, CHECK)),
+            (_drain_rows, (OUT, lat_ring, rope_ring, scale_ring, full, free, t, topk, num_steps, SWIZZLED, CHECK,
+                            BOXES)),
             (_tma_row_loader, (lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring,
                                slot_bufs, full, free, t, topk, num_steps, stride_st, BOXES, SWIZZLED, LOADERS, 0)),
             (_tma_row_loader, (lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, lat_ring, rope_ring, scale_ring,
@@ -166,15 +188,25 @@ def _tma_gather_kernel(lat_desc, chunk_desc, rope_desc, scale_desc, SLOTS, OUT, 
         ], [1, 1, 1, 1], [96, 96, 96, 96])
 
 
-def descriptors(cache_words):
-    """The four TMA descriptors over the cache as int32 [slots, 164]: the whole latent part, one 128-byte chunk of
-    it, the rope part, the scales."""
+def _lines_plan(plan: str) -> bool:
+    """Whether the plan copies a row's latent part as one box of four 128-byte lines (rows3s)."""
+    boxes, swizzled, _ = PLANS[plan]
+    return boxes == 3 and swizzled
+
+
+def descriptors(cache_words, plan: str = "rows3"):
+    """The four TMA descriptors over the cache as int32 [slots, 164]: the whole latent part (rows3s: as [slots, 4,
+    32], one box its four lines), one 128-byte chunk of it, the rope part, the scales."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if cache_words.dtype.itemsize != 4 or cache_words.dim() != 2 or cache_words.shape[1] != ROW_WORDS.value:
         raise Glm5labError(f"the cache must be viewed as int32 [slots, {ROW_WORDS.value}] (fp8_ds_mla rows); got "
                            f"{cache_words.dtype} {tuple(cache_words.shape)}")
-    return [TensorDescriptor.from_tensor(cache_words, [1, w], UNSWIZZLED.value) for w in BOX_WORDS]
+    descs = [TensorDescriptor.from_tensor(cache_words, [1, w], UNSWIZZLED.value) for w in BOX_WORDS]
+    if _lines_plan(plan):
+        descs[0] = TensorDescriptor(cache_words, [cache_words.shape[0], 4, 32], [ROW_WORDS.value, 32, 1], LINE_BOX,
+                                    UNSWIZZLED3.value)
+    return descs
 
 
 def plan_constexprs(plan: str, check: bool = False) -> dict:
@@ -191,6 +223,8 @@ def offline_source(plan: str = "rows3", check: bool = False):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     desc = [f"tensordesc<i32[1, {w}],{UNSWIZZLED.value!r}>" for w in BOX_WORDS]
+    if _lines_plan(plan):
+        desc[0] = f"tensordesc<i32{LINE_BOX},{UNSWIZZLED3.value!r}>"
     sig = {"lat_desc": desc[0], "chunk_desc": desc[1], "rope_desc": desc[2], "scale_desc": desc[3],
            "SLOTS": "*i32", "OUT": "*i32", "topk": "i32", "stride_st": "i32"}
     names = list(_tma_gather_kernel.arg_names)
@@ -212,21 +246,24 @@ def tma_gather(cache_words, slots, plan: str = "rows3", out=None, check: bool = 
     if out is None:
         out = torch.zeros(num_tokens if check else 1, topk if check else 1, ROW_WORDS.value, dtype=torch.int32,
                           device=slots.device)
-    args = (*descriptors(cache_words), slots, out, topk, slots.stride(0))
+    args = (*descriptors(cache_words, plan), slots, out, topk, slots.stride(0))
     if consts["SWIZZLED"]:
-        _swizzle_chunk_descriptor(_tma_gather_kernel.warmup(*args, grid=(num_tokens,), **consts, **LAUNCH))
+        _swizzle_latent_descriptor(_tma_gather_kernel.warmup(*args, grid=(num_tokens,), **consts, **LAUNCH),
+                                   _lines_plan(plan))
     _tma_gather_kernel[(num_tokens,)](*args, **consts, **LAUNCH)
     return out
 
 
-def _swizzle_chunk_descriptor(compiled) -> None:
-    """Make the launcher encode the chunk descriptor (the second) with the 128-byte swizzle: the kernel was built
-    with an unswizzled one-row view as the copies' destination (what Gluon accepts), the tile its consumer reads is
-    swizzled, and TMA applies the swizzle by the shared-memory address it writes."""
+def _swizzle_latent_descriptor(compiled, lines: bool) -> None:
+    """Make the launcher encode the latent copies' descriptor (rows3s: the first, four lines a box; rows6s: the
+    second, one chunk a box) with the 128-byte swizzle: the kernel was built with an unswizzled one-row view as the
+    copies' destination (what Gluon accepts), the tile its consumer reads is swizzled, and TMA applies the swizzle
+    by the shared-memory address it writes."""
+    which, block = (0, LINE_BOX) if lines else (1, [1, 32])
     meta = compiled.metadata.tensordesc_meta
-    if not meta or len(meta) != len(BOX_WORDS) or meta[1]["block_size"] != [1, 32]:
+    if not meta or len(meta) != len(BOX_WORDS) or meta[which]["block_size"] != block:
         raise Glm5labError(f"unexpected TMA descriptor metadata {meta!r}: Triton's launcher changed")
-    meta[1]["swizzle"] = SWIZZLE_128B
+    meta[which]["swizzle"] = SWIZZLE_128B
 
 
 def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"),
