@@ -52,3 +52,19 @@ def test_gpu_probe_gathers_the_cache_rows_with_zeros_for_invalid_slots(plan, top
     ok = (slots >= 0) & (slots < num_slots)
     want = cache[slots.clamp(0, num_slots - 1).long()] * ok[..., None]
     assert torch.equal(got, want)
+
+
+def test_consumer_loads_bank_conflicts_on_the_ring_and_on_rows_as_tma_lands_them():
+    """Triton's own bank count for the consumers' e4m3 loads (K: DUAL_K8, V^T: DUAL_V8) from a latent chunk: none on
+    the kernels' ring (its XOR by row), and on 512-byte rows as a one-box TMA copy lands them (rows3s) 2-way for K and
+    4-way for V^T; a row placement by parity takes V^T to 2-way and no placement does better, since the swizzle can
+    tell only odd places from even ones (NOTES.md v42)."""
+    counts = probe.consumer_bank_conflicts()
+    assert counts["ring (ROWS_SM8)"] == {"K": 0, "V^T": 0}
+    assert counts["rows3s"] == {"K": 1, "V^T": 3}
+    placed = {name: c for name, c in counts.items() if "mask" in name}
+    assert len(placed) == probe.BLOCK_N.value // 2 - 1
+    assert min(c["K"] + c["V^T"] for c in placed.values()) == 2
+    assert counts["rows3s, parity mask 0x5"] == {"K": 1, "V^T": 1}     # row r's place parity: bit 0 ^ bit 2
+    with pytest.raises(Glm5labError, match="parity_mask must be odd"):
+        probe.tma_row_layout(4)

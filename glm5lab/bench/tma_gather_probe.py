@@ -26,6 +26,7 @@ Box plans (`PLANS`), the cache viewed as int32 [slots, 164]:
 - "x4": the same boxes issued from four loader warps instead of one (a warp issues its rows' copies one at a time).
 
     python -m glm5lab.bench.tma_gather_probe --out results/kernels/tma_gather_probe_h200.csv --tokens 128 512
+    python -m glm5lab.bench.tma_gather_probe --bank-conflicts    # what the consumers' loads would pay (no GPU)
 """
 from __future__ import annotations
 
@@ -266,6 +267,52 @@ def _swizzle_latent_descriptor(compiled, lines: bool) -> None:
     meta[which]["swizzle"] = SWIZZLE_128B
 
 
+def _parity(x: int) -> int:
+    return bin(x).count("1") & 1
+
+
+def _chunk_layout(offset_of) -> "gl.SharedLinearLayout":
+    """A [64 rows, 128 bytes] int8 chunk tile whose (row, col) -> byte offset is offset_of (XOR-linear, bijective)."""
+    rows, cols = BLOCK_N.value, 128
+    coords = {offset_of(r, c): [r, c] for r in range(rows) for c in range(cols)}
+    if len(coords) != rows * cols:
+        raise Glm5labError("the chunk's offset map is not a bijection")
+    return gl.SharedLinearLayout(offset_bases=[coords[1 << i] for i in range((rows * cols).bit_length() - 1)])
+
+
+def tma_row_layout(parity_mask: int = 1) -> "gl.SharedLinearLayout":
+    """A latent chunk as rows3s lands it, for bank counts: TMA's 128-byte swizzle XORs a line's 16-byte units with its
+    address bits 7-9, and of those only bit 9 -- the parity of a 512-byte row's place -- differs between rows of one
+    chunk. parity_mask picks which top-k rows go to odd places (row r's parity = parity(r & mask); the loader would
+    put row r at r with bit 0 replaced by it, a bijection when the mask has bit 0). Rows at a 128-byte pitch here:
+    the banks are address bits 2-6, so only the swizzle bit matters."""
+    if parity_mask % 2 != 1 or not 0 < parity_mask < BLOCK_N.value:
+        raise Glm5labError(f"parity_mask must be odd and under {BLOCK_N.value}; got {parity_mask}")
+    return _chunk_layout(lambda r, c: (r << 7) | (c ^ (_parity(r & parity_mask) << 6)))
+
+
+def consumer_bank_conflicts(layouts=None) -> dict:
+    """Bank conflicts a wavefront (Triton's own count, as `gl.bank_conflicts` gives inside a kernel) of the dual and
+    paired consumers' e4m3 loads -- K (`DUAL_K8`) and V^T (`DUAL_V8`) from a [64, 128]-byte latent chunk -- per shared
+    layout: {name: {"K": n, "V^T": n}}. Default: the kernels' own ring layout, rows3s as TMA lands it, and rows3s
+    with its best row placement (every odd mask tried)."""
+    from triton._C.libtriton import gluon_ir, ir
+
+    from glm5lab.kernels.sparse_mla_sm90 import DUAL_K8, DUAL_V8, ROWS_SM8
+
+    if layouts is None:
+        layouts = {"ring (ROWS_SM8)": ROWS_SM8.value, "rows3s": tma_row_layout(1)}
+        layouts.update({f"rows3s, parity mask {m:#x}": tma_row_layout(m) for m in range(3, BLOCK_N.value, 2)})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+
+    def count(distr, shared):
+        return builder.get_shared_bank_conflicts(distr._to_ir(builder), shared._to_ir(builder), [BLOCK_N.value, 128], 8)
+
+    return {name: {"K": count(DUAL_K8.value, lay), "V^T": count(DUAL_V8.value, lay)} for name, lay in layouts.items()}
+
+
 def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"),
         rounds: int = 21,
         sustained_rounds: int = 3, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
@@ -329,13 +376,21 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="CSV the rows are appended to (the GPU measurement)")
+    ap.add_argument("--bank-conflicts", action="store_true",
+                    help="print the consumers' bank conflicts on the ring and on rows as TMA lands them (no GPU)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--heads", type=int, default=16, choices=(8, 16))
     ap.add_argument("--plans", nargs="+", default=["rows3", "rows6", "rows6x4", "rows6sx4"], choices=list(PLANS))
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--sustained-rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    if args.bank_conflicts:
+        for name, count in consumer_bank_conflicts().items():
+            print(f"{name:>28}: K {count['K']}, V^T {count['V^T']} (excess accesses a wavefront)")
+        return 0
+    if not args.out:
+        ap.error("--out is required for the GPU measurement")
     run(args.out, tuple(args.tokens), args.heads, tuple(args.plans), args.rounds, args.sustained_rounds,
         command=" ".join(["python -m glm5lab.bench.tma_gather_probe", *sys.argv[1:]]))
     return 0
