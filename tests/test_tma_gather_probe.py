@@ -68,3 +68,18 @@ def test_consumer_loads_bank_conflicts_on_the_ring_and_on_rows_as_tma_lands_them
     assert counts["rows3s, parity mask 0x5"] == {"K": 1, "V^T": 1}     # row r's place parity: bit 0 ^ bit 2
     with pytest.raises(Glm5labError, match="parity_mask must be odd"):
         probe.tma_row_layout(4)
+
+
+def test_gathers_alone_is_the_default_tiles_loader_diagnostic_at_each_size():
+    """The probe's "default-d3" form: the default tile at that size (dual one CTA a SM at one wave, paired beyond) with
+    its gathers alone, a configuration the kernel accepts (check_tile), without the consumer-only options."""
+    from glm5lab.kernels.sparse_mla_sm90 import default_config
+
+    for heads, tokens in ((8, 128), (16, 128), (16, 512)):
+        cfg = probe.gathers_alone(heads, tokens)
+        default = default_config(heads, True, tokens)
+        assert cfg["ws_diag"] == 3 and cfg["_diagnostic"] is True and not cfg["kept_p"]
+        assert (cfg["paired"], cfg["stages"], cfg["block_h"]) == (default["paired"], default["stages"],
+                                                                    default["block_h"])
+        assert default["pipe"].startswith(cfg["pipe"]) and not set(cfg["pipe"]) & set("fh")
+    assert probe.gathers_alone(16, 512)["paired"] and not probe.gathers_alone(16, 128)["paired"]

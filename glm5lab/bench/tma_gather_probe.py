@@ -313,11 +313,23 @@ def consumer_bank_conflicts(layouts=None) -> dict:
     return {name: {"K": count(DUAL_K8.value, lay), "V^T": count(DUAL_V8.value, lay)} for name, lay in layouts.items()}
 
 
+def gathers_alone(heads: int, num_tokens: int) -> dict:
+    """The default tile's timing diagnostic at this size: its loader's gathers alone (ws_diag 3, wrong results),
+    with neither the kept max nor v40's step suffixes, which belong to the consumers' step that it leaves out."""
+    from glm5lab.kernels.sparse_mla_sm90 import check_tile, default_config
+
+    cfg = {**default_config(heads, True, num_tokens), "_diagnostic": True, "ws_diag": 3, "kept_p": False}
+    cfg["pipe"] = cfg["pipe"].rstrip("fh")
+    check_tile(cfg, True, heads)
+    return cfg
+
+
 def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"),
         rounds: int = 21,
         sustained_rounds: int = 3, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
     """Per token count: every TMA plan beside the paired kernel's gathers alone (cp.async, `pair16sopd3` or its
-    8-head twin) and the paired default, interleaved CUDA-graph rounds, then sustained blocks (NVML)."""
+    8-head twin), the default tile's gathers alone at that token count ("default-d3": the dual kernel's at one wave)
+    and the default itself, interleaved CUDA-graph rounds, then sustained blocks (NVML)."""
     import torch
 
     from glm5lab.bench import power_probe
@@ -347,7 +359,7 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6
                         raise Glm5labError(f"TMA plan {plan} gathered wrong rows at {T} tokens")
             graphs = {f"tma-{p}": capture_graph([lambda s=s, p=p: tma_gather(words, s, p) for _, s in sets])
                       for p in plans}
-            for form, cfg in ((d3, known[d3]), ("glm5lab", None)):
+            for form, cfg in ((d3, known[d3]), ("default-d3", gathers_alone(heads, T)), ("glm5lab", None)):
                 cfg = None if cfg is None else {**cfg, "impl": "gluon"}
                 graphs[form] = capture_graph([lambda q=q, s=s, cfg=cfg: sparse_mla_attention(q, cache, s, scale,
                                                                                              _config=cfg)
