@@ -20,9 +20,9 @@ Box plans (`PLANS`), the cache viewed as int32 [slots, 164]:
   name an unswizzled view of the tile and the descriptor carries the swizzle, which TMA applies by address);
 - "rows3s": three boxes a row with the latent part in the 128-byte swizzle: a 3-D box [1, 4, 128 bytes] (the cache
   viewed as [slots, 4 chunks, 32 words]) lands a row's four chunks in four consecutive 128-byte lines, and TMA XORs
-  each line's 16-byte units with its address bits 7-9: chunk j of row r with j + 4 * (r & 1). Whether TMA issues
-  such a box at the rate of one 512-byte box (rows3) or of four 128-byte ones (rows6) says whether a swizzled
-  three-box loader can exist (NOTES.md v42);
+  each line's 16-byte units with its address bits 7-9: chunk j of row r with j + 4 * (r & 1). TMA issues such a
+  box at the rate of one 512-byte box (rows3), not of four 128-byte ones (rows6), so a swizzled three-box loader
+  can exist; `consumer_bank_conflicts` counts what its layout would cost the consumers' loads (NOTES.md v42);
 - "x4": the same boxes issued from four loader warps instead of one (a warp issues its rows' copies one at a time).
 
     python -m glm5lab.bench.tma_gather_probe --out results/kernels/tma_gather_probe_h200.csv --tokens 128 512
