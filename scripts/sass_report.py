@@ -59,7 +59,7 @@ def build(config: dict, sm: int = 90):
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
 
-        from glm5lab.kernels import sparse_mla_sm90, tma_ring
+        from glm5lab.kernels import sparse_mla_sm90
         cfg.setdefault("FP8", True)          # (not a parameter: it picks the kernel and the cache pointer below)
         kern = sparse_mla_sm90.kernel_of(cfg.get("BLOCK_H", 16), cfg["FP8"], cfg.pop("rows", False),
                                          cfg.pop("ws", False), cfg.pop("converter", False), cfg.pop("dual", False),
@@ -75,15 +75,10 @@ def build(config: dict, sm: int = 90):
     opts.setdefault("num_stages", 2)
     qdt = cfg.pop("q_dtype", "bf16")
     stamps = cfg.pop("STAMPS", False)       # true: the phase stamps' buffer (a pointer); else None, as by default
-    tma = cfg.pop("tma", False)             # true: the dual kernel's TMA loader (its two descriptors, NOTES.md v43)
     consts = ({**KERNEL_DEFAULTS, **cfg} if not gluon
               else {k: v for k, v in cfg.items() if k != "FP8" or "FP8" in kern.arg_names})
     if "STAMPS" in kern.arg_names and not stamps:
         consts["STAMPS"] = None
-    if "LAT_DESC" in kern.arg_names and not tma:     # (None: the cp.async loader, as by default)
-        consts.update(LAT_DESC=None, ROPE_DESC=None)
-    elif tma and "LAT_DESC" not in kern.arg_names:
-        raise SystemExit(f"tma: only the dual-consumer fp8_ds_mla kernel takes it, not {kern.fn.__name__}")
     for param in kern.params:   # a constexpr left out would be built as a runtime argument (its branches kept)
         if param.is_constexpr and param.name not in consts:
             if not param.has_default:
@@ -94,8 +89,7 @@ def build(config: dict, sm: int = 90):
     if unknown:
         raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
     ptr = {"Q": f"*{qdt}", "OUT": f"*{qdt}", "KV": "*u8" if cfg.get("FP8") else f"*{qdt}", **POINTERS,
-           **({"PART_O": "*fp16"} if cfg.get("PART_F16") else {}),
-           **(tma_ring.signatures() if tma else {})}
+           **({"PART_O": "*fp16"} if cfg.get("PART_F16") else {})}
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ALIGNED}
     src = Source(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)

@@ -188,21 +188,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                            "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                            "pipe": pipe, "kept_p": True, "one_item": True, "offs32": True})
                     for h, pipe in ((8, "sop"), (16, "sopfh"))),
-                  # ... the one-wave defaults with the TMA loader ("tma", NOTES.md v43: four one-warp loaders, a
-                  # row's latent part one box), and its gathers alone (d3) beside the cp.async ones (ws8x2sod3,
-                  # ws8x2esopd3)
-                  ("ws8x2sokpht", {"rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
-                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "soph", "kept_p": True,
-                                   "tma": True}),
-                  ("ws8x2esopkt", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                   "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sop", "kept_p": True,
-                                   "one_item": True, "tma": True}),
-                  ("ws8x2sod3t", {"rows": True, "ws": False, "block_n": 64, "num_warps": 4, "stages": 4,
-                                  "resident": 1, "dual_consumers": True, "pipe": "so", "_diagnostic": True,
-                                  "ws_diag": 3, "tma": True}),
-                  ("ws8x2esopd3t", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4,
-                                    "stages": 4, "resident": 1, "dual_consumers": True, "pipe": "sop", "one_item": True,
-                                    "_diagnostic": True, "ws_diag": 3, "tma": True}),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
@@ -243,9 +228,9 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
 # the dual-consumer form (NOTES.md v17; up to one wave, its paired form beyond since v38), with 8-head tiles at <= 8
 # heads (v18; one item a program since v36) whose products are pipelined (v19), with P^T against the kept max (v31),
 # its paired form's loader with 32-bit row offsets where the cache allows (v41), and a tile laid over it must not
-# inherit any (nor a TMA loader, an option since v43)
+# inherit any
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
-                       "paired": False, "offs32": False, "tma": False, **cfg})
+                       "paired": False, "offs32": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,

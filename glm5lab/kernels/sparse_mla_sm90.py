@@ -58,11 +58,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels import tma_ring
 # Triton jit helpers; Gluon calls them as they are
 from glm5lab.kernels.sparse_mla import (_E4M3X4_TO_F16X4, STAMP_SLOTS, _pow2_into_f16_range, check_stamps,
                                         partial_scale_plane)
@@ -481,25 +480,21 @@ def _store_result(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, l_i, r_i, 
 
 @gluon.jit
 def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H: gl.constexpr,
-                   QL: gl.constexpr, K_ORDER: gl.constexpr = False, ROPE_MUL: gl.constexpr = False,
-                   CHUNK_XOR: gl.constexpr = False):
+                   QL: gl.constexpr, K_ORDER: gl.constexpr = False, ROPE_MUL: gl.constexpr = False):
     """The fp8 kernels' q: its latent part scaled per head by a power of two into fp16 range (exact) into q_lat
     [4, BLOCK_H, 128] (chunk-major), the rope part as is (bf16) into q_rope [BLOCK_H, 64]. Returns the per-head
     multiplier (in SliceLayout(1, QL)); the scores are divided by it. K_ORDER: each chunk's columns in the order
     the dual-consumer kernel reads the rows' bytes into registers (`_k_order`). ROPE_MUL (PIPE_F): the rope part times
     the multiplier too (exact, a power of two, unless the rope part is 2^114 times the latent part's largest value),
-    so that the whole score is q_mul times the true one and one multiply a score unscales it. CHUNK_XOR (the TMA
-    ring, `tma_ring.view_column`): chunk j's columns in the order the consumers' view holds the rows' bytes, 16-byte
-    units XOR j."""
+    so that the whole score is q_mul times the true one and one multiply a score unscales it."""
     heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
     hm_q = heads_q < num_heads
     d128 = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
     q_rows = Q + t * stride_qt + heads_q[:, None] * stride_qh
-    X: gl.constexpr = 16 if CHUNK_XOR else 0
     q0 = gl.load(q_rows + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q1 = gl.load(q_rows + 128 + (d128 ^ X)[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q2 = gl.load(q_rows + 256 + (d128 ^ 2 * X)[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
-    q3 = gl.load(q_rows + 384 + (d128 ^ 3 * X)[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q1 = gl.load(q_rows + 128 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q2 = gl.load(q_rows + 256 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
+    q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
                       gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
     q_mul = _pow2_into_f16_range(amax)
@@ -1327,20 +1322,16 @@ def _sparse_mla_wgmma_cv_sm90_kernel(
 @gluon.jit
 def _store_columns(OUT, LSE, PART_O, PART_LSE, acc, col0: gl.constexpr, inv_l, lse2, t, s, pid_h, num_heads,
                    num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr,
-                   ST_L: gl.constexpr, WITH_LSE: gl.constexpr, V_ORDER: gl.constexpr = False,
-                   CHUNK_XOR: gl.constexpr = False):
+                   ST_L: gl.constexpr, WITH_LSE: gl.constexpr, V_ORDER: gl.constexpr = False):
     """The rows-as-M kernels' O^T [D, heads], latent columns [col0, col0 + D) -> the split's normalized partial or
     the output (acc * r / l); WITH_LSE also writes the heads' lse (a head with no valid slot: 0 and -inf).
-    V_ORDER: acc's rows are a chunk's latent columns in the dual-consumer kernel's order (`_v_order`); CHUNK_XOR:
-    of the TMA ring's view (`tma_ring.view_column`: 16-byte units XOR the chunk)."""
+    V_ORDER: acc's rows are a chunk's latent columns in the dual-consumer kernel's order (`_v_order`)."""
     D: gl.constexpr = acc.shape[0]
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, ST_L))
     hm = (heads < num_heads)[None, :]
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, ST_L))
     if V_ORDER:
         dims = _v_column(dims)
-    if CHUNK_XOR:
-        dims = dims ^ (col0 // 8)
     dims = col0 + dims
     if SPLIT:
         part = t * num_splits + s
@@ -1357,16 +1348,16 @@ def _store_columns(OUT, LSE, PART_O, PART_LSE, acc, col0: gl.constexpr, inv_l, l
 @gluon.jit
 def _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads, num_splits,
                   stride_ot, stride_oh, stride_lt, BLOCK_H: gl.constexpr, SPLIT: gl.constexpr, ST_L: gl.constexpr,
-                  V_ORDER: gl.constexpr = False, CHUNK_XOR: gl.constexpr = False):
+                  V_ORDER: gl.constexpr = False):
     """The fp8 rows kernels' O^T, four [128, heads] chunk accumulators, through `_store_columns` (the lse once)."""
     _store_columns(OUT, LSE, PART_O, PART_LSE, acc0, 0, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER, CHUNK_XOR)
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
     _store_columns(OUT, LSE, PART_O, PART_LSE, acc1, 128, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER, CHUNK_XOR)
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
     _store_columns(OUT, LSE, PART_O, PART_LSE, acc2, 256, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER, CHUNK_XOR)
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, False, V_ORDER)
     _store_columns(OUT, LSE, PART_O, PART_LSE, acc3, 384, inv_l, lse2, t, s, pid_h, num_heads, num_splits, stride_ot,
-                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, V_ORDER, CHUNK_XOR)
+                   stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, V_ORDER)
 
 
 # The fp8 rows kernels' shared-memory layouts: 16-bit operand tiles (128-byte swizzle), P^T chunks (32-byte), raw
@@ -1828,7 +1819,7 @@ def _fp8_dual_step(q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring, p_ts
     N_ROWS: gl.constexpr = gl.SliceLayout(1, ST_L)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ST_L, k_width=2)
     fence_async_shared()                      # (the rope product reads the gathered bytes through the async proxy)
-    lat = _stage_latent(raw_lat, b)
+    lat = raw_lat.index(b)
     # (0, but not to the compiler: q's 32 wgmma descriptors are rebuilt each step instead of kept across the
     # loop, where ptxas spilled them)
     opaque0 = i // num_steps
@@ -2000,85 +1991,6 @@ def _raw_ring(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     return raw_lat, raw_rope, scale_ring, scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], ROWS_RAW)
 
 
-# the dual kernel's TMA loader (tile key "tma", NOTES.md v43; `glm5lab.kernels.tma_ring`): four one-warp loaders,
-# each a quarter of a step's rows, their latent bytes in the ring as TMA's swizzle lands them
-TMA_LOADERS = gl.constexpr(4)
-TMA_LOADER_REGS = gl.constexpr(56)
-TMA_LATENT_STAGE = gl.constexpr(tma_ring.latent_stage_layout(64))
-TMA_RING_SM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))   # (aligned)
-TMA_LINES_VIEW = gl.constexpr(tma_ring.LINES_VIEW)
-TMA_ROW_VIEW = gl.constexpr(tma_ring.ROW_VIEW)
-
-
-@gluon.jit
-def _raw_ring_tma(STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """`_raw_ring` as the TMA loader fills it: each stage's e4m3 rows ([STAGES, 4 x rows, 128]: 128-byte lines,
-    1024-byte aligned) at the places and in the swizzle TMA lands them, which the consumers read through
-    `_stage_latent`; rope and scales as `_raw_ring`."""
-    gl.static_assert(BLOCK_N == 64, "the TMA ring's stages are 64 rows (TMA_LATENT_STAGE)")
-    raw_lat = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * BLOCK_N, 128], TMA_RING_SM)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], ROWS_SM)
-    scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_N], ROWS_VEC)
-    return raw_lat, raw_rope, scale_ring, scale_ring._reinterpret(gl.float32, [STAGES, 4, BLOCK_N], ROWS_RAW)
-
-
-@gluon.jit
-def _stage_latent(raw_lat, b):
-    """Stage b's e4m3 rows as [64, 512] bytes: of the cp.async ring (`_raw_ring`) as they are, of the TMA ring
-    (`_raw_ring_tma`, [STAGES, 256, 128]) through the layout TMA lands them in (`tma_ring.latent_stage_layout`)."""
-    if raw_lat.shape[2] == 512:
-        return raw_lat.index(b)
-    else:
-        return raw_lat.index(b)._reinterpret(gl.uint8, [raw_lat.shape[1] // 4, 512], TMA_LATENT_STAGE)
-
-
-@gluon.jit
-def _fp8_dual_tma_loader(KV, LAT_DESC, ROPE_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs, staged, free, t,
-                         n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, DIAG: gl.constexpr, W: gl.constexpr):
-    """Loader warp W of TMA_LOADERS: rows [16W, 16W + 16) of step i into stage i % STAGES once both consumers are
-    done with it -- a row's latent part as one box of four lines at its place (`tma_ring.row_place`), its rope part as
-    one box, both completing on `staged[b]` by bytes; its four scales by cp.async (16 bytes, chunk-major for the
-    consumers), each lane's arriving on `staged[b]` when they land. A step's slot indices are loaded a step ahead and
-    parked in shared memory, from which each box reads its row's as a scalar (NOTES.md v41-v42: a warp issues its
-    rows' boxes one after another, so four warps gather faster than one)."""
-    ROWS: gl.constexpr = BLOCK_N // TMA_LOADERS
-    SC_L: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [1, 1], [0, 1])       # [4 chunks, ROWS] scale copies
-    SL_L: gl.constexpr = gl.SliceLayout(0, SC_L)
-    ONE_L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    slot_row = SLOTS + t * stride_st
-    slot_buf = slot_bufs.slice(W * ROWS, ROWS)
-    sl = _slots(slot_row, n_start + W * ROWS, n_end, ROWS, SL_L)
-    chunk = gl.arange(0, 4, layout=gl.SliceLayout(1, SC_L))
-    for i in range(num_steps):
-        b = i % STAGES
-        slot_buf.store(sl)
-        gl.thread_barrier()
-        nxt = _slots(slot_row, n_start + (i + 1) * BLOCK_N + W * ROWS, n_end, ROWS, SL_L)
-        mbarrier.wait(free.index(b), ((i // STAGES) & 1) ^ 1)
-        if DIAG != 2:                          # (ws_diag 2: the consumers alone, on whatever the stages hold)
-            mbarrier.expect(staged.index(b), ROWS * (512 + 128))
-            lines = raw_lat.index(b)._reinterpret(gl.uint8, [BLOCK_N, 4, 128], TMA_LINES_VIEW)
-            rope = raw_rope.index(b)._reinterpret(gl.uint8, [BLOCK_N, 128], TMA_ROW_VIEW)
-            for r in gl.static_range(ROWS):    # (row W * ROWS + r written out: held in a variable it is a value)
-                slot = gl.max(slot_buf.slice(r, 1).load(ONE_L), axis=0)
-                tma.async_copy_global_to_shared(LAT_DESC, [slot, 0, 0], staged.index(b),
-                                                lines.slice((W * ROWS + r) ^ (((W * ROWS + r) >> 2) & 1), 1))
-                tma.async_copy_global_to_shared(ROPE_DESC, [slot, ROPE_OFFSET], staged.index(b),
-                                                rope.slice(W * ROWS + r, 1))
-            ok, rows = _valid_rows(sl, num_slots)
-            ptr = (KV + rows[None, :] * kv_row_stride + SCALE_OFFSET).to(gl.pointer_type(gl.float32)) + chunk[:, None]
-            async_copy.async_copy_global_to_shared(scale_stages.index(b).slice(W * ROWS, ROWS, dim=1), ptr,
-                                                   mask=ok[None, :])
-            async_copy.commit_group()
-        else:
-            mbarrier.arrive(staged.index(b))
-        async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
-        gl.thread_barrier()                    # (every lane has read slot_buf before it is overwritten)
-        sl = nxt
-    async_copy.wait_group(0)
-
-
 @gluon.jit
 def _p_chunk(BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
     """One chunk's P^T [rows, heads], O^T's B operand: 16 heads as they are; 8 heads (16-byte rows, below the
@@ -2145,11 +2057,11 @@ def _fold_state(acc0, acc1, acc2, acc3, m_i, l_i, r_i, merge_acc, merge_vec, bas
 
 @gluon.jit
 def _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H: gl.constexpr,
-                         H_COLS: gl.constexpr, ROPE_MUL: gl.constexpr = False, CHUNK_XOR: gl.constexpr = False):
+                         H_COLS: gl.constexpr, ROPE_MUL: gl.constexpr = False):
     """A dual or paired consumer's q staged in the fp16 domain (`_q_fp16_domain`) with its per-head unscale, visible to
     the warpgroup's wgmma (async proxy) and to every warp of it."""
     q_mul = _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, BLOCK_H, ROWS_QL, True,
-                           ROPE_MUL, CHUNK_XOR)
+                           ROPE_MUL)
     q_unscale.store(gl.convert_layout(1.0 / q_mul, H_COLS))
     fence_async_shared()                      # (q is read by wgmma through the async proxy)
     gl.thread_barrier()
@@ -2166,14 +2078,12 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
     gathers and tells warpgroup 1 through `q_ready` (NOTES.md v23); steps WG, WG + 2, ... (`_fp8_dual_step`) with a
     softmax state of its own; then warpgroup 1 hands its state to warpgroup 0 through a stage's bytes
     (`_state_stage`), and warpgroup 0 merges the two and writes the result. KEPT_P: P^T against the kept max
-    (`_kept_max_rows`, NOTES.md v31; the default of both tiles since v36). On the TMA loader's ring (`_raw_ring_tma`)
-    q's chunks are staged and O's stored in its view's column order (`tma_ring.view_column`)."""
+    (`_kept_max_rows`, NOTES.md v31; the default of both tiles since v36)."""
     H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    CHUNK_XOR: gl.constexpr = raw_lat.shape[2] != 512
     if DIAG != 3:                             # (ws_diag 3 runs no products: no q)
         if WG == 0:
             _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, q_unscale, BLOCK_H,
-                                 H_COLS, (PIPE & PIPE_F) != 0, CHUNK_XOR)
+                                 H_COLS, (PIPE & PIPE_F) != 0)
             mbarrier.arrive(q_ready, count=1)
         else:
             mbarrier.wait(q_ready, 0)
@@ -2191,7 +2101,7 @@ def _fp8_dual_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, 
                                                             merge_vec, base, ST_L)
         inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
         _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, pid_h, num_heads,
-                      num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True, CHUNK_XOR)
+                      num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
 
 
 @gluon.jit
@@ -2200,7 +2110,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, LAT_DESC=None, ROPE_DESC=None,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -2210,8 +2120,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     [heads, rows] and read transposed at 8); the 8-head tile also runs persistent,
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18; not a default since v36). Consumer 0 stages q while
     the loader gathers
-    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31). LAT_DESC / ROPE_DESC (tile key
-    "tma", NOTES.md v43): four one-warp TMA loaders (`_fp8_dual_tma_loader`) instead of the cp.async warpgroup."""
+    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2222,10 +2131,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     pid_h, t, s, n_start, n_end, num_steps, q_lat, q_rope = _rows_fp8_start(
         Q, rows_per_split, topk, stride_qt, stride_qh, num_heads, BLOCK_H, BLOCK_N)
     q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)   # (a worker partition takes no tensor)
-    if LAT_DESC is None:
-        raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-    else:
-        raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring_tma(STAGES, BLOCK_N)
+    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
     merge_acc = raw_lat._reinterpret(gl.float32, [STAGES * (64 // BLOCK_H), 128, BLOCK_H], RAW)   # a stage: 32 KB
     merge_vec = gl.allocate_shared_memory(gl.float32, [3, BLOCK_H], VEC)
     p_a = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
@@ -2234,52 +2140,22 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     mbarrier.init(merged, count=1)
     q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     mbarrier.init(q_ready, count=1)           # consumer 0 has staged q
+    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
     slot_row = SLOTS + t * stride_st
-    if LAT_DESC is not None:                  # (every partition's arguments written out: a tuple held in a variable
-        #                                        turns its constexprs into values)
-        slot_bufs = gl.allocate_shared_memory(gl.int32, [BLOCK_N], VEC)
-        # staged[b]: each loader warp's expected bytes (one arrival) and its lanes' scale copies (32)
-        staged, free = _handover_barriers(STAGES, TMA_LOADERS * 33)
-        gl.warp_specialize([
-            (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                                  STAGES, SPLIT, ST_L, 0, DIAG, PIPE, KEPT_P)),
-            (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                                  STAGES, SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P)),
-            (_fp8_dual_tma_loader, (KV, LAT_DESC, ROPE_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs,
-                                    staged, free, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
-                                    BLOCK_N, STAGES, DIAG, 0)),
-            (_fp8_dual_tma_loader, (KV, LAT_DESC, ROPE_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs,
-                                    staged, free, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
-                                    BLOCK_N, STAGES, DIAG, 1)),
-            (_fp8_dual_tma_loader, (KV, LAT_DESC, ROPE_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs,
-                                    staged, free, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
-                                    BLOCK_N, STAGES, DIAG, 2)),
-            (_fp8_dual_tma_loader, (KV, LAT_DESC, ROPE_DESC, SLOTS, raw_lat, raw_rope, scale_stages, slot_bufs,
-                                    staged, free, t, n_start, n_end, num_steps, num_slots, kv_row_stride, stride_st,
-                                    BLOCK_N, STAGES, DIAG, 3)),
-        ], [4, 1, 1, 1, 1], [224 if PIPE & PIPE_O else 208] + [TMA_LOADER_REGS] * 4)
-    else:
-        staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
-        gl.warp_specialize([
-            (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                                  STAGES, SPLIT, ST_L, 0, DIAG, PIPE, KEPT_P)),
-            (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                  scale_ring, p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row,
-                                  n_start, n_end, num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads,
-                                  num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N,
-                                  STAGES, SPLIT, ST_L, 1, DIAG, PIPE, KEPT_P)),
-            (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
-                                num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
-        ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
+    gl.warp_specialize([
+        (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_a, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
+                              num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
+                              stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 0,
+                              DIAG, PIPE, KEPT_P)),
+        (_fp8_dual_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
+                              p_b, merge_acc, merge_vec, staged, free, merged, q_ready, slot_row, n_start, n_end,
+                              num_steps, num_slots, qk_scale_log2, t, s, pid_h, num_heads, num_splits, stride_qt,
+                              stride_qh, stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, 1,
+                              DIAG, PIPE, KEPT_P)),
+        (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
+                            num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
+    ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
     # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
 
@@ -2960,11 +2836,6 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["KEPT_P"] = True
     if cfg.get("offs32") and loader_offs32(cfg, kernel, args[1]):
         extra["OFFS32"] = True
-    if cfg.get("tma"):                           # (the dual kernel's TMA loader, NOTES.md v43: an option)
-        if "LAT_DESC" not in kernel.arg_names:
-            raise Glm5labError(f"tma=True: only the dual-consumer fp8_ds_mla kernel (<= one wave of tokens, 4 stages) "
-                               f"takes it, not {kernel.fn.__name__}")
-        extra["LAT_DESC"], extra["ROPE_DESC"] = tma_ring.descriptors(args[1], args[8], args[15])
     if pdl and "PDL" in kernel.arg_names:
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
@@ -2979,8 +2850,5 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
                                "(or pass _config={'impl': 'triton'})")
         extra["PART_F16"] = True
     extra.update(build_options(kernel))
-    consts = dict(BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
-                  num_warps=cfg["num_warps"], **extra)
-    if "LAT_DESC" in extra:                      # (the descriptors' swizzle, which the kernel's views cannot carry)
-        tma_ring.swizzle_descriptors(kernel.warmup(*args, grid=grid, **consts))
-    kernel[grid](*args, **consts)
+    kernel[grid](*args, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], SPLIT=split,
+                 num_warps=cfg["num_warps"], **extra)
