@@ -70,6 +70,8 @@ part bench ${BENCH_S:-560} python3 -m glm5lab bench --suite full --budget ${BENC
 # 2b. kernel experiments only (not in the default parts): the GPU tests of the Gluon kernel (kgluon) and of the
 # Triton kernel (ktests), then the kernel
 # benchmark with KERNEL_BENCH_ARGS (e.g. "--v5 --no-variants --heads 8 16 64 --tokens 1 8 128 512")
+# (KGLUON_K / KTESTS_K are pytest -k expressions: name tests by their full function names -- on the H200 in v43 a short
+#  word, -k "tma", matched ~900 tests, none of the ones meant, where it matched only those here)
 part kgluon ${KGLUON_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_kgluon.xml" \
   tests/test_sparse_mla_sm90.py ${KGLUON_K:+-k "$KGLUON_K"}
 part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
