@@ -49,6 +49,7 @@ STAGES = gl.constexpr(2)
 PLANS = {"rows3": (3, False, 1), "rows6": (6, False, 1), "rows3x4": (3, False, 4), "rows6x4": (6, False, 4),
          "rows6s": (6, True, 1), "rows6sx4": (6, True, 4), "rows3s": (3, True, 1), "rows3sx4": (3, True, 4)}
 # (boxes a row, latent in wgmma's 128-byte swizzle, loader warps)
+DEFAULT_PLANS = ("rows3", "rows6", "rows6x4", "rows6sx4")     # what `run` and the command line time unless told
 BOX_WORDS = (128, 32, 32, 4)     # the descriptors' boxes: latent part, one 128-byte chunk of it, rope, scales
 LAUNCH = {"num_warps": 4, "maxnreg": 128}   # a consumer warpgroup and the loader's warps; two CTAs a SM, as paired
 SWIZZLE_128B = 3                 # CUtensorMapSwizzle
@@ -324,8 +325,7 @@ def gathers_alone(heads: int, num_tokens: int) -> dict:
     return cfg
 
 
-def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=("rows3", "rows6", "rows6x4", "rows6sx4"),
-        rounds: int = 21,
+def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=DEFAULT_PLANS, rounds: int = 21,
         sustained_rounds: int = 3, topk: int = 2048, num_slots: int = 524288, command: str = "") -> list:
     """Per token count: every TMA plan beside the paired kernel's gathers alone (cp.async, `pair16sopd3` or its
     8-head twin), the default tile's gathers alone at that token count ("default-d3": the dual kernel's at one wave)
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
                     help="print the consumers' bank conflicts on the ring and on rows as TMA lands them (no GPU)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--heads", type=int, default=16, choices=(8, 16))
-    ap.add_argument("--plans", nargs="+", default=["rows3", "rows6", "rows6x4", "rows6sx4"], choices=list(PLANS))
+    ap.add_argument("--plans", nargs="+", default=list(DEFAULT_PLANS), choices=list(PLANS))
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--sustained-rounds", type=int, default=3)
     args = ap.parse_args(argv)
