@@ -744,8 +744,9 @@ def test_phase_parts_places_the_stamps_on_one_time_axis():
 
 
 def test_phase_stamps_are_refused_by_a_kernel_that_writes_none():
-    """Only the 1-3 token fp8_ds_mla mma.sync kernel writes phase stamps; asking another for them (or giving a buffer
-    smaller than its grid) is a one-line error before any launch."""
+    """Only the 1-3 token fp8_ds_mla mma.sync kernel (and, wave stamps, the dual and paired fp8_ds_mla kernels) write
+    stamps; asking another for them (or giving a buffer smaller than its grid) is a one-line error before any
+    launch."""
     from glm5lab.kernels import sparse_mla_sm90
 
     from glm5lab.kernels import sparse_mla as sm

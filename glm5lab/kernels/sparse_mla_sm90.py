@@ -175,6 +175,27 @@ def _stamp(STAMPS, k: gl.constexpr, GLOBAL: gl.constexpr = False):
         gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, now)
 
 
+# The wave stamps of the dual and paired fp8_ds_mla kernels (a diagnostic: `glm5lab.bench.wave_spread`, NOTES.md
+# v44): when each program starts and ends on the GPU's one clock, and on which SM, in the phase stamps' buffer layout.
+WAVE_STAMPS = {0: "start (global)", 1: "SM id", 13: "end (global)"}
+
+
+@gluon.jit
+def _stamp_sm(STAMPS, k: gl.constexpr):
+    """Stamp k of this program: the id of the SM it runs on (%smid). Off (STAMPS None): nothing."""
+    if STAMPS is not None:
+        prog = (gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)) * gl.num_programs(0) + gl.program_id(0)
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, sm.to(gl.int64))
+
+
+@gluon.jit
+def _wave_start(STAMPS):
+    """WAVE_STAMPS 0-1: the program's start and its SM."""
+    _stamp(STAMPS, 0, GLOBAL=True)
+    _stamp_sm(STAMPS, 1)
+
+
 @gluon.jit
 def _first_step_stamp(STAMPS, i, k: gl.constexpr):
     """Phase stamp k of the first step only (PHASES 14-15, inside `_ring_next`)."""
@@ -2110,7 +2131,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False,
+    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, STAMPS=None,
 ):
     """<= 16 heads of an fp8_ds_mla cache on two consumer warpgroups and a loader (NOTES.md v17): no converter and no
     fp16 copy of the rows. Each consumer converts the staged e4m3 bytes it needs straight into wgmma's register A
@@ -2120,7 +2141,9 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
     [heads, rows] and read transposed at 8); the 8-head tile also runs persistent,
     `_sparse_mla_rows_fp8_persistent_sm90_kernel` (NOTES.md v18; not a default since v36). Consumer 0 stages q while
     the loader gathers
-    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31)."""
+    (NOTES.md v23). KEPT_P: P^T against the kept max (`_kept_max_rows`, NOTES.md v31). STAMPS: the wave stamps
+    (WAVE_STAMPS), a diagnostic."""
+    _wave_start(STAMPS)
     gl.static_assert(gl.num_warps() == 4, "each of the two consumers is one warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2156,6 +2179,7 @@ def _sparse_mla_rows_fp8_dual_sm90_kernel(
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG)),
     ], [4, 4], [224, 56] if PIPE & PIPE_O else [208, 88])
+    _stamp(STAMPS, 13, GLOBAL=True)
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); with O^T's products pipelined the
     # 16-head consumers need 224 (208 spill, NOTES.md v18 Next), the loader fits 56 (v17's three-consumer trial)
 
@@ -2188,6 +2212,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, OFFS32: gl.constexpr = False,
+    STAMPS=None,
 ):
     """The dual-consumer kernel's step on ONE consumer warpgroup and a loader, half its shared memory (2 stages of raw
     rows), built for 128 registers a thread (`launch`: maxnreg) so that TWO CTAs share a SM: a program's start
@@ -2195,7 +2220,9 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     leaving the SM's gathers idle (NOTES.md v35 / v37: ~5-7 us a program), and there is no state to merge. The
     consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40-v41): the
     loader's row offsets in 32 bits (`_copy_rows`; `launch` refuses True for a cache of 2^31 elements or more, and
-    "auto", the paired 16-head default's, takes it where the cache allows)."""
+    "auto", the paired 16-head default's, takes it where the cache allows). STAMPS: the wave stamps (WAVE_STAMPS),
+    a diagnostic."""
+    _wave_start(STAMPS)
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2215,6 +2242,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
         (_fp8_dual_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, t, n_start, n_end,
                             num_steps, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG, OFFS32)),
     ], [4], [PAIRED_LOADER_REGS])
+    _stamp(STAMPS, 13, GLOBAL=True)
 
 
 @gluon.jit
@@ -2840,8 +2868,8 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PDL"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
         if "STAMPS" not in kernel.arg_names:
-            raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none (only the 1-3 token fp8_ds_mla "
-                               "mma.sync kernel, _sparse_mla_fp8_sm90_kernel, does)")
+            raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none (the 1-3 token fp8_ds_mla mma.sync "
+                               "kernel writes PHASES, the dual and paired fp8_ds_mla kernels WAVE_STAMPS)")
         check_stamps(cfg["_stamps"][0], grid[0] * grid[1] * grid[2], kernel.fn.__name__)
         extra["STAMPS"] = cfg["_stamps"][0]
     if part_f16:

@@ -1,0 +1,218 @@
+"""When each program of a kernel's grid starts and ends, and on which SM: what a call's last programs cost it.
+
+A call lasts until its LAST program ends. At 128 tokens the dual fp8_ds_mla kernel runs one program a SM, all
+started together (one wave); at 512 tokens the paired kernel runs two a SM, 512 programs in ~two waves of 264. Any
+SM-time between a program's end and the call's end is time the roofline counts and no program uses (issue 7's
+one-wave and 512-token targets). With `_config={"impl": "gluon", "_stamps": (buf, None)}` those kernels write
+globaltimer at each program's start and end and the id of its SM (`sparse_mla_sm90.WAVE_STAMPS`); this replays a
+CUDA graph of rotating input sets, reads every call's stamps and reports, per form and shape (medians over the
+calls): the programs' end times (p10 / p50 / p90 / last) from the call's first start, the tail (last end - median
+end), how full the program slots were over the call (`occupancy`) and for how long fewer than 90% of the GPU's slots
+were busy at the end (`drain_us`). The programs of one call are kept for the plot (`plot`).
+
+    PYTHONPATH=. python -m glm5lab.bench.wave_spread --out results/kernels/wave_spread_h200.csv \\
+        --programs results/kernels/wave_spread_programs_h200.csv.gz --png results/kernels/wave_spread_h200.png
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from glm5lab.errors import Glm5labError, one_line_errors
+
+SUITE = "sparse_mla_wave"
+# (heads, tokens, form): the defaults at one wave (128 tokens: the dual kernel) and at ~two waves of the paired
+# kernel (512 tokens), each beside its gathers alone (a timing diagnostic: kernel_bench.GLUON_VARIANTS)
+DEFAULT_CASES = ((8, 128, "glm5lab"), (8, 128, "ws8x2esopd3"), (16, 128, "glm5lab"), (16, 128, "ws8x2sod3"),
+                 (8, 512, "glm5lab"), (8, 512, "pair8sopd3"), (16, 512, "glm5lab"), (16, 512, "pair16sopd3"))
+
+
+def programs_of(stamps) -> list:
+    """(sm, start_ns, end_ns) of each program that ran, from a wave-stamp buffer's rows ([programs, STAMP_SLOTS]
+    int64 as the kernel wrote them; rows left at -1 by programs that did not run are dropped)."""
+    return [(int(r[1]), int(r[0]), int(r[13])) for r in stamps if r[0] >= 0 and r[13] >= 0]
+
+
+def active_at(programs, t_ns: float) -> int:
+    """How many of `programs` ((sm, start, end)) run at time t_ns."""
+    return sum(1 for _, a, b in programs if a <= t_ns < b)
+
+
+def spread_parts(programs, slots: int) -> dict:
+    """One call's wave metrics (us from its first program's start): program count, the last start, end quantiles,
+    the tail (last end - median end), `occupancy` (program time over slots x the call's span: 1.0 when every slot
+    of the GPU -- SMs x programs resident a SM -- is busy from the first start to the last end) and `drain_us` (from
+    when fewer than 90% of the slots last ran programs to the call's end; 0 when they never were that full)."""
+    if not programs:
+        raise Glm5labError("wave stamps: no program of the call wrote its stamps")
+    if slots < 1:
+        raise Glm5labError(f"wave stamps: slots must be >= 1, got {slots}")
+    t0 = min(a for _, a, _ in programs)
+    end = max(b for _, _, b in programs)
+    ends = sorted((b - t0) / 1e3 for _, _, b in programs)
+    q = statistics.quantiles(ends, n=10, method="inclusive") if len(ends) > 1 else [ends[0]] * 9
+    span = (end - t0) / 1e3
+    busy = sum(b - a for _, a, b in programs) / 1e3
+    # the last moment (a program's start or end) at which >= 90% of the slots ran programs
+    marks = sorted({a for _, a, _ in programs} | {b for _, _, b in programs})
+    full = [t for t in marks if active_at(programs, t) >= 0.9 * slots]
+    drain = (end - max(full)) / 1e3 if full else 0.0
+    return {"programs": float(len(programs)), "sms": float(len({sm for sm, _, _ in programs})),
+            "last_start_us": max(a - t0 for _, a, _ in programs) / 1e3, "end_p10_us": q[0],
+            "end_p50_us": statistics.median(ends), "end_p90_us": q[8], "end_last_us": span,
+            "tail_us": span - statistics.median(ends), "occupancy": busy / (slots * span) if span > 0 else 0.0,
+            "drain_us": drain}
+
+
+def summary_rows(calls: list, shape: str, form: str) -> list:
+    """Long-format rows: each `spread_parts` metric's median over the calls, with p20 / p80."""
+    from glm5lab.bench.timing import quantiles
+
+    rows = []
+    for metric in calls[0]:
+        qs = quantiles([c[metric] for c in calls])
+        unit = "us" if metric.endswith("_us") else ("fraction" if metric == "occupancy" else "count")
+        rows.append({"suite": SUITE, "implementation": form, "shape": shape, "dtype": "bf16", "layout": "fp8_ds_mla",
+                     "metric": metric, "value": qs["p50"], "unit": unit, **qs})
+    return rows
+
+
+def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk: int = 2048,
+        num_slots: int = 524288, replays: int = 3, command: str = "", verbose: bool = True) -> list:
+    """Every (heads, tokens, form) case ("glm5lab": the default; else a name of kernel_bench.GLUON_VARIANTS): a CUDA
+    graph of rotating input sets, each call with its own stamp buffer, replayed `replays` times; the last replay's
+    stamps give every call's `spread_parts`; rows appended to out_csv, and one call's programs (the median-tail one)
+    to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the same calls'
+    without stamps (`time_graph`): the stamped build is not byte-identical (NOTES.md v44)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.kernel_bench import GLUON_VARIANTS, graph_timer, input_sets, median_us, rotating_sets
+    from glm5lab.bench.power_probe import random_fp8_cache
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import need_gpu
+    from glm5lab.kernels.sparse_mla import STAMP_SLOTS, sparse_mla_attention
+    from glm5lab.kernels.sparse_mla_sm90 import default_config
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    known = dict(GLUON_VARIANTS)
+    unknown = sorted({f for _, _, f in cases if f != "glm5lab" and f not in known})
+    if unknown:
+        raise Glm5labError(f"unknown form(s) {unknown}; expected 'glm5lab' or names from kernel_bench.GLUON_VARIANTS")
+    need_gpu("the wave stamps")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(44)
+    cache = random_fp8_cache(num_slots, gen)
+    scale = mla_softmax_scale()
+    rows, kept = [], []
+    for heads, tokens, form in tqdm(cases, desc="wave stamps", disable=not verbose):
+        cfg = {**({} if form == "glm5lab" else known[form]), "impl": "gluon"}
+        tile = {**default_config(heads, True, tokens, num_sms), **cfg}
+        slots = num_sms * tile.get("resident", 1)
+        sets = input_sets(tokens, heads, topk, num_slots, max(8, rotating_sets(tokens, topk)), gen)
+        bufs = [torch.full((tokens * 16, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in sets]
+        plain = graph_timer([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, _config=cfg) for q, s in sets])
+        timer = graph_timer([lambda q=q, s=s, b=b: sparse_mla_attention(q, cache, s, scale,
+                                                                        _config={**cfg, "_stamps": (b, None)})
+                             for (q, s), b in zip(sets, bufs)], replays)
+        us, plain_us = median_us(timer, 3), median_us(plain, 3)
+        torch.cuda.synchronize()
+        per_call = [programs_of(b.tolist()) for b in bufs]
+        calls = [spread_parts(p, slots) for p in per_call]
+        shape = f"H{heads}_T{tokens}_K{topk}"
+        rows += summary_rows(calls, shape, form)
+        rows += [{"suite": SUITE, "implementation": form, "shape": shape, "dtype": "bf16", "layout": "fp8_ds_mla",
+                  "metric": metric, "value": v, "unit": "us"}
+                 for metric, v in (("time_graph_stamped", us), ("time_graph", plain_us))]
+        pick = sorted(range(len(calls)), key=lambda i: calls[i]["tail_us"])[len(calls) // 2]
+        t0 = min(a for _, a, _ in per_call[pick])
+        kept += [{"implementation": form, "shape": shape, "slots": slots, "program": i, "sm": sm,
+                  "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3} for i, (sm, a, b) in enumerate(per_call[pick])]
+        if verbose:
+            med = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+            tqdm.write(f"  {shape} {form:>12}: graph {plain_us:.1f} us (stamped {us:.1f}); " + " ".join(f"{k} {v:.3g}" for k, v in med.items()))
+    append_rows(out_csv, rows, command=command or "python -m glm5lab.bench.wave_spread")
+    if programs_csv:
+        write_programs(programs_csv, kept, command or "python -m glm5lab.bench.wave_spread")
+    return rows
+
+
+def write_programs(path: str, programs: list, command: str) -> None:
+    """One call's programs a case, with the provenance of `records.provenance`, appended to a (gzip) CSV."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from glm5lab.bench.records import provenance
+
+    frame = pd.DataFrame(programs)
+    for k, v in provenance(command).items():
+        frame[k] = v
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = pd.read_csv(path, dtype=str) if path.exists() else None
+    out = frame if old is None else pd.concat([old, frame.astype(str)], ignore_index=True)
+    tmp = path.with_name(path.name + ".tmp")
+    out.to_csv(tmp, index=False, compression="gzip" if path.suffix == ".gz" else None)
+    tmp.replace(path)
+
+
+def plot(programs_csv: str, png: str) -> str:
+    """Programs running over time (one line a case: the latest run's) and each program's end by SM, from the
+    programs CSV; returns png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    frame = pd.read_csv(programs_csv, dtype={"git_sha": str})
+    frame = frame[frame["timestamp"] == frame["timestamp"].max()]
+    cases = list(dict.fromkeys(zip(frame["shape"], frame["implementation"])))
+    shapes = list(dict.fromkeys(s for s, _ in cases))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
+    for col, shape in enumerate(shapes):
+        for form in [f for s, f in cases if s == shape]:
+            sub = frame[(frame["shape"] == shape) & (frame["implementation"] == form)]
+            progs = list(zip(sub["sm"], sub["start_us"], sub["end_us"]))
+            marks = sorted(set(sub["start_us"]) | set(sub["end_us"]))
+            label = "default" if form == "glm5lab" else f"{form} (gathers alone)"
+            axes[0][col].step(marks, [active_at(progs, t) / sub["slots"].iloc[0] for t in marks], where="post",
+                              label=label)
+            axes[1][col].scatter(sub["sm"], sub["end_us"], s=4, label=label)
+        axes[0][col].set(title=shape, xlabel="us from the call's first start", ylabel="share of program slots busy")
+        axes[1][col].set(xlabel="SM id", ylabel="program end (us)")
+        axes[0][col].legend(fontsize=7)
+    first = frame.iloc[0]
+    fig.suptitle(f"When the programs of one call end ({first['gpu']}, git {first['git_sha']}): the call lasts until "
+                 "the last one", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+@one_line_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--programs", help="(gzip) CSV for one call's programs a case")
+    ap.add_argument("--png", help="plot the programs CSV into this file")
+    ap.add_argument("--case", nargs="+", metavar="HEADS:TOKENS:FORM",
+                    help="cases (default: %s)" % " ".join(f"{h}:{t}:{f}" for h, t, f in DEFAULT_CASES))
+    args = ap.parse_args(argv)
+    cases = DEFAULT_CASES
+    if args.case:
+        try:
+            cases = tuple((int(h), int(t), f) for h, t, f in (c.split(":") for c in args.case))
+        except ValueError:
+            raise Glm5labError(f"--case takes HEADS:TOKENS:FORM, got {args.case}") from None
+    run(args.out, args.programs, cases, command=" ".join(["python -m glm5lab.bench.wave_spread", *sys.argv[1:]]))
+    if args.png and args.programs:
+        plot(args.programs, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
