@@ -82,10 +82,9 @@ def test_wave_spread_refuses_unknown_forms_and_bad_cases(tmp_path, capsys):
 @pytest.mark.parametrize("tokens,resident", [(24, 1), (200, 2)], ids=["dual", "paired"])
 def test_gpu_wave_stamps_leave_the_results_alone_and_respect_residency(device, tokens, resident):
     """16 heads fp8_ds_mla at 24 tokens (the dual kernel, one CTA a SM, the top-k split) and 200 (the paired kernel,
-    two a SM), -1
-    slots among the rows: the stamped call's output and lse are the unstamped one's, bit for bit; every program
-    wrote a start before its end and an SM id of this GPU; no SM ever runs more programs at once than the kernel's
-    residency allows."""
+    two a SM), -1 slots among the rows: the stamped call's output and lse are the unstamped one's, bit for bit; every
+    program wrote a start before its end and an SM id of this GPU; no SM ever runs more programs at once than the
+    kernel's residency allows."""
     from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import STAMP_SLOTS, sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
