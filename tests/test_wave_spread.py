@@ -72,6 +72,10 @@ def test_wave_spread_refuses_unknown_forms_and_bad_cases(tmp_path, capsys):
     assert "--case takes HEADS:TOKENS:FORM" in capsys.readouterr().err
     assert wave_spread.main(["--out", str(out), "--case", "8:128:nope"]) == 1
     assert "unknown form(s) ['nope']" in capsys.readouterr().err
+    assert wave_spread.main(["--out", str(out), "--case", "8:128:glm5lab:2:1"]) == 1
+    assert "--case takes HEADS:TOKENS:FORM[:SPLITS]" in capsys.readouterr().err
+    assert wave_spread.main(["--out", str(out), "--case", "8:128:glm5lab:17"]) == 1
+    assert "splits must be 1-16" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert wave_spread.main(["--out", str(out)]) == 1
         assert "needs a GPU" in capsys.readouterr().err

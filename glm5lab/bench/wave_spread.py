@@ -80,7 +80,9 @@ def summary_rows(calls: list, shape: str, form: str) -> list:
 
 def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk: int = 2048,
         num_slots: int = 524288, replays: int = 3, command: str = "", verbose: bool = True) -> list:
-    """Every (heads, tokens, form) case ("glm5lab": the default; else a name of kernel_bench.GLUON_VARIANTS): a CUDA
+    """Every (heads, tokens, form[, splits]) case ("glm5lab": the default; else a name of
+    kernel_bench.GLUON_VARIANTS; splits: the top-k split in that many programs a token, merged after, else the
+    default's): a CUDA
     graph of rotating input sets, each call with its own stamp buffer, replayed `replays` times; the last replay's
     stamps give every call's `spread_parts`; rows appended to out_csv, and one call's programs (the median-tail one)
     to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the same calls'
@@ -97,30 +99,35 @@ def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk
     from glm5lab.sparse.reference import mla_softmax_scale
 
     known = dict(GLUON_VARIANTS)
-    unknown = sorted({f for _, _, f in cases if f != "glm5lab" and f not in known})
+    cases = [(*c, None) if len(c) == 3 else tuple(c) for c in cases]
+    unknown = sorted({c[2] for c in cases if c[2] != "glm5lab" and c[2] not in known})
     if unknown:
         raise Glm5labError(f"unknown form(s) {unknown}; expected 'glm5lab' or names from kernel_bench.GLUON_VARIANTS")
+    bad = [c[3] for c in cases if c[3] is not None and not 1 <= c[3] <= 16]
+    if bad:
+        raise Glm5labError(f"splits must be 1-16 (the stamp buffer's programs a token), got {bad}")
     need_gpu("the wave stamps")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(44)
     cache = random_fp8_cache(num_slots, gen)
     scale = mla_softmax_scale()
     rows, kept = [], []
-    for heads, tokens, form in tqdm(cases, desc="wave stamps", disable=not verbose):
+    for heads, tokens, form, splits in tqdm(cases, desc="wave stamps", disable=not verbose):
         cfg = {**({} if form == "glm5lab" else known[form]), "impl": "gluon"}
         tile = {**default_config(heads, True, tokens, num_sms), **cfg}
         slots = num_sms * tile.get("resident", 1)
         sets = input_sets(tokens, heads, topk, num_slots, max(8, rotating_sets(tokens, topk)), gen)
         bufs = [torch.full((tokens * 16, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in sets]
-        plain = graph_timer([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, _config=cfg) for q, s in sets])
-        timer = graph_timer([lambda q=q, s=s, b=b: sparse_mla_attention(q, cache, s, scale,
+        plain = graph_timer([lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale, num_splits=splits, _config=cfg)
+                             for q, s in sets])
+        timer = graph_timer([lambda q=q, s=s, b=b: sparse_mla_attention(q, cache, s, scale, num_splits=splits,
                                                                         _config={**cfg, "_stamps": (b, None)})
                              for (q, s), b in zip(sets, bufs)], replays)
         us, plain_us = median_us(timer, 3), median_us(plain, 3)
         torch.cuda.synchronize()
         per_call = [programs_of(b.tolist()) for b in bufs]
         calls = [spread_parts(p, slots) for p in per_call]
-        shape = f"H{heads}_T{tokens}_K{topk}"
+        shape = f"H{heads}_T{tokens}_K{topk}" + (f"_S{splits}" if splits else "")
         rows += summary_rows(calls, shape, form)
         rows += [{"suite": SUITE, "implementation": form, "shape": shape, "dtype": "bf16", "layout": "fp8_ds_mla",
                   "metric": metric, "value": v, "unit": "us"}
@@ -199,15 +206,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--programs", help="(gzip) CSV for one call's programs a case")
     ap.add_argument("--png", help="plot the programs CSV into this file")
-    ap.add_argument("--case", nargs="+", metavar="HEADS:TOKENS:FORM",
+    ap.add_argument("--case", nargs="+", metavar="HEADS:TOKENS:FORM[:SPLITS]",
                     help="cases (default: %s)" % " ".join(f"{h}:{t}:{f}" for h, t, f in DEFAULT_CASES))
     args = ap.parse_args(argv)
     cases = DEFAULT_CASES
     if args.case:
         try:
-            cases = tuple((int(h), int(t), f) for h, t, f in (c.split(":") for c in args.case))
+            cases = tuple((int(h), int(t), f, *(int(x) for x in rest))
+                          for h, t, f, *rest in (c.split(":") for c in args.case))
+            if any(len(c) > 4 for c in cases):
+                raise ValueError
         except ValueError:
-            raise Glm5labError(f"--case takes HEADS:TOKENS:FORM, got {args.case}") from None
+            raise Glm5labError(f"--case takes HEADS:TOKENS:FORM[:SPLITS], got {args.case}") from None
     run(args.out, args.programs, cases, command=" ".join(["python -m glm5lab.bench.wave_spread", *sys.argv[1:]]))
     if args.png and args.programs:
         plot(args.programs, args.png)
