@@ -2212,7 +2212,7 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, OFFS32: gl.constexpr = False,
-    STAMPS=None,
+    STAMPS=None, PDL: gl.constexpr = False,
 ):
     """The dual-consumer kernel's step on ONE consumer warpgroup and a loader, half its shared memory (2 stages of raw
     rows), built for 128 registers a thread (`launch`: maxnreg) so that TWO CTAs share a SM: a program's start
@@ -2221,8 +2221,10 @@ def _sparse_mla_rows_fp8_paired_sm90_kernel(
     consumer at 256 - the loader's registers (setmaxnreg). OFFS32 (tile key "offs32", NOTES.md v40-v41): the
     loader's row offsets in 32 bits (`_copy_rows`; `launch` refuses True for a cache of 2^31 elements or more, and
     "auto", the paired 16-head default's, takes it where the cache allows). STAMPS: the wave stamps (WAVE_STAMPS),
-    a diagnostic."""
+    a diagnostic. PDL: let the next grid launch from this one's start (`_let_merge_launch`; the tail split's whole
+    tokens, NOTES.md v44)."""
     _wave_start(STAMPS)
+    _let_merge_launch(PDL)
     gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
     gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
     gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
@@ -2864,8 +2866,10 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["KEPT_P"] = True
     if cfg.get("offs32") and loader_offs32(cfg, kernel, args[1]):
         extra["OFFS32"] = True
-    if pdl and "PDL" in kernel.arg_names:
-        extra["PDL"] = True
+    if (pdl or cfg.get("_trigger_dependents")) and "PDL" in kernel.arg_names:
+        extra["PDL"] = True        # (_trigger_dependents: a private switch, the tail split's first grid, NOTES.md v44)
+    if cfg.get("_dependent_launch"):           # (private: launched as the previous grid's dependent, NOTES.md v44)
+        extra["launch_pdl"] = True
     if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
         if "STAMPS" not in kernel.arg_names:
             raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none (the 1-3 token fp8_ds_mla mma.sync "

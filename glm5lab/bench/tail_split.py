@@ -1,0 +1,140 @@
+"""A prototype measured against the default: the last tokens of a multi-wave fp8_ds_mla call split, so that the call's
+last programs are short and fill the slots its first ones leave (NOTES.md v44).
+
+`wave_spread` showed where the paired kernel's time goes at 512 tokens: of the two CTAs a SM, one runs ~10% slower
+than the other, every wave; at the end the faster slots run out of programs while the slower ones still hold whole
+tokens, so for the call's last ~15-30 us fewer than 90% of the slots work. Whole-token programs cannot fill that. Here
+tokens [0, whole) run one program each (the paired tile, letting the next grid launch from its start) and tokens
+[whole, T) `splits` programs each (the paired tile again, launched as that grid's dependent: its programs take the
+slots the first grid's programs leave while its last ones run), then the merge of their partials. Both grids and the
+merge in one CUDA graph, timed in interleaved rounds beside the default on the same inputs.
+
+    PYTHONPATH=. python -m glm5lab.bench.tail_split --out results/kernels/tail_split_h200.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from glm5lab.errors import Glm5labError, one_line_errors
+
+SUITE = "sparse_mla_tail_split"
+DEFAULT_PLANS = ((264, 2), (330, 2), (396, 2), (264, 4), (396, 4), (448, 4))
+
+
+def paired_tile(heads: int) -> dict:
+    """The paired kernel's default tile for `heads` (<= 16), forced whatever the token count."""
+    from glm5lab.kernels import sparse_mla_sm90 as sm
+
+    if not 1 <= heads <= 16:
+        raise Glm5labError(f"the tail split runs the paired fp8_ds_mla kernel: 1-16 heads, got {heads}")
+    return dict(sm.ROWS_FP8_PAIRED_CONFIG if heads > 8 else sm.ROWS_FP8_PAIRED_8_CONFIG)
+
+
+def check_plan(tokens: int, whole: int, splits: int) -> None:
+    """Refuse a plan that leaves nothing to one of its grids or splits outside 2-16."""
+    if not 0 < whole < tokens:
+        raise Glm5labError(f"the tail split needs 0 < whole < tokens, got whole {whole} of {tokens} tokens")
+    if not 2 <= splits <= 16:
+        raise Glm5labError(f"the tail's splits must be 2-16, got {splits}")
+
+
+def tail_split_attention(q, kv_cache, slots, softmax_scale: float, whole: int, splits: int = 2, out=None, lse=None):
+    """sparse_mla_attention's result for an fp8_ds_mla cache, tokens [0, whole) one program each and [whole, T) split
+    in `splits` programs each, the second grid launched as the first one's dependent (sm_90, CUDA)."""
+    import torch
+
+    from glm5lab.kernels.sparse_mla import LATENT, sparse_mla_attention
+
+    T, H = q.shape[0], q.shape[1]
+    check_plan(T, whole, splits)
+    tile = {**paired_tile(H), "impl": "gluon"}
+    out = torch.empty(T, H, LATENT, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device) if lse is None else lse
+    sparse_mla_attention(q[:whole], kv_cache, slots[:whole], softmax_scale, num_splits=1, out=out[:whole],
+                         lse=lse[:whole], _config={**tile, "_trigger_dependents": True})
+    sparse_mla_attention(q[whole:], kv_cache, slots[whole:], softmax_scale, num_splits=splits, out=out[whole:],
+                         lse=lse[whole:], _config={**tile, "_dependent_launch": True, "pdl": False})
+    return out, lse
+
+
+def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds: int = 15, topk: int = 2048,
+        num_slots: int = 524288, command: str = "", verbose: bool = True) -> list:
+    """Each (heads, tokens): the default and every (whole, splits) plan in `plans` as CUDA graphs over the same
+    rotating input sets, timed in `rounds` interleaved rounds; each plan's largest error against the default's
+    output (relative to its largest value) and lse (absolute) on the first set; rows appended to out_csv."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from glm5lab.bench.kernel_bench import graph_timer, input_sets, rotating_sets
+    from glm5lab.bench.power_probe import random_fp8_cache
+    from glm5lab.bench.records import append_rows
+    from glm5lab.bench.timing import interleaved_samples, need_gpu, paired_quantiles, quantiles
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+    from glm5lab.sparse.reference import mla_softmax_scale
+
+    for T in tokens:
+        for whole, splits in plans:
+            check_plan(T, whole, splits)
+    for H in heads:
+        paired_tile(H)
+    need_gpu("the tail split")
+    gen = torch.Generator(device="cuda").manual_seed(44)
+    cache = random_fp8_cache(num_slots, gen)
+    scale = mla_softmax_scale()
+    rows = []
+    for H, T in tqdm([(h, t) for h in heads for t in tokens], desc="tail split", disable=not verbose):
+        sets = input_sets(T, H, topk, num_slots, max(2, rotating_sets(T, topk)), gen)
+        calls = {"default": [lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale) for q, s in sets]}
+        for whole, splits in plans:
+            calls[f"tail{whole}x{splits}"] = [lambda q=q, s=s, w=whole, k=splits: tail_split_attention(
+                q, cache, s, scale, w, k) for q, s in sets]
+        want = calls["default"][0]()
+        shape = f"H{H}_T{T}_K{topk}"
+        base = {"suite": SUITE, "shape": shape, "dtype": "bf16", "layout": "fp8_ds_mla"}
+        for name, fns in calls.items():
+            if name != "default":
+                got = fns[0]()
+                scale_o = want[0].float().abs().max().item()
+                rows += [{**base, "implementation": name, "metric": "max_rel_err_vs_default",
+                          "value": (got[0].float() - want[0].float()).abs().max().item() / scale_o, "unit": "-"},
+                         {**base, "implementation": name, "metric": "max_lse_err_vs_default",
+                          "value": (got[1] - want[1]).abs().max().item(), "unit": "-"}]
+        timers = {name: graph_timer(fns) for name, fns in calls.items()}
+        samples = interleaved_samples(timers, rounds)
+        for name, xs in samples.items():
+            q = quantiles(xs)
+            rows.append({**base, "implementation": name, "metric": "time_graph", "value": q["p50"], "unit": "us", **q})
+            if name != "default":
+                r = paired_quantiles(lambda a, b: a / b, samples["default"], xs)
+                rows.append({**base, "implementation": name, "metric": "speedup_vs_default", "value": r["p50"],
+                             "unit": "x", **r})
+            if verbose:
+                tqdm.write(f"  {shape} {name:>12}: {q['p50']:.1f} us (p20 {q['p20']:.1f}, p80 {q['p80']:.1f})")
+    append_rows(out_csv, rows, command=command or "python -m glm5lab.bench.tail_split")
+    return rows
+
+
+@one_line_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 8])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512])
+    ap.add_argument("--plans", nargs="+", metavar="WHOLExSPLITS",
+                    help="default: %s" % " ".join(f"{w}x{k}" for w, k in DEFAULT_PLANS))
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args(argv)
+    plans = DEFAULT_PLANS
+    if args.plans:
+        try:
+            plans = tuple((int(w), int(k)) for w, k in (p.split("x") for p in args.plans))
+        except ValueError:
+            raise Glm5labError(f"--plans takes WHOLExSPLITS, got {args.plans}") from None
+    run(args.out, tuple(args.heads), tuple(args.tokens), plans, args.rounds,
+        command=" ".join(["python -m glm5lab.bench.tail_split", *sys.argv[1:]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
