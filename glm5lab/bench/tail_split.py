@@ -39,9 +39,11 @@ def check_plan(tokens: int, whole: int, splits: int) -> None:
         raise Glm5labError(f"the tail's splits must be 2-16, got {splits}")
 
 
-def tail_split_attention(q, kv_cache, slots, softmax_scale: float, whole: int, splits: int = 2, out=None, lse=None):
+def tail_split_attention(q, kv_cache, slots, softmax_scale: float, whole: int, splits: int = 2, out=None, lse=None,
+                         _stamps=(None, None)):
     """sparse_mla_attention's result for an fp8_ds_mla cache, tokens [0, whole) one program each and [whole, T) split
-    in `splits` programs each, the second grid launched as the first one's dependent (sm_90, CUDA)."""
+    in `splits` programs each, the second grid launched as the first one's dependent (sm_90, CUDA). _stamps: each
+    grid's wave-stamp buffer (`wave_spread`), a diagnostic."""
     import torch
 
     from glm5lab.kernels.sparse_mla import LATENT, sparse_mla_attention
@@ -52,17 +54,43 @@ def tail_split_attention(q, kv_cache, slots, softmax_scale: float, whole: int, s
     out = torch.empty(T, H, LATENT, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device) if lse is None else lse
     sparse_mla_attention(q[:whole], kv_cache, slots[:whole], softmax_scale, num_splits=1, out=out[:whole],
-                         lse=lse[:whole], _config={**tile, "_trigger_dependents": True})
+                         lse=lse[:whole], _config={**tile, "_trigger_dependents": True, "_stamps": (_stamps[0], None)})
     sparse_mla_attention(q[whole:], kv_cache, slots[whole:], softmax_scale, num_splits=splits, out=out[whole:],
-                         lse=lse[whole:], _config={**tile, "_dependent_launch": True, "pdl": False})
+                         lse=lse[whole:], _config={**tile, "_dependent_launch": True, "pdl": False,
+                                               "_stamps": (_stamps[1], None)})
     return out, lse
 
 
+def stamped_programs(q, cache, slots, scale: float, plan) -> list:
+    """(grid, sm, start_ns, end_ns) of every program of one call in a replayed CUDA graph, from the wave stamps: the
+    default's (plan None: grid 1 only) or a (whole, splits) plan's two grids (the merge is not stamped)."""
+    import torch
+
+    from glm5lab.bench.kernel_bench import capture_graph
+    from glm5lab.bench.wave_spread import programs_of
+    from glm5lab.kernels.sparse_mla import STAMP_SLOTS, sparse_mla_attention
+
+    T = q.shape[0]
+    bufs = [torch.full((16 * T, STAMP_SLOTS.value), -1, dtype=torch.int64, device=q.device) for _ in range(2)]
+    def call():
+        if plan is None:
+            sparse_mla_attention(q, cache, slots, scale, _config={"impl": "gluon", "_stamps": (bufs[0], None)})
+        else:
+            tail_split_attention(q, cache, slots, scale, *plan, _stamps=tuple(bufs))
+
+    graph = capture_graph([call])
+    graph.replay()
+    torch.cuda.synchronize()
+    return [(g, *p) for g, b in enumerate(bufs, 1) for p in programs_of(b.tolist())]
+
+
 def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds: int = 15, topk: int = 2048,
-        num_slots: int = 524288, command: str = "", verbose: bool = True) -> list:
+        num_slots: int = 524288, command: str = "", verbose: bool = True, programs_csv: str | None = None) -> list:
     """Each (heads, tokens): the default and every (whole, splits) plan in `plans` as CUDA graphs over the same
     rotating input sets, timed in `rounds` interleaved rounds; each plan's largest error against the default's
-    output (relative to its largest value) and lse (absolute) on the first set; rows appended to out_csv."""
+    output (relative to its largest value) and lse (absolute) on the first set; rows appended to out_csv. With
+    programs_csv, one more call of each on the first set with wave stamps (`stamped_programs`): its programs there
+    (implementation "<name>:grid<g>") and `wave_spread.spread_parts` of all its programs in out_csv."""
     import torch
     from tqdm.auto import tqdm
 
@@ -100,6 +128,23 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
                           "value": (got[0].float() - want[0].float()).abs().max().item() / scale_o, "unit": "-"},
                          {**base, "implementation": name, "metric": "max_lse_err_vs_default",
                           "value": (got[1] - want[1]).abs().max().item(), "unit": "-"}]
+        if programs_csv:
+            from glm5lab.bench import wave_spread
+
+            slots_n = torch.cuda.get_device_properties(0).multi_processor_count * paired_tile(H)["resident"]
+            kept = []
+            for name, plan in [("default", None), *((f"tail{w}x{k}", (w, k)) for w, k in plans)]:
+                progs = stamped_programs(*sets[0], scale, plan)
+                parts = wave_spread.spread_parts([p[1:] for p in progs], slots_n)
+                rows += [{**base, "implementation": name, "metric": k, "value": v,
+                          "unit": "us" if k.endswith("_us") else "-"} for k, v in parts.items()]
+                t0 = min(p[2] for p in progs)
+                kept += [{"implementation": f"{name}:grid{g}", "shape": shape, "slots": slots_n, "program": i, "sm": sm,
+                          "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3}
+                         for i, (g, sm, a, b) in enumerate(progs)]
+                if verbose:
+                    tqdm.write(f"  {shape} {name:>12} stamped: " + " ".join(f"{k} {v:.3g}" for k, v in parts.items()))
+            wave_spread.write_programs(programs_csv, kept, command or "python -m glm5lab.bench.tail_split")
         timers = {name: graph_timer(fns) for name, fns in calls.items()}
         samples = interleaved_samples(timers, rounds)
         for name, xs in samples.items():
@@ -124,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", nargs="+", metavar="WHOLExSPLITS",
                     help="default: %s" % " ".join(f"{w}x{k}" for w, k in DEFAULT_PLANS))
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--programs", help="(gzip) CSV: one stamped call's programs of the default and each plan")
+    ap.add_argument("--png", help="plot the programs CSV (wave_spread.plot) into this file")
     args = ap.parse_args(argv)
     plans = DEFAULT_PLANS
     if args.plans:
@@ -132,7 +179,11 @@ def main(argv=None) -> int:
         except ValueError:
             raise Glm5labError(f"--plans takes WHOLExSPLITS, got {args.plans}") from None
     run(args.out, tuple(args.heads), tuple(args.tokens), plans, args.rounds,
-        command=" ".join(["python -m glm5lab.bench.tail_split", *sys.argv[1:]]))
+        command=" ".join(["python -m glm5lab.bench.tail_split", *sys.argv[1:]]), programs_csv=args.programs)
+    if args.png and args.programs:
+        from glm5lab.bench import wave_spread
+
+        wave_spread.plot(args.programs, args.png)
     return 0
 
 

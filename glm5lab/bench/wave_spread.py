@@ -138,7 +138,8 @@ def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk
                   "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3} for i, (sm, a, b) in enumerate(per_call[pick])]
         if verbose:
             med = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-            tqdm.write(f"  {shape} {form:>12}: graph {plain_us:.1f} us (stamped {us:.1f}); " + " ".join(f"{k} {v:.3g}" for k, v in med.items()))
+            tqdm.write(f"  {shape} {form:>12}: graph {plain_us:.1f} us (stamped {us:.1f}); "
+                       + " ".join(f"{k} {v:.3g}" for k, v in med.items()))
     append_rows(out_csv, rows, command=command or "python -m glm5lab.bench.wave_spread")
     if programs_csv:
         write_programs(programs_csv, kept, command or "python -m glm5lab.bench.wave_spread")
