@@ -1015,7 +1015,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
 
         cfg = sparse_mla_sm90.resolve_paired(
             {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}, _config or {})
-    if cfg.get("_stamps") is not None and not gluon:
+    if any(b is not None for b in cfg.get("_stamps") or ()) and not gluon:
         raise Glm5labError("phase stamps (_config '_stamps') come from the fp8_ds_mla Gluon kernels (the 1-3 token "
                            "kernel and its separate merge; the dual and paired kernels' wave stamps): add 'impl': "
                            "'gluon' (sm_90)")

@@ -2870,7 +2870,7 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
         extra["PDL"] = True        # (_trigger_dependents: a private switch, the tail split's first grid, NOTES.md v44)
     if cfg.get("_dependent_launch"):           # (private: launched as the previous grid's dependent, NOTES.md v44)
         extra["launch_pdl"] = True
-    if cfg.get("_stamps") is not None:           # (attention, merge) int64 buffers: the phase stamps, a diagnostic
+    if (cfg.get("_stamps") or (None,))[0] is not None:    # (attention, merge) int64 buffers: stamps, a diagnostic
         if "STAMPS" not in kernel.arg_names:
             raise Glm5labError(f"phase stamps: {kernel.fn.__name__} writes none (the 1-3 token fp8_ds_mla mma.sync "
                                "kernel writes PHASES, the dual and paired fp8_ds_mla kernels WAVE_STAMPS)")
