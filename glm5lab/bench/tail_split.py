@@ -134,7 +134,7 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
             slots_n = torch.cuda.get_device_properties(0).multi_processor_count * paired_tile(H)["resident"]
             kept = []
             for name, plan in [("default", None), *((f"tail{w}x{k}", (w, k)) for w, k in plans)]:
-                progs = stamped_programs(*sets[0], scale, plan)
+                progs = stamped_programs(sets[0][0], cache, sets[0][1], scale, plan)
                 parts = wave_spread.spread_parts([p[1:] for p in progs], slots_n)
                 rows += [{**base, "implementation": name, "metric": k, "value": v,
                           "unit": "us" if k.endswith("_us") else "-"} for k, v in parts.items()]
