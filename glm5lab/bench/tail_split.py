@@ -110,7 +110,7 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
     gen = torch.Generator(device="cuda").manual_seed(44)
     cache = random_fp8_cache(num_slots, gen)
     scale = mla_softmax_scale()
-    rows = []
+    rows, kept = [], []
     for H, T in tqdm([(h, t) for h in heads for t in tokens], desc="tail split", disable=not verbose):
         sets = input_sets(T, H, topk, num_slots, max(2, rotating_sets(T, topk)), gen)
         calls = {"default": [lambda q=q, s=s: sparse_mla_attention(q, cache, s, scale) for q, s in sets]}
@@ -132,7 +132,6 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
             from glm5lab.bench import wave_spread
 
             slots_n = torch.cuda.get_device_properties(0).multi_processor_count * paired_tile(H)["resident"]
-            kept = []
             for name, plan in [("default", None), *((f"tail{w}x{k}", (w, k)) for w, k in plans)]:
                 progs = stamped_programs(sets[0][0], cache, sets[0][1], scale, plan)
                 parts = wave_spread.spread_parts([p[1:] for p in progs], slots_n)
@@ -144,7 +143,6 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
                          for i, (g, sm, a, b) in enumerate(progs)]
                 if verbose:
                     tqdm.write(f"  {shape} {name:>12} stamped: " + " ".join(f"{k} {v:.3g}" for k, v in parts.items()))
-            wave_spread.write_programs(programs_csv, kept, command or "python -m glm5lab.bench.tail_split")
         timers = {name: graph_timer(fns) for name, fns in calls.items()}
         samples = interleaved_samples(timers, rounds)
         for name, xs in samples.items():
@@ -157,6 +155,10 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
             if verbose:
                 tqdm.write(f"  {shape} {name:>12}: {q['p50']:.1f} us (p20 {q['p20']:.1f}, p80 {q['p80']:.1f})")
     append_rows(out_csv, rows, command=command or "python -m glm5lab.bench.tail_split")
+    if programs_csv:
+        from glm5lab.bench import wave_spread
+
+        wave_spread.write_programs(programs_csv, kept, command or "python -m glm5lab.bench.tail_split")
     return rows
 
 

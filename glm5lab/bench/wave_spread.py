@@ -167,8 +167,8 @@ def write_programs(path: str, programs: list, command: str) -> None:
 
 
 def plot(programs_csv: str, png: str) -> str:
-    """Programs running over time (one line a case: the latest run's) and each program's end by SM, from the
-    programs CSV; returns png."""
+    """Programs running over time (one line a case: the latest run's, i.e. the rows of the last row's command and
+    commit) and each program's end by SM, from the programs CSV; returns png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,7 +176,8 @@ def plot(programs_csv: str, png: str) -> str:
     import pandas as pd
 
     frame = pd.read_csv(programs_csv, dtype={"git_sha": str})
-    frame = frame[frame["timestamp"] == frame["timestamp"].max()]
+    frame = frame[frame["command"] == frame["command"].iloc[-1]]
+    frame = frame[frame["git_sha"] == frame["git_sha"].iloc[-1]]        # (the latest run: its command and commit)
     cases = list(dict.fromkeys(zip(frame["shape"], frame["implementation"])))
     shapes = list(dict.fromkeys(s for s, _ in cases))
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
@@ -185,7 +186,7 @@ def plot(programs_csv: str, png: str) -> str:
             sub = frame[(frame["shape"] == shape) & (frame["implementation"] == form)]
             progs = list(zip(sub["sm"], sub["start_us"], sub["end_us"]))
             marks = sorted(set(sub["start_us"]) | set(sub["end_us"]))
-            label = "default" if form == "glm5lab" else f"{form} (gathers alone)"
+            label = form.replace("glm5lab", "default") + (" (gathers alone)" if form.endswith("d3") else "")
             axes[0][col].step(marks, [active_at(progs, t) / sub["slots"].iloc[0] for t in marks], where="post",
                               label=label)
             axes[1][col].scatter(sub["sm"], sub["end_us"], s=4, label=label)
