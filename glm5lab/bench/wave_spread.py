@@ -82,10 +82,9 @@ def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk
         num_slots: int = 524288, replays: int = 3, command: str = "", verbose: bool = True) -> list:
     """Every (heads, tokens, form[, splits]) case ("glm5lab": the default; else a name of
     kernel_bench.GLUON_VARIANTS; splits: the top-k split in that many programs a token, merged after, else the
-    default's): a CUDA
-    graph of rotating input sets, each call with its own stamp buffer, replayed `replays` times; the last replay's
-    stamps give every call's `spread_parts`; rows appended to out_csv, and one call's programs (the median-tail one)
-    to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the same calls'
+    default's): a CUDA graph of rotating input sets, each call with its own stamp buffer, replayed `replays` times;
+    the last replay's stamps give every call's `spread_parts`; rows appended to out_csv, and one call's programs (the
+    median-tail one) to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the same calls'
     without stamps (`time_graph`): the stamped build is not byte-identical (NOTES.md v44)."""
     import torch
     from tqdm.auto import tqdm
