@@ -161,18 +161,24 @@ PHASES = {0: "start (global)", 1: "start", 2: "first rows requested (slot indice
 
 
 @gluon.jit
+def _stamp_slot(STAMPS, k: gl.constexpr):
+    """Where this program's stamp k goes: its row of STAMP_SLOTS values in the buffer, by its place in the grid."""
+    prog = (gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)) * gl.num_programs(0) + gl.program_id(0)
+    return STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k
+
+
+@gluon.jit
 def _stamp(STAMPS, k: gl.constexpr, GLOBAL: gl.constexpr = False):
     """Phase stamp k of this program (PHASES): clock64 now, in program order -- a warp issues in order, so after every
     instruction before it has issued, i.e. after whatever their operands waited for; GLOBAL: globaltimer (ns, one
     clock for all SMs). Off (STAMPS None): nothing."""
     if STAMPS is not None:
-        prog = (gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)) * gl.num_programs(0) + gl.program_id(0)
         if GLOBAL:
             now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                             pack=1)
         else:
             now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, now)
+        gl.store(_stamp_slot(STAMPS, k), now)
 
 
 # The wave stamps of the dual and paired fp8_ds_mla kernels (a diagnostic: `glm5lab.bench.wave_spread`, NOTES.md
@@ -184,9 +190,8 @@ WAVE_STAMPS = {0: "start (global)", 1: "SM id", 13: "end (global)"}
 def _stamp_sm(STAMPS, k: gl.constexpr):
     """Stamp k of this program: the id of the SM it runs on (%smid). Off (STAMPS None): nothing."""
     if STAMPS is not None:
-        prog = (gl.program_id(1) * gl.num_programs(2) + gl.program_id(2)) * gl.num_programs(0) + gl.program_id(0)
         sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.store(STAMPS + prog.to(gl.int64) * STAMP_SLOTS + k, sm.to(gl.int64))
+        gl.store(_stamp_slot(STAMPS, k), sm.to(gl.int64))
 
 
 @gluon.jit
