@@ -57,12 +57,10 @@ def test_gpu_tail_split_matches_the_reference(H, T, whole, splits):
 @pytest.mark.gpu
 def test_gpu_tail_split_second_grid_starts_before_the_first_ends():
     """With the first grid letting its dependent launch, the split tokens' programs start on the slots the first
-    grid's programs leave, before its last program ends (stamps of both grids on one clock, in a replayed CUDA
-    graph)."""
-    from glm5lab.bench import wave_spread
-    from glm5lab.bench.kernel_bench import capture_graph
+    grid's programs leave, before its last program ends (`stamped_programs`: stamps of both grids on one clock, in a
+    replayed CUDA graph -- eager, the host's launch of the second grid can come after the first has ended: 147 us
+    after it on the H200)."""
     from glm5lab.bench.power_probe import random_fp8_cache
-    from glm5lab.kernels.sparse_mla import STAMP_SLOTS, sparse_mla_attention
     from glm5lab.sparse.reference import mla_softmax_scale
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -70,22 +68,8 @@ def test_gpu_tail_split_second_grid_starts_before_the_first_ends():
     T, whole = 512, 264
     q = torch.randn(T, 16, 576, device="cuda", generator=gen).to(torch.bfloat16)
     slots = torch.randint(0, 262_144, (T, 2048), device="cuda", dtype=torch.int32, generator=gen)
-    tile = {**tail_split.paired_tile(16), "impl": "gluon"}
-    bufs = [torch.full((T * 4, STAMP_SLOTS.value), -1, dtype=torch.int64, device="cuda") for _ in range(2)]
-    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(T, 16, device="cuda")
-
-    def call():
-        sparse_mla_attention(q[:whole], cache, slots[:whole], mla_softmax_scale(), num_splits=1, out=out[:whole],
-                             lse=lse[:whole], _config={**tile, "_trigger_dependents": True, "_stamps": (bufs[0], None)})
-        sparse_mla_attention(q[whole:], cache, slots[whole:], mla_softmax_scale(), num_splits=2, out=out[whole:],
-                             lse=lse[whole:], _config={**tile, "_dependent_launch": True, "pdl": False,
-                                                       "_stamps": (bufs[1], None)})
-
-    # in a CUDA graph, as an engine replays it (eager, the host's launch of the second grid can come after the first
-    # has ended: 147 us after it on the H200)
-    capture_graph([call]).replay()
-    torch.cuda.synchronize()
-    first, second = (wave_spread.programs_of(b.tolist()) for b in bufs)
+    progs = tail_split.stamped_programs(q, cache, slots, mla_softmax_scale(), (whole, 2))
+    first = [p[1:] for p in progs if p[0] == 1]
+    second = [p[1:] for p in progs if p[0] == 2]
     assert len(first) == whole and len(second) == 2 * (T - whole)
     assert min(a for _, a, _ in second) < max(b for _, _, b in first)

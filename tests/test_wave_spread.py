@@ -42,6 +42,12 @@ def test_programs_of_drops_programs_that_wrote_nothing():
         wave_spread.spread_parts(_us((0, 0, 1)), slots=0)
 
 
+def test_program_rows_count_from_the_call_s_first_start():
+    rows = wave_spread.program_rows(_us((3, 2, 5), (4, 1, 9)), "glm5lab", "H8_T2_K2048", 264)
+    assert [(r["program"], r["sm"], r["start_us"], r["end_us"], r["slots"]) for r in rows] == [
+        (0, 3, 1.0, 4.0, 264), (1, 4, 0.0, 8.0, 264)]
+
+
 def test_summary_rows_take_medians_over_calls():
     calls = [wave_spread.spread_parts(_us((0, 0, e), (1, 0, 5)), slots=2) for e in (6, 8, 10, 12, 14)]
     rows = wave_spread.summary_rows(calls, "H16_T512_K2048", "glm5lab")

@@ -137,10 +137,8 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
                 parts = wave_spread.spread_parts([p[1:] for p in progs], slots_n)
                 rows += [{**base, "implementation": name, "metric": k, "value": v,
                           "unit": "us" if k.endswith("_us") else "-"} for k, v in parts.items()]
-                t0 = min(p[2] for p in progs)
-                kept += [{"implementation": f"{name}:grid{g}", "shape": shape, "slots": slots_n, "program": i, "sm": sm,
-                          "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3}
-                         for i, (g, sm, a, b) in enumerate(progs)]
+                kept += [{**row, "implementation": f"{name}:grid{g}"} for row, (g, *_) in
+                         zip(wave_spread.program_rows([p[1:] for p in progs], name, shape, slots_n), progs)]
                 if verbose:
                     tqdm.write(f"  {shape} {name:>12} stamped: " + " ".join(f"{k} {v:.3g}" for k, v in parts.items()))
         timers = {name: graph_timer(fns) for name, fns in calls.items()}

@@ -65,6 +65,14 @@ def spread_parts(programs, slots: int) -> dict:
             "drain_us": drain}
 
 
+def program_rows(programs, form: str, shape: str, slots: int) -> list:
+    """One call's programs ((sm, start_ns, end_ns)) as rows of the programs CSV (`write_programs`, `plot`): us from
+    the call's first start."""
+    t0 = min(a for _, a, _ in programs)
+    return [{"implementation": form, "shape": shape, "slots": slots, "program": i, "sm": sm,
+             "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3} for i, (sm, a, b) in enumerate(programs)]
+
+
 def summary_rows(calls: list, shape: str, form: str) -> list:
     """Long-format rows: each `spread_parts` metric's median over the calls, with p20 / p80."""
     from glm5lab.bench.timing import quantiles
@@ -132,9 +140,7 @@ def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk
                   "metric": metric, "value": v, "unit": "us"}
                  for metric, v in (("time_graph_stamped", us), ("time_graph", plain_us))]
         pick = sorted(range(len(calls)), key=lambda i: calls[i]["tail_us"])[len(calls) // 2]
-        t0 = min(a for _, a, _ in per_call[pick])
-        kept += [{"implementation": form, "shape": shape, "slots": slots, "program": i, "sm": sm,
-                  "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3} for i, (sm, a, b) in enumerate(per_call[pick])]
+        kept += program_rows(per_call[pick], form, shape, slots)
         if verbose:
             med = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
             tqdm.write(f"  {shape} {form:>12}: graph {plain_us:.1f} us (stamped {us:.1f}); "
