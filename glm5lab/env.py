@@ -35,15 +35,18 @@ def interpreter_mode() -> bool:
 
 
 def gpu_info() -> dict:
-    """Name and compute capability of CUDA device 0, or {'gpu': 'no GPU'}."""
+    """Name, compute capability and UUID of CUDA device 0, or {'gpu': 'no GPU'}. The UUID tells one lent GPU of a
+    kind from another: the H200s here differ by 3-5% on long kernel calls (results/kernels/NOTES.md v39, v45)."""
     try:
         import torch
     except ImportError:
-        return {"gpu": "no GPU", "capability": None}
+        return {"gpu": "no GPU", "capability": None, "gpu_uuid": None}
     if not torch.cuda.is_available():
-        return {"gpu": "no GPU", "capability": None}
+        return {"gpu": "no GPU", "capability": None, "gpu_uuid": None}
     major, minor = torch.cuda.get_device_capability(0)
-    return {"gpu": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}"}
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return {"gpu": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}",
+            "gpu_uuid": f"GPU-{uuid}" if uuid is not None else None}
 
 
 def git_sha(root: Path | None = None) -> str | None:

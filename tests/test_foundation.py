@@ -37,10 +37,29 @@ def test_version_and_env_cli():
 
     if torch.cuda.is_available():
         assert info["capability"] == "%d.%d" % torch.cuda.get_device_capability(0)
+        assert info["gpu_uuid"] == f"GPU-{torch.cuda.get_device_properties(0).uuid}"
     else:
-        assert info["gpu"] == "no GPU" and info["capability"] is None
+        assert info["gpu"] == "no GPU" and info["capability"] is None and info["gpu_uuid"] is None
     table = _cli("env")
     assert table.returncode == 0 and re.search(r"^vllm\s+\S+", table.stdout, re.M)
+
+
+def test_gpu_info_names_the_device_by_its_uuid(monkeypatch):
+    """On a CUDA machine gpu_info gives the device's UUID as nvidia-smi writes it (GPU-...), so that a result's
+    provenance tells one lent GPU of a kind from another; here torch.cuda is stood in for."""
+    import uuid
+
+    import torch
+
+    from glm5lab.env import gpu_info
+
+    dev_uuid = uuid.uuid4()
+    props = type("Props", (), {"uuid": dev_uuid})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    assert gpu_info() == {"gpu": "NVIDIA H200", "capability": "9.0", "gpu_uuid": f"GPU-{dev_uuid}"}
 
 
 def test_unknown_subcommand_fails_cleanly():
