@@ -83,7 +83,7 @@ def format_report(info: dict) -> str:
     for key, value in info.items():
         if value is None:
             value = "not installed" if key in _PACKAGES else "unknown"
-        if key == "capability" and info.get("capability") is None:
+        if key in ("capability", "gpu_uuid") and info.get(key) is None:
             continue
         lines.append(f"{key:<{width}}  {value}")
     return "\n".join(lines)
