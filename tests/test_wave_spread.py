@@ -72,6 +72,48 @@ def test_programs_csv_appends_runs_and_plots_the_latest(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_resident_pairs_compare_the_second_program_of_each_wave_with_the_first():
+    """SM 0 runs 0-10 and 0-12 us (a tie at the start: the lower index is the older), then 10-20 and 12-23; SM 1
+    runs 1-9 and 0.5-8.5 (listed second but started first: the older; ratio 1, gap 0.5 us); SM 2 runs a single
+    program (left out)."""
+    progs = _us((0, 0, 10), (0, 0, 12), (0, 10, 20), (0, 12, 23), (1, 1, 9), (1, 0.5, 8.5), (2, 0, 7))
+    got = wave_spread.resident_pairs(progs)
+    assert [(sm, w) for sm, w, _, _ in got] == [(0, 1), (0, 2), (1, 1)]
+    assert [r for _, _, r, _ in got] == pytest.approx([1.2, 1.1, 1.0])
+    assert [g for _, _, _, g in got] == pytest.approx([0.0, 2.0, 0.5])
+    with pytest.raises(Glm5labError, match="a program on SM 3 ends"):
+        wave_spread.resident_pairs(_us((3, 5, 5), (3, 6, 9)))
+
+
+def test_pair_table_reads_each_call_of_a_programs_csv(tmp_path, capsys):
+    """Two calls of one form and shape written within the same second (one timestamp): told apart by their program
+    numbers restarting at 0. In the first the younger program of every pair runs 10% longer, in the second 5%
+    shorter; the table and `--pairs` say so per call and wave."""
+    path = tmp_path / "programs.csv.gz"
+
+    def call(scale):
+        rows = []
+        for sm in range(4):
+            for wave in range(2):
+                t0 = 20.0 * wave
+                for k, dur in enumerate((10.0, 10.0 * scale)):
+                    rows.append((sm, t0 + 0.1 * k, t0 + 0.1 * k + dur))
+        return wave_spread.program_rows(_us(*rows), "glm5lab", "H16_T16_K2048", 8)
+
+    wave_spread.write_programs(str(path), call(1.1), "test")
+    wave_spread.write_programs(str(path), call(0.95), "test")
+    table = wave_spread.pair_table(str(path))
+    assert list(table["wave"]) == [1, 2, 1, 2] and set(table["sms"]) == {4}
+    assert list(table["younger_slower"]) == [1.0, 1.0, 0.0, 0.0]
+    assert list(table["ratio_p50"]) == pytest.approx([1.1, 1.1, 0.95, 0.95], rel=1e-3)
+    assert list(table["gap_p50_us"]) == pytest.approx([0.1] * 4, abs=2e-3)
+    assert wave_spread.main(["--pairs", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "younger_slower" in printed and "H16_T16_K2048" in printed
+    assert wave_spread.main([]) == 1
+    assert "--out is required (or --pairs PROGRAMS_CSV" in capsys.readouterr().err
+
+
 def test_wave_spread_refuses_unknown_forms_and_bad_cases(tmp_path, capsys):
     out = tmp_path / "w.csv"
     assert wave_spread.main(["--out", str(out), "--case", "8:128"]) == 1

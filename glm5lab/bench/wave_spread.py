@@ -12,6 +12,7 @@ were busy at the end (`drain_us`). The programs of one call are kept for the plo
 
     PYTHONPATH=. python -m glm5lab.bench.wave_spread --out results/kernels/wave_spread_h200.csv \\
         --programs results/kernels/wave_spread_programs_h200.csv.gz --png results/kernels/wave_spread_h200.png
+    python -m glm5lab.bench.wave_spread --pairs results/kernels/wave_spread_programs_h200.csv.gz   # no GPU
 """
 from __future__ import annotations
 
@@ -73,6 +74,46 @@ def program_rows(programs, form: str, shape: str, slots: int) -> list:
              "start_us": (a - t0) / 1e3, "end_us": (b - t0) / 1e3} for i, (sm, a, b) in enumerate(programs)]
 
 
+def resident_pairs(programs) -> list:
+    """The programs each SM ran, in the order they started, taken two at a time (the paired kernel holds two a SM,
+    so pair k is the k-th "wave" of that SM): (sm, wave, younger / older duration, start gap us) a pair, the older
+    being the one that started first (ties: the lower program index). An SM's odd program out is left out. v44-v45
+    read it to ask whether the CTA that came second is the one that runs slower (NOTES.md v45)."""
+    by_sm: dict = {}
+    for i, (sm, a, b) in enumerate(programs):
+        by_sm.setdefault(sm, []).append((a, i, b))
+    pairs = []
+    for sm in sorted(by_sm):
+        runs = sorted(by_sm[sm])
+        for wave in range(len(runs) // 2):
+            (a0, _, b0), (a1, _, b1) = runs[2 * wave], runs[2 * wave + 1]
+            if b0 <= a0:
+                raise Glm5labError(f"wave stamps: a program on SM {sm} ends ({b0} ns) before it starts ({a0} ns)")
+            pairs.append((sm, wave + 1, (b1 - a1) / (b0 - a0), (a1 - a0) / 1e3))
+    return pairs
+
+
+def pair_table(programs_csv: str):
+    """`resident_pairs` of every call in a programs CSV (`write_programs`): a row a call (form, shape, its run's
+    timestamp) and wave, with how many SMs, on what share the younger program took longer, and the younger / older
+    duration's p10 / p50 / p90 and the median start gap. A pandas DataFrame (printed by `--pairs`)."""
+    import pandas as pd
+
+    frame = pd.read_csv(programs_csv, dtype={"git_sha": str})
+    # a call's programs are numbered from 0 (`program_rows`): a 0 starts the next call of that form and shape
+    frame["call"] = frame.groupby(["implementation", "shape"])["program"].transform(lambda p: (p == 0).cumsum())
+    out = []
+    for (form, shape, _), sub in frame.groupby(["implementation", "shape", "call"], sort=False):
+        progs = list(zip(sub["sm"], (sub["start_us"] * 1e3).round(), (sub["end_us"] * 1e3).round()))
+        pairs = pd.DataFrame(resident_pairs(progs), columns=["sm", "wave", "ratio", "gap_us"])
+        for wave, w in pairs.groupby("wave"):
+            out.append({"implementation": form, "shape": shape, "timestamp": sub["timestamp"].iloc[0],
+                        "wave": int(wave), "sms": len(w), "younger_slower": float((w["ratio"] > 1).mean()),
+                        "ratio_p10": w["ratio"].quantile(0.1), "ratio_p50": w["ratio"].median(),
+                        "ratio_p90": w["ratio"].quantile(0.9), "gap_p50_us": w["gap_us"].median()})
+    return pd.DataFrame(out)
+
+
 def summary_rows(calls: list, shape: str, form: str) -> list:
     """Long-format rows: each `spread_parts` metric's median over the calls, with p20 / p80."""
     from glm5lab.bench.timing import quantiles
@@ -92,8 +133,8 @@ def run(out_csv: str, programs_csv: str | None = None, cases=DEFAULT_CASES, topk
     kernel_bench.GLUON_VARIANTS; splits: the top-k split in that many programs a token, merged after, else the
     default's): a CUDA graph of rotating input sets, each call with its own stamp buffer, replayed `replays` times;
     the last replay's stamps give every call's `spread_parts`; rows appended to out_csv, and one call's programs (the
-    median-tail one) to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the same calls'
-    without stamps (`time_graph`): the stamped build is not byte-identical (NOTES.md v44)."""
+    median-tail one) to programs_csv. The graph's time a call is recorded beside them (`time_graph_stamped`), and the
+    same calls' without stamps (`time_graph`): the stamped build is not byte-identical (NOTES.md v44)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -210,12 +251,19 @@ def plot(programs_csv: str, png: str) -> str:
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the summary CSV (required unless --pairs)")
     ap.add_argument("--programs", help="(gzip) CSV for one call's programs a case")
     ap.add_argument("--png", help="plot the programs CSV into this file")
+    ap.add_argument("--pairs", metavar="PROGRAMS_CSV",
+                    help="no GPU: print each call's co-resident pairs (`pair_table`) from a programs CSV and stop")
     ap.add_argument("--case", nargs="+", metavar="HEADS:TOKENS:FORM[:SPLITS]",
                     help="cases (default: %s)" % " ".join(f"{h}:{t}:{f}" for h, t, f in DEFAULT_CASES))
     args = ap.parse_args(argv)
+    if args.pairs:
+        print(pair_table(args.pairs).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        return 0
+    if not args.out:
+        raise Glm5labError("wave_spread: --out is required (or --pairs PROGRAMS_CSV to read a committed run)")
     cases = DEFAULT_CASES
     if args.case:
         try:
