@@ -63,7 +63,7 @@ def build(config: dict, sm: int = 90):
         cfg.setdefault("FP8", True)          # (not a parameter: it picks the kernel and the cache pointer below)
         kern = sparse_mla_sm90.kernel_of(cfg.get("BLOCK_H", 16), cfg["FP8"], cfg.pop("rows", False),
                                          cfg.pop("ws", False), cfg.pop("converter", False), cfg.pop("dual", False),
-                                         cfg.pop("one_item", False), cfg.pop("paired", False), cfg.pop("walk", False))
+                                         cfg.pop("one_item", False), cfg.pop("paired", False))
     else:
         Source = ASTSource
         from glm5lab.kernels.sparse_mla import _sparse_mla_fwd_kernel as kern

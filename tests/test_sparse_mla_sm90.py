@@ -257,12 +257,10 @@ PAIR16SOPFHK = {**sparse_mla_sm90.ROWS_FP8_PAIRED_CONFIG, "offs32": False}
 WS8X2SOKPH = sparse_mla_sm90.ROWS_FP8_DUAL_DEEP_CONFIG
 # ... and with the loader's row offsets in 32 bits (NOTES.md v40; the 16-head default's "auto" takes them, v41)
 PAIR8SOPK32, PAIR16SOPFHK32 = {**PAIR8SOPK, "offs32": True}, {**PAIR16SOPFHK, "offs32": True}
-# ... and both defaults' forms whose programs walk their items (NOTES.md v45; the 16-head one with 32-bit offsets)
-PAIR8SOPKW, PAIR16SOPFHK32W = {**PAIR8SOPK, "walk": True}, {**PAIR16SOPFHK32, "walk": True}
 PAIRED = pytest.mark.parametrize("pcfg", [PAIR8SOPK, PAIR8S3O3P, PAIR16SOPK, PAIR8SOPFHK, PAIR16SOPFHK, PAIR8SOPK32,
-                                          PAIR16SOPFHK32, PAIR8SOPKW, PAIR16SOPFHK32W],
+                                          PAIR16SOPFHK32],
                                  ids=["pair8sopk", "pair8s3o3p", "pair16sopk", "pair8sopfhk", "pair16sopfhk",
-                                      "pair8sopk32", "pair16sopfhk32", "pair8sopkw", "pair16sopfhk32w"])
+                                      "pair8sopk32", "pair16sopfhk32"])
 
 
 def test_offs32_is_refused_where_it_does_not_apply():
@@ -1220,51 +1218,6 @@ def test_gluon_paired_tile_builds_for_two_ctas_a_sm(pcfg):
     assert rep["regs"] <= 128 and {40, 216} <= set(rep["setmaxnreg"])
     assert rep["stack"] == 0 and rep.get("LDL", 0) == 0 and rep["HGMMA"] == 68
     assert 2 * (rep["smem"] + 1024) <= 228 * 1024
-
-
-@pytest.mark.parametrize("pcfg", [PAIR8SOPKW, PAIR16SOPFHK32W], ids=["pair8sopkw", "pair16sopfhk32w"])
-def test_gluon_paired_walking_tile_builds_for_two_ctas_a_sm(pcfg):
-    """The paired kernel whose programs walk their items (NOTES.md v45) fits two CTAs a SM as the paired kernel does
-    (128 registers, the same shared memory), one consumer's 68 wgmma a step; its item loop costs local memory, not in
-    the consumer's step at 8 heads (the loader, at 40 registers, holds the next item's rows: <= 24 bytes), and at 16
-    heads <= 96 bytes, per item and in the loader (sm90 build of v45: the step loop as long as the paired kernel's,
-    no LDL in it)."""
-    rep = _sm90_build(rows=True, dual=True, paired=True, walk=True, BLOCK_H=pcfg["block_h"], BLOCK_N=64, STAGES=2,
-                      SPLIT=True, FP8=True, num_warps=4, PIPE=sparse_mla_sm90.pipe_bits(pcfg["pipe"]),
-                      KEPT_P=pcfg["kept_p"], OFFS32=pcfg["offs32"])
-    assert rep["regs"] <= 128 and {40, 216} <= set(rep["setmaxnreg"]) and rep["HGMMA"] == 68
-    assert rep["stack"] <= (24 if pcfg["block_h"] == 8 else 96)
-    assert 2 * (rep["smem"] + 1024) <= 228 * 1024
-
-
-def test_walking_tile_is_a_paired_form_and_launches_two_programs_a_sm(monkeypatch):
-    """check_tile refuses walk without paired; kernel_of_config picks the walking kernel; `launch` runs it on
-    min(items, 2 x SMs) programs with the item count (tokens x splits), and refuses a grid of more than one head
-    tile (a walking program covers every head of its items)."""
-    from glm5lab.kernels import sparse_mla_sm90 as sm90
-
-    with pytest.raises(Glm5labError, match="walk=True is a form of the paired fp8_ds_mla kernel"):
-        sm90.check_tile({**WS8X2SOKPH, "walk": True}, True, 16)
-    assert sm90.kernel_of_config(PAIR8SOPKW, True) is sm90._sparse_mla_rows_fp8_paired_walk_sm90_kernel
-    assert sm90.kernel_of_config(PAIR8SOPK, True) is sm90._sparse_mla_rows_fp8_paired_sm90_kernel
-    seen = {}
-
-    class Recorder:
-        arg_names = sm90._sparse_mla_rows_fp8_paired_walk_sm90_kernel.arg_names
-        fn = sm90._sparse_mla_rows_fp8_paired_walk_sm90_kernel.fn
-
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                seen.update(grid=grid, **kw)
-            return run
-
-    monkeypatch.setattr(sm90, "_sparse_mla_rows_fp8_paired_walk_sm90_kernel", Recorder())
-    for tokens, splits, num_sms, programs in ((512, 1, 132, 264), (100, 2, 132, 200), (3, 1, 132, 3),
-                                              (600, 1, 78, 156)):
-        sm90.launch((1, tokens, splits), tuple(range(20)), PAIR8SOPKW, splits > 1, True, num_heads=8, num_sms=num_sms)
-        assert seen["grid"] == (programs,) and seen["num_items"] == tokens * splits and seen["STAGES"] == 2
-    with pytest.raises(Glm5labError, match="walks one head tile's items; this call has 2 tiles"):
-        sm90.launch((2, 512, 1), tuple(range(20)), PAIR8SOPKW, False, True, num_heads=8)
 
 
 def test_paired_tile_is_a_dual_tile_of_two_stages():

@@ -188,15 +188,6 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
                                            "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                            "pipe": pipe, "kept_p": True, "one_item": True, "offs32": True})
                     for h, pipe in ((8, "sop"), (16, "sopfh"))),
-                  # ... and the paired defaults whose programs walk their items, two CTA slots a SM ("walk",
-                  # NOTES.md v45: a second item without a CTA launch, first slot indices or first gathers)
-                  ("pair8sopkw", {"rows": True, "ws": False, "block_h": 8, "block_n": 64, "num_warps": 4, "stages": 2,
-                                  "resident": 2, "dual_consumers": True, "paired": True, "pipe": "sop", "kept_p": True,
-                                  "one_item": True, "walk": True}),
-                  ("pair16sopfhk32w", {"rows": True, "ws": False, "block_h": 16, "block_n": 64, "num_warps": 4,
-                                       "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
-                                       "pipe": "sopfh", "kept_p": True, "one_item": True, "offs32": True,
-                                       "walk": True}),
                   *((f"pair{h}sopd{d}", {"rows": True, "ws": False, "block_h": h, "block_n": 64, "num_warps": 4,
                                           "stages": 2, "resident": 2, "dual_consumers": True, "paired": True,
                                           "pipe": "sop", "one_item": True, "_diagnostic": True, "ws_diag": d})
@@ -239,7 +230,7 @@ GLUON_VARIANTS = [("s2", {"rows": False, "ws": False, "block_n": 32, "num_warps"
 # its paired form's loader with 32-bit row offsets where the cache allows (v41), and a tile laid over it must not
 # inherit any
 GLUON_VARIANTS = [(n, {"dual_consumers": False, "block_h": 16, "pipe": "", "kept_p": False, "one_item": False,
-                       "paired": False, "offs32": False, "walk": False, **cfg})
+                       "paired": False, "offs32": False, **cfg})
                   for n, cfg in GLUON_VARIANTS]
 # tiles that exist for one kind of cache only: True = fp8_ds_mla, False = bf16/fp16
 VARIANT_FP8_ONLY = {"rows64": False, "n64": False, "ws64d5": True, "ws64psd2": False,

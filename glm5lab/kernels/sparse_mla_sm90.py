@@ -2266,10 +2266,10 @@ def _item_rows(item, num_items, num_splits, rows_per_split, topk, SLOTS, stride_
 @gluon.jit
 def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
                            rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, DIAG: gl.constexpr, OFFS32: gl.constexpr = False):
+                           STAGES: gl.constexpr, DIAG: gl.constexpr):
     """The persistent kernel's loader warpgroup: the steps of this program's items one after another into the ring
     (global step g into stage g % STAGES), the next item's first slot indices loaded during the last step of this
-    one, so the ring never drains between items. Also the paired walking kernel's (OFFS32: `_copy_rows`)."""
+    one, so the ring never drains between items."""
     pid = gl.program_id(0)
     G = gl.num_programs(0)
     _, _, n_start, n_end, _, slot_row = _item_rows(pid, num_items, num_splits, rows_per_split, topk, SLOTS,
@@ -2290,7 +2290,7 @@ def _fp8_persistent_loader(KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, f
                                            gl.where(last, n2_start, n_start + (i + 1) * BLOCK_N),
                                            gl.where(last, n2_end, n_end), raw_lat.index(b), raw_rope.index(b),
                                            scale_stages.index(b), sl, sr, ss, BLOCK_N, WG_LAT8, WG_ROPE, WG_SCALE,
-                                           True, OFFS32)
+                                           True)
             async_copy.mbarrier_arrive(staged.index(b), increment_count=False)
             g += 1
     async_copy.wait_group(0)
@@ -2394,70 +2394,6 @@ def _sparse_mla_rows_fp8_persistent_sm90_kernel(
     ], [4, 4], [224, 56] if PIPE & (PIPE_S3 | PIPE_O3) else [208, 88])
     # registers a thread: consumers 208 each, loader 88 (the 12 warps' 168 each); three products in flight need 224
     # (208 spill 40 bytes, NOTES.md v19), the loader fits 56
-
-
-@gluon.jit
-def _fp8_paired_walk_consumer(Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope, scale_ring,
-                              p_ts, staged, free, SLOTS, num_items, num_splits, rows_per_split, topk, num_slots,
-                              qk_scale_log2, num_heads, stride_qt, stride_qh, stride_st, stride_ot, stride_oh,
-                              stride_lt, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              SPLIT: gl.constexpr, ST_L: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr = 0,
-                              KEPT_P: gl.constexpr = False):
-    """The paired walking kernel's one consumer warpgroup: for each item of this program, q staged (once every warp
-    is done with the previous item's), every step (`_fp8_dual_step`, ring steps counted across items) and the
-    item's result written."""
-    H_COLS: gl.constexpr = gl.SliceLayout(0, ST_L)
-    g = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        t, s, n_start, n_end, num_steps, slot_row = _item_rows(item, num_items, num_splits, rows_per_split, topk,
-                                                               SLOTS, stride_st, BLOCK_N)
-        if DIAG != 3:                         # (ws_diag 3 runs no products: no q)
-            gl.thread_barrier()               # every warp has read the previous item's q_unscale
-            _stage_q_fp16_domain(Q, t, stride_qt, stride_qh, 0, num_heads, q_lat, q_rope, q_unscale, BLOCK_H,
-                                 H_COLS, (PIPE & PIPE_F) != 0)
-        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _fp8_dual_steps(
-            q_lat, q_rope, q_unscale.load(H_COLS), raw_lat, raw_rope, scale_ring, p_ts, staged, free, slot_row,
-            n_start, n_end, num_steps, 0, g, num_slots, qk_scale_log2, BLOCK_H, BLOCK_N, STAGES, ST_L, DIAG, PIPE,
-            KEPT_P, 1)
-        g += num_steps
-        inv_l, lse2 = _softmax_totals(l_i, m_i, r_i)
-        _store_chunks(OUT, LSE, PART_O, PART_LSE, acc0, acc1, acc2, acc3, inv_l, lse2, t, s, 0, num_heads,
-                      num_splits, stride_ot, stride_oh, stride_lt, BLOCK_H, SPLIT, ST_L, True)
-
-
-@gluon.jit
-def _sparse_mla_rows_fp8_paired_walk_sm90_kernel(
-    Q, KV, SLOTS, OUT, LSE, PART_O, PART_LSE,
-    qk_scale_log2, num_slots, num_heads, topk, rows_per_split, num_splits,
-    stride_qt, stride_qh, kv_row_stride, stride_st, stride_ot, stride_oh, stride_lt, num_items,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-    DIAG: gl.constexpr = 0, PIPE: gl.constexpr = 0, KEPT_P: gl.constexpr = False, OFFS32: gl.constexpr = False,
-):
-    """The paired kernel (one consumer warpgroup and a loader, 2 stages, 128 registers a thread, two CTAs a SM) whose
-    programs walk the (token, split) items p, p + G, ... (G programs: `launch` starts min(items, 2 x SMs)), the
-    loader streaming one item's rows after the other's through the ring (`_fp8_persistent_loader`), so that a second
-    item costs no CTA launch, first slot indices or first gathers (NOTES.md v45: ~2.2-2.6 us a program a SM in v39's
-    probe). One head tile (<= BLOCK_H heads)."""
-    gl.static_assert(gl.num_warps() == 4, "one consumer warpgroup (plus a loader warpgroup)")
-    gl.static_assert(BLOCK_N == 64, "64-row steps (the wgmma M)")
-    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 8, "16- or 8-head tiles (wgmma N = 16 or 8)")
-    ST_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    q_lat = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], ROWS_SM)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], ROWS_SM)
-    q_unscale = gl.allocate_shared_memory(gl.float32, [BLOCK_H], ROWS_VEC)
-    raw_lat, raw_rope, scale_ring, scale_stages = _raw_ring(STAGES, BLOCK_N)
-    p_ts = _p_chunks(BLOCK_N, BLOCK_H, KEPT_P)
-    staged, free = _handover_barriers(STAGES, 4 * 32)     # staged[b]: every loader thread's copies have landed
-    gl.warp_specialize([
-        (_fp8_paired_walk_consumer, (Q, OUT, LSE, PART_O, PART_LSE, q_lat, q_rope, q_unscale, raw_lat, raw_rope,
-                                     scale_ring, p_ts, staged, free, SLOTS, num_items, num_splits, rows_per_split,
-                                     topk, num_slots, qk_scale_log2, num_heads, stride_qt, stride_qh, stride_st,
-                                     stride_ot, stride_oh, stride_lt, BLOCK_H, BLOCK_N, STAGES, SPLIT, ST_L, DIAG,
-                                     PIPE, KEPT_P)),
-        (_fp8_persistent_loader, (KV, SLOTS, raw_lat, raw_rope, scale_stages, staged, free, num_items, num_splits,
-                                  rows_per_split, topk, num_slots, kv_row_stride, stride_st, BLOCK_N, STAGES, DIAG,
-                                  OFFS32)),
-    ], [4], [PAIRED_LOADER_REGS])
 
 
 # sm90 builds (scripts/sass_report.py --config '{"gluon": true, ...}'): 16x32 tiles, 4 warps; fp8 242 registers,
@@ -2739,21 +2675,19 @@ def resolve_paired(cfg: dict, named: dict) -> dict:
 def kernel_of_config(cfg: dict, fp8: bool):
     """`kernel_of` for a tile config (the keys launch reads)."""
     return kernel_of(cfg["block_h"], fp8, cfg.get("rows", False), cfg.get("ws", False), cfg.get("converter", False),
-                     cfg.get("dual_consumers", False), one_item_a_program(cfg), cfg.get("paired", False),
-                     cfg.get("walk", False))
+                     cfg.get("dual_consumers", False), one_item_a_program(cfg), cfg.get("paired", False))
 
 
 def kernel_of(block_h: int, fp8: bool, rows: bool = False, ws: bool = False, converter: bool = False,
-              dual: bool = False, one_item: bool = False, paired: bool = False, walk: bool = False):
+              dual: bool = False, one_item: bool = False, paired: bool = False):
     """The Gluon kernel of a head tile and layout (rows: a rows-as-M wgmma kernel; for fp8_ds_mla the
     warp-specialized one, with dual its dual-consumer form -- with 8-head tiles the persistent kernel unless one_item,
     one (token, split) a program; with dual and paired its one-consumer form, two CTAs a SM, before any of those;
     ws: the warp-specialized 64-head kernel; with converter, its fp8_ds_mla form that dequantizes in a producer
     warpgroup). Every flag explicit, as the offline builds name them; a tile config's kernel is
-    `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise. walk: the paired
-    form whose programs walk their items (NOTES.md v45)."""
+    `kernel_of_config`'s, where a dual 8-head tile is one item a program unless it says otherwise."""
     if rows and fp8 and dual and paired:
-        return _sparse_mla_rows_fp8_paired_walk_sm90_kernel if walk else _sparse_mla_rows_fp8_paired_sm90_kernel
+        return _sparse_mla_rows_fp8_paired_sm90_kernel
     if rows and fp8 and dual and block_h == 8 and not one_item:
         return _sparse_mla_rows_fp8_persistent_sm90_kernel
     if rows and fp8 and dual:
@@ -2854,9 +2788,6 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
     paired = cfg.get("paired", False)
     if paired and not one_item_a_program(cfg):
         raise Glm5labError("paired=True runs one (token, split) a program; one_item=False is the persistent kernel's")
-    if cfg.get("walk") and not paired:
-        raise Glm5labError("walk=True is a form of the paired fp8_ds_mla kernel (its programs walk their items); got "
-                           f"it with paired={paired}")
     if paired and not dual:
         raise Glm5labError("paired=True is a form of the dual-consumer fp8_ds_mla kernel (its step on one consumer, "
                            f"two CTAs a SM); got it with dual_consumers={dual}")
@@ -2892,8 +2823,7 @@ def check_tile(cfg: dict, fp8: bool, num_heads: int | None = None) -> None:
 def build_options(kernel) -> dict:
     """Compile options a Gluon kernel is built with beyond its tile's (`launch`, and scripts/sass_report.py's offline
     builds): the paired kernel's register cap, so that two CTAs of 8 warps share a SM."""
-    paired = (_sparse_mla_rows_fp8_paired_sm90_kernel, _sparse_mla_rows_fp8_paired_walk_sm90_kernel)
-    return {"maxnreg": PAIRED_MAXNREG} if kernel in paired else {}
+    return {"maxnreg": PAIRED_MAXNREG} if kernel is _sparse_mla_rows_fp8_paired_sm90_kernel else {}
 
 
 def loader_offs32(cfg: dict, kernel, kv) -> bool:
@@ -2921,13 +2851,10 @@ def launch(grid, args, cfg: dict, split: bool, fp8: bool, part_f16: bool = False
     check_tile(cfg, fp8, num_heads)
     kernel = kernel_of_config(cfg, fp8)
     extra = {"FP8": fp8} if "FP8" in kernel.arg_names else {}     # (the wgmma kernel serves both layouts)
-    if "num_items" in kernel.arg_names:       # persistent: one program a slot walks the (token, split) items
-        head_tiles, num_tokens, num_splits = grid
-        if head_tiles != 1:
-            raise Glm5labError(f"{kernel.fn.__name__} walks one head tile's items; this call has {head_tiles} tiles")
+    if "num_items" in kernel.arg_names:       # persistent: one program a SM walks the (token, split) items
+        _, num_tokens, num_splits = grid         # (one head tile: <= 8 heads)
         extra["num_items"] = num_tokens * num_splits
-        slots = num_sms * (cfg.get("resident", 1) if cfg.get("paired") else 1)    # (the paired form: 2 a SM)
-        grid = (max(1, min(extra["num_items"], slots)),)
+        grid = (max(1, min(extra["num_items"], num_sms)),)
     if cfg.get("ws_diag"):
         extra["DIAG"] = cfg["ws_diag"]
     if cfg.get("p_smem"):
