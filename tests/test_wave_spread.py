@@ -81,8 +81,10 @@ def test_resident_pairs_compare_the_second_program_of_each_wave_with_the_first()
     assert [(sm, w) for sm, w, _, _ in got] == [(0, 1), (0, 2), (1, 1)]
     assert [r for _, _, r, _ in got] == pytest.approx([1.2, 1.1, 1.0])
     assert [g for _, _, _, g in got] == pytest.approx([0.0, 2.0, 0.5])
-    with pytest.raises(Glm5labError, match="a program on SM 3 ends"):
+    with pytest.raises(Glm5labError, match=r"program 0 on SM 3 ends \(5000 ns\) before it starts"):
         wave_spread.resident_pairs(_us((3, 5, 5), (3, 6, 9)))
+    with pytest.raises(Glm5labError, match="program 1 on SM 3 ends"):      # (the younger of a pair too)
+        wave_spread.resident_pairs(_us((3, 5, 8), (3, 6, 4)))
 
 
 def test_pair_table_reads_each_call_of_a_programs_csv(tmp_path, capsys):

@@ -81,14 +81,14 @@ def resident_pairs(programs) -> list:
     read it to ask whether the CTA that came second is the one that runs slower (NOTES.md v45)."""
     by_sm: dict = {}
     for i, (sm, a, b) in enumerate(programs):
+        if b <= a:
+            raise Glm5labError(f"wave stamps: program {i} on SM {sm} ends ({b} ns) before it starts ({a} ns)")
         by_sm.setdefault(sm, []).append((a, i, b))
     pairs = []
     for sm in sorted(by_sm):
         runs = sorted(by_sm[sm])
         for wave in range(len(runs) // 2):
             (a0, _, b0), (a1, _, b1) = runs[2 * wave], runs[2 * wave + 1]
-            if b0 <= a0:
-                raise Glm5labError(f"wave stamps: a program on SM {sm} ends ({b0} ns) before it starts ({a0} ns)")
             pairs.append((sm, wave + 1, (b1 - a1) / (b0 - a0), (a1 - a0) / 1e3))
     return pairs
 
