@@ -37,12 +37,13 @@ def interpreter_mode() -> bool:
 def gpu_info() -> dict:
     """Name, compute capability and UUID of CUDA device 0, or {'gpu': 'no GPU'}. The UUID tells one lent GPU of a
     kind from another: the H200s here differ by 3-5% on long kernel calls (results/kernels/NOTES.md v39, v45)."""
+    no_gpu = {"gpu": "no GPU", "capability": None, "gpu_uuid": None}
     try:
         import torch
     except ImportError:
-        return {"gpu": "no GPU", "capability": None, "gpu_uuid": None}
+        return no_gpu
     if not torch.cuda.is_available():
-        return {"gpu": "no GPU", "capability": None, "gpu_uuid": None}
+        return no_gpu
     major, minor = torch.cuda.get_device_capability(0)
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
     return {"gpu": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}",
