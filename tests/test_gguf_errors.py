@@ -21,7 +21,10 @@ def _bad_files(tiny_paths, d):
     cases["wrong_magic"] = (p, "not a GGUF file")
     p = d / "truncated_header.gguf"
     p.write_bytes(data[:3000])
-    cases["truncated_header"] = (p, "truncated or corrupt GGUF header")
+    cases["truncated_header"] = (p, "truncated or corrupt GGUF header (version 3 declares")
+    p = d / "cut_preamble.gguf"
+    p.write_bytes(data[:20])
+    cases["cut_preamble"] = (p, "the file has 20 bytes, a GGUF preamble alone needs 24")
     p = d / "truncated_data.gguf"
     p.write_bytes(data[: len(data) - 1000])
     cases["truncated_data"] = (p, "truncated tensor data")
@@ -40,7 +43,7 @@ def _bad_files(tiny_paths, d):
     return cases
 
 
-CASES = ["wrong_magic", "truncated_header", "truncated_data", "unknown_arch", "empty"]
+CASES = ["wrong_magic", "truncated_header", "cut_preamble", "truncated_data", "unknown_arch", "empty"]
 
 
 @pytest.fixture(scope="module")

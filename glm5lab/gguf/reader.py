@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,19 @@ class _Reader(gguf.GGUFReader):
             raise _TruncatedData(str(exc)) from None
 
 
+def _preamble(path: Path, size: int) -> str:
+    """What the file's fixed 24-byte preamble declares, for a header that did not parse: the reader's own error is
+    numpy's, about array sizes, where a user needs to know how much the header claims and how much file there is."""
+    if size < 24:
+        return f"the file has {size} bytes, a GGUF preamble alone needs 24"
+    with open(path, "rb") as f:
+        version, tensors, keys = struct.unpack("<IQQ", f.read(24)[4:])
+    if version not in (1, 2, 3):
+        return f"unknown GGUF version {version} in a {size}-byte file"
+    return f"version {version} declares {keys} metadata keys and {tensors} tensors, which do not parse within the " \
+           f"file's {size} bytes"
+
+
 def open_reader(path: Path | str) -> gguf.GGUFReader:
     """GGUFReader for one file, with bad input reported as Glm5labError (never a deep traceback)."""
     path = Path(path)
@@ -54,9 +68,8 @@ def open_reader(path: Path | str) -> gguf.GGUFReader:
         reader = _Reader(path, "r")
     except _TruncatedData:
         raise Glm5labError(f"{path}: truncated tensor data (file has {size} bytes)") from None
-    except Exception as exc:  # numpy/struct errors from a header cut short or garbled
-        raise Glm5labError(f"{path}: truncated or corrupt GGUF header ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    except Exception:  # numpy/struct errors from a header cut short or garbled: their text names no GGUF field
+        raise Glm5labError(f"{path}: truncated or corrupt GGUF header ({_preamble(path, size)})") from None
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=reader.data_offset)
     if end > size:
         raise Glm5labError(f"{path}: truncated tensor data (file has {size} bytes, tensors need {end})")
