@@ -6,7 +6,9 @@ an exit code. Modules are imported to build the parser, so they keep torch/vLLM 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 from glm5lab.errors import Glm5labError
@@ -20,6 +22,24 @@ SUBCOMMAND_MODULES = [
     "glm5lab.vllm_plugin.loader_cli",
     "glm5lab.vllm_plugin.generate_cli",
 ]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool = True):
+    """File descriptor 1 pointed at 2 for the block (when active): a `--json` document must be all a command
+    prints on stdout, and vLLM logs there, as do the CPU kernels' C++ libraries, which only a descriptor reaches."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def build_parser() -> argparse.ArgumentParser:

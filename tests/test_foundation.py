@@ -44,6 +44,18 @@ def test_version_and_env_cli():
     assert table.returncode == 0 and re.search(r"^vllm\s+\S+", table.stdout, re.M)
 
 
+def test_stdout_to_stderr_keeps_a_json_document_alone_on_stdout():
+    """What `generate --json` / `loader check --json` wrap vLLM in: Python prints and writes straight to file
+    descriptor 1 (how C++ libraries print) inside the block go to stderr; stdout keeps only what comes after."""
+    code = ("import os, sys\nfrom glm5lab.cli import stdout_to_stderr\n"
+            "with stdout_to_stderr():\n    print('python log')\n    os.write(1, b'native log\\n')\n"
+            "with stdout_to_stderr(False):\n    pass\nprint('{\"ok\": true}')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"ok": True}
+    assert "python log" in out.stderr and "native log" in out.stderr
+
+
 def test_gpu_info_names_the_device_by_its_uuid(monkeypatch):
     """On a CUDA machine gpu_info gives the device's UUID as nvidia-smi writes it (GPU-...), so that a result's
     provenance tells one lent GPU of a kind from another; here torch.cuda is stood in for."""

@@ -17,6 +17,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from glm5lab.vllm_plugin import sparse_backend as sb  # noqa: E402
+from glm5lab.vllm_plugin.backend_enum import BACKEND_PATH  # noqa: E402
 from glm5lab.sparse.reference import sparse_mla_reference  # noqa: E402
 
 GLM5_SCALE = 1 / math.sqrt(192 + 64)
@@ -54,7 +55,7 @@ def test_registered_in_vllm_registry():
 def test_selector_picks_it_when_asked(cap, dtype, kv):
     got = sb.select_backend(cap, dtype=dtype, kv_cache_dtype=kv)
     assert got["reason"] is None, got["reason"]
-    assert got["path"] == sb.BACKEND_PATH
+    assert got["path"] == BACKEND_PATH
 
 
 def test_sm120_fp16_without_glm5lab_has_no_backend():
@@ -73,7 +74,7 @@ def test_cuda_fallback_makes_vllm_choose_it_only_where_nothing_else_serves():
     try:
         sb._apply_cuda_fallback(cuda)
         got = sb.select_backend("12.0", dtype=torch.float16, requested=None)
-        assert got["path"] == sb.BACKEND_PATH, got
+        assert got["path"] == BACKEND_PATH, got
         # where vLLM's own sparse backend is valid it keeps priority
         got = sb.select_backend("9.0", dtype=torch.bfloat16, requested=None)
         assert got["backend"] == "FlashMLASparseBackend", got

@@ -2,14 +2,17 @@
 glm5lab, printing which attention backend and indexer vLLM used. Heavy imports stay inside `_run`."""
 from __future__ import annotations
 
+from glm5lab.cli import stdout_to_stderr
+
 
 def _run(args) -> int:
     import json
 
     from glm5lab.vllm_plugin.generate import run
 
-    result = run(args.model, prompts=args.prompt or ["The model reads a prompt"], max_tokens=args.max_tokens,
-                 gguf=args.gguf, qtype=args.qtype, dtype=args.dtype)
+    with stdout_to_stderr(args.json):
+        result = run(args.model, prompts=args.prompt or ["The model reads a prompt"], max_tokens=args.max_tokens,
+                     gguf=args.gguf, qtype=args.qtype, dtype=args.dtype)
     if args.json:
         out = {k: v for k, v in result.__dict__.items() if k != "first_step_logprobs"}
         print(json.dumps(out, indent=2))

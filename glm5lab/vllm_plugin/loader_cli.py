@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glm5lab.cli import stdout_to_stderr
 from glm5lab.errors import Glm5labError
 
 
@@ -40,7 +41,8 @@ def _check(args) -> int:
         }
         ok &= bad.empty
     if not args.no_vllm:
-        rep = vllm_load_report(gguf_path, hf_dir, dtype=args.dtype)
+        with stdout_to_stderr(args.json):
+            rep = vllm_load_report(gguf_path, hf_dir, dtype=args.dtype)
         result["vllm"] = rep
         ok &= rep["refused"] is None and not rep["missing"] and rep.get("values_ok", True)
     result["ok"] = bool(ok)

@@ -44,11 +44,9 @@ from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows, fl
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from glm5lab.sparse.virtual_block_table import req_index_to_global_slots
+from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME
 
 logger = init_logger(__name__)
-
-BACKEND_NAME = "TRITON_MLA_SPARSE"
-BACKEND_PATH = f"{__name__}.TritonMLASparseBackend"
 
 # Geometry the kernel is written for: latent 512 + rope 64 per cache row.
 KV_LORA_RANK = 512
@@ -363,6 +361,7 @@ def register() -> None:
     from glm5lab.vllm_plugin import ledger
 
     ledger.apply("register TRITON_MLA_SPARSE")
+    ledger.apply(PICKLE_PATCH)
     if current_platform.is_cuda():
         ledger.apply(CUDA_FALLBACK_PATCH)
 
@@ -412,12 +411,9 @@ def _ledger_cuda_fallback():
 
 
 def _apply_registration() -> None:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from glm5lab.vllm_plugin.backend_enum import member
 
-    if BACKEND_NAME in AttentionBackendEnum.__members__:
-        register_backend(AttentionBackendEnum[BACKEND_NAME], BACKEND_PATH)
-    else:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+    member()
 
 
 def _ledger_entry():
@@ -437,5 +433,28 @@ def _ledger_entry():
     ))
 
 
+PICKLE_PATCH = "spawned processes: TRITON_MLA_SPARSE unpickles by registering itself"
+
+
+def _ledger_pickle_entry():
+    from glm5lab.vllm_plugin.ledger import Patch, add
+
+    return add(Patch(
+        name=PICKLE_PATCH,
+        why="a member added to AttentionBackendEnum at run time pickles as AttentionBackendEnum(value); vLLM's "
+            "engine core (`vllm serve`; spawned always on CPU) unpickles its config before loading plugins, so it "
+            "died with \"'...TritonMLASparseBackend' is not a valid AttentionBackendEnum\"",
+        how="the TRITON_MLA_SPARSE member (only it) gets an instance __reduce_ex__ that pickles it as a call to "
+            "glm5lab.vllm_plugin.backend_enum.member, which registers it in the unpickling process first "
+            "(set by backend_enum.member with the registration; this entry records it)",
+        upstream="vllm/v1/attention/backends/registry.py: AttentionBackendEnum.register adds members at run time "
+                 "with no pickling support (no upstream issue found)",
+        remove_when="vLLM pickles dynamic backend members by name with a hook that loads plugins, or loads "
+                    "general plugins before unpickling the engine config",
+        versions={"vllm": ("0.32.0",)},
+    ))
+
+
 _ledger_entry()
+_ledger_pickle_entry()
 _ledger_cuda_fallback()
