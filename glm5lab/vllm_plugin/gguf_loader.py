@@ -166,11 +166,12 @@ def dequantize_bytes(raw, qtype: int):
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
-def adapt_weights(raw_weights, mapping: dict[str, str], skipped: dict[str, str]):
+def adapt_weights(raw_weights, mapping: dict[str, str], skipped: dict[str, str], float_expert_dtype=None):
     """Plugin iterator output (raw GGUF names) -> what vLLM's GLM-5 `load_weights` consumes (HF names).
 
     Quantized tensors keep the plugin's (qweight_type, qweight) pair, renamed on the suffix only; tensors
-    bound for unquantized vLLM layers are dequantized; attn_k_b/attn_v_b are rebuilt into kv_b_proj."""
+    bound for unquantized vLLM layers are dequantized; attn_k_b/attn_v_b are rebuilt into kv_b_proj.
+    float_expert_dtype: the model's dtype, which float routed experts are cast to (see below)."""
     pending_type: dict[str, int] = {}
     kv_parts: dict[int, dict[str, object]] = {}
     for raw_name, tensor in raw_weights:
@@ -194,6 +195,11 @@ def adapt_weights(raw_weights, mapping: dict[str, str], skipped: dict[str, str])
         if ".mlp.experts.0." in hf and carried == "weight":
             # vllm-gguf-plugin gives every routed-expert layer its GGUF MoE method (qweight params only),
             # whatever the file's type; float experts travel as (qweight_type = their float GGML type, qweight).
+            # Its MoE multiplies activations by a float qweight as stored (`x @ qweight.T`), so an F16 file in a
+            # bfloat16 model (the default dtype) failed with "expected m1 and m2 to have the same dtype": the
+            # experts take the model's dtype here, as every other float weight does when vLLM copies it in.
+            if float_expert_dtype is not None and tensor.dtype != float_expert_dtype:
+                tensor = tensor.to(float_expert_dtype)
             yield rename_suffix(hf, "qweight_type"), _int_tensor(_float_ggml_type(tensor))
             yield rename_suffix(hf, "qweight"), tensor
             continue
@@ -381,10 +387,10 @@ def adapter_class():
             return self.load_spec
 
         def prepare_weights(self, model_config):
-            del model_config
             # The plugin's own reader, on raw GGUF names (looked up at call time, so a patched one is used).
             raw = weight_utils.gguf_quant_weights_iterator_multi(self.load_spec.weights_source, None)
-            yield from self.map_weights(adapt_weights(raw, self.load_spec.gguf_to_hf_name_map, self.skipped))
+            yield from self.map_weights(adapt_weights(raw, self.load_spec.gguf_to_hf_name_map, self.skipped,
+                                                      float_expert_dtype=getattr(model_config, "dtype", None)))
 
     return GlmDsaGGUFWeightsAdapter
 
@@ -521,11 +527,13 @@ ledger.add(Patch(
     name=ADAPTER_PATCH,
     why="vllm-gguf-plugin's default adapter has no glm_moe_dsa <-> glm-dsa mapping ('Unknown gguf model_type: "
         "glm_moe_dsa'), knows MLA only as attn_kv_b (llama.cpp now writes attn_k_b + attn_v_b, which it "
-        "silently drops), and would quantize layers vLLM keeps in float (indexer wk/weights_proj)",
+        "silently drops), and would quantize layers vLLM keeps in float (indexer wk/weights_proj); its MoE "
+        "multiplies by float experts as stored, so an F16 file in a bfloat16 model failed on dtypes",
     how="GlmDsaGGUFWeightsAdapter inserted first in vllm_gguf_plugin.weights_adapter._ADAPTER_REGISTRY: full "
         "name map from gguf's glm-dsa tables, kv_b_proj rebuilt from attn_k_b/attn_v_b (exact inverse of "
         "llama.cpp's split), MTP block skipped, float-only targets dequantized, tie_word_embeddings from all "
-        "shards, vLLM-only config keys (scoring_func, topk_method, indexer_rope_interleave) filled when missing",
+        "shards, vLLM-only config keys (scoring_func, topk_method, indexer_rope_interleave) filled when missing, "
+        "float routed experts cast to the model's dtype",
     upstream="vllm-gguf-plugin: no GLM-DSA adapter in 0.0.5 (candidate upstream PR: this adapter)",
     remove_when="the plugin ships an adapter for glm_moe_dsa that reassembles kv_b_proj from attn_k_b/attn_v_b",
     versions=VERSIONS, apply=_apply_adapter))

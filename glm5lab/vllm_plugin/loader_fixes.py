@@ -14,6 +14,7 @@ from glm5lab.vllm_plugin import gguf_loader as G
 T = "tests/test_gguf_loader.py::"
 TV = "tests/test_gguf_loader_vllm.py::"
 TD = "tests/test_gguf_loader_dtype.py::"
+TS = "tests/test_vllm_serve.py::"
 
 
 def _cfg(hf_config):
@@ -161,6 +162,24 @@ def probe_config_keys(gguf_path, hf_config) -> tuple[bool, str]:
     return bool(missing), f"config lacks {missing}; vLLM's defaults: scoring_func=softmax, no expert bias, neox indexer RoPE"
 
 
+def probe_float_experts(gguf_path, hf_config) -> tuple[bool, str]:
+    """The plugin's GGUF matmul on an F16 routed expert as stored, with bfloat16 activations (the GGUF default
+    dtype): the plugin's MoE feeds float experts to it as they come. F16/BF16/F32 GGUFs have float experts."""
+    import gguf
+    import torch
+    from vllm_gguf_plugin.quantization.linear import _fused_mul_mat_gguf
+
+    from glm5lab.gguf.reader import open_gguf
+
+    kinds = sorted({t.tensor_type.name for n, (_, t) in open_gguf(gguf_path).tensor_index.items() if "_exps." in n})
+    x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16).to(torch.float16)
+    try:
+        _fused_mul_mat_gguf(x, w, int(gguf.GGMLQuantizationType.F16))
+    except RuntimeError as exc:
+        return True, f"F16 expert x bfloat16 activations: {str(exc).splitlines()[0]} (this file's experts: {kinds})"
+    return False, f"F16 expert x bfloat16 activations multiply (this file's experts: {kinds})"
+
+
 FIXES = [
     # (seed fix, probe, how glm5lab handles it, tests)
     ("GGUF architecture recognition (glm_moe_dsa <-> glm-dsa)", probe_arch_recognition,
@@ -192,6 +211,9 @@ FIXES = [
      TD + "test_plugin_accepts_bf16_and_fp16, " + TD + "test_plugin_triton_dequant_both_dtypes"),
     ("(new) vLLM-only config keys scoring_func / topk_method / indexer_rope_interleave", probe_config_keys,
      f"filled when missing by {G.ADAPTER_PATCH} and {G.CONFIG_PATCH}", T + "test_vllm_config_keys_filled"),
+    ("(new) float (F16/F32) routed experts in a bfloat16 model", probe_float_experts,
+     f"{G.ADAPTER_PATCH} casts float experts to the model's dtype (and their qweight_type with them)",
+     T + "test_float_experts_take_the_model_dtype, " + TS + "test_served_gguf_equals_the_checkpoint_in_process"),
 ]
 
 
