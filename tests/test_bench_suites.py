@@ -172,3 +172,42 @@ def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_
         assert records_main(["archive", str(bad)]) == 2      # the CLI: one line, no traceback
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_header(tmp_path, monkeypatch):
+    """The board's UUID is a provenance column (lent H200s differ by 3-5%). The committed CSVs predate it: they
+    read back with the column empty, an append rewrites the file under the current header first (else the new
+    rows' values would sit under the old names), and archiving conforms an older history the same way."""
+    from glm5lab.bench import kernel_plots, records
+
+    real = records.collect
+    monkeypatch.setattr(records, "collect", lambda: {**real(), "gpu": "NVIDIA H200", "capability": "9.0",
+                                                      "gpu_uuid": "GPU-0000aaaa", "git_sha": "b" * 12})
+    old_cols = [c for c in COLUMNS if c != "gpu_uuid"]
+    row = {"suite": "sparse_mla_kernel", "implementation": "glm5lab", "shape": "H8_T1_K2048", "dtype": "bf16",
+           "layout": "fp8_ds_mla", "metric": "time", "unit": "us"}
+    csv = tmp_path / "kernels.csv"
+    old = pd.DataFrame([{**row, "value": v, "gpu": "NVIDIA H200", "git_sha": "a" * 12, "command": "bench old",
+                         "timestamp": "t0"} for v in (7.0, 7.5)]).reindex(columns=old_cols)
+    old.to_csv(csv, index=False)
+    hist = tmp_path / "kernels_history.csv.gz"
+    hist.write_bytes(gzip.compress(old.assign(value=[9.0, 9.5], git_sha="c" * 12).to_csv(index=False).encode()))
+    got = records.read(csv)
+    assert "gpu_uuid" in got and got["gpu_uuid"].isna().all() and kernel_plots.last_run(csv)[1]["git_sha"] == "a" * 12
+    records.append_rows(csv, [{**row, "value": 6.5}], command="bench new")
+    assert csv.read_text().splitlines()[0] == ",".join(COLUMNS)
+    got = records.read(csv)
+    assert got["value"].tolist() == [7.0, 7.5, 6.5]
+    assert got["gpu_uuid"].fillna("").tolist() == ["", "", "GPU-0000aaaa"]
+    assert got["git_sha"].tolist() == ["a" * 12] * 2 + ["b" * 12]
+    assert kernel_plots.last_run(csv)[1]["gpu_uuid"] == "GPU-0000aaaa"
+    assert records.archive_older_runs(csv) == 2
+    h = pd.read_csv(hist, dtype=str, keep_default_na=False)
+    assert list(h.columns) == COLUMNS and h["value"].tolist() == ["9.0", "9.5", "7.0", "7.5"]
+    assert records.read(csv)["gpu_uuid"].tolist() == ["GPU-0000aaaa"]
+    assert records.archive_older_runs(csv) == 0
+    bad = tmp_path / "bad.csv"
+    bad.write_text(",".join(old_cols + ["mystery"]) + "\n")
+    with pytest.raises(ValueError, match="is not a benchmark CSV"):
+        records.append_rows(bad, [{**row, "value": 1.0}])
+    assert bad.read_text() == ",".join(old_cols + ["mystery"]) + "\n"

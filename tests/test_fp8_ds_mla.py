@@ -64,3 +64,54 @@ def test_bad_inputs_are_clear_errors():
         dequantize_fp8_ds_mla(torch.zeros(3, 576, dtype=torch.uint8))
     with pytest.raises(Glm5labError, match="uint8"):
         dequantize_fp8_ds_mla(torch.zeros(3, 656, dtype=torch.float16))
+
+
+# ------------------------------------------------- transformers' model with the latent as the layout stores it
+def test_latent_cache_rounding_rounds_every_layer_and_removes_its_hooks():
+    """Inside the block each layer's latent is what an fp8_ds_mla row gives back (checked at the layernorm's
+    output against quantize -> dequantize); the logits move; after the block they are the model's own again."""
+    from glm5lab.model.cache_rounding import latent_cache_rounding
+    from glm5lab.model.tiny import build_tiny_model
+
+    model = build_tiny_model(seed=3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(5))
+    seen = []
+    with torch.no_grad():
+        plain = model(ids).logits
+        with latent_cache_rounding(model):
+            taps = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda m, a, out: seen.append((a[0], out)))
+                    for layer in model.model.layers]    # after the rounding hooks, so they see its result
+            rounded = model(ids).logits
+            for t in taps:
+                t.remove()
+        after = model(ids).logits
+    assert len(seen) == model.config.num_hidden_layers
+    for layer, (x, out) in zip(model.model.layers, seen):
+        latent = layer.self_attn.kv_a_layernorm(x)
+        row = torch.cat([latent, torch.zeros(*latent.shape[:-1], 64)], dim=-1)
+        want = dequantize_fp8_ds_mla(quantize_fp8_ds_mla(row))[..., :512]
+        assert torch.equal(out, want), "the hook did not return the fp8_ds_mla round trip"
+        assert not torch.equal(out, latent)
+    assert (rounded - plain).abs().max() > 1e-4
+    assert torch.equal(after, plain)
+
+
+def test_latent_cache_rounding_refuses_what_it_cannot_model():
+    from glm5lab.model.cache_rounding import latent_cache_rounding
+    from glm5lab.model.tiny import build_tiny_model, tiny_config
+
+    model = build_tiny_model(config=tiny_config(num_hidden_layers=1))
+    with pytest.raises(Glm5labError, match="knows the layouts"):
+        with latent_cache_rounding(model, "fp8_e5m2"):
+            pass
+    narrow = build_tiny_model(config=tiny_config(num_hidden_layers=1, kv_lora_rank=256))
+    with pytest.raises(Glm5labError, match="kv_lora_rank is 256"):
+        with latent_cache_rounding(narrow):
+            pass
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=50))
+    with pytest.raises(Glm5labError, match="not an MLA model"):
+        with latent_cache_rounding(llama):
+            pass

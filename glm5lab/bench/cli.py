@@ -34,7 +34,9 @@ def print_targets(results: Path) -> None:
     t = targets_table(csv)
     if not t.attrs:
         raise Glm5labError(f"{csv} holds no benchmark run: run `glm5lab bench --suite full --parts kernels` again")
-    print(f"issue 7's targets, {t.attrs['gpu']}, commit {t.attrs['git_sha']}, {t.attrs['timestamp']} ({csv}):")
+    board = t.attrs.get("gpu_uuid")
+    board = f" ({board})" if isinstance(board, str) and board else ""      # (runs before the column: no UUID)
+    print(f"issue 7's targets, {t.attrs['gpu']}{board}, commit {t.attrs['git_sha']}, {t.attrs['timestamp']} ({csv}):")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
     print(f"met {int(t.met.eq(True).sum())} of {len(t)}; unmeasured {int(t.met.isna().sum())}")

@@ -28,7 +28,7 @@ def summary(csv_path):
     hw = wide["shape"].str.extract(r"H(\d+)_T(\d+)_K(\d+)").astype(int)
     wide["H"], wide["tokens"], wide["topk"] = hw[0], hw[1], hw[2]
     # a CSV may hold several runs: keep the last value of each metric (pivot_table 'last')
-    for col in ("gpu", "timestamp", "git_sha", "triton_interpret"):
+    for col in ("gpu", "gpu_uuid", "timestamp", "git_sha", "triton_interpret"):
         wide[col] = df[col].iloc[-1] if col in df and len(df) else ""
     copy = df[df.metric == "copy_bandwidth"]["value"]
     wide.attrs["copy_bw_GBps"] = float(copy.iloc[-1]) if len(copy) else float("nan")
@@ -122,7 +122,7 @@ def last_run(csv_path):
     prov = {}
     if len(df):
         df = df[(df.timestamp == df.timestamp.iloc[-1]) & (df.command == df.command.iloc[-1])]
-        prov = {k: df[k].iloc[-1] for k in ("gpu", "git_sha", "timestamp")}
+        prov = {k: df[k].iloc[-1] for k in ("gpu", "gpu_uuid", "git_sha", "timestamp")}
     return df, prov
 
 
@@ -157,8 +157,9 @@ def _topk(df) -> str:
 def targets_table(csv_path):
     """Issue 7's targets against the LAST run of a kernel benchmark CSV (the suite's or notebook 05's): one row per
     target with the measured value, where it was read from (`_SOURCES`: interleaved rounds first) and whether it is
-    met; NaN / None where the run lacks the shape or FlashMLA. The run's provenance (gpu, git_sha, timestamp) is in
-    the table's attrs, empty when the CSV holds no run; a file that is not a benchmark CSV is a Glm5labError."""
+    met; NaN / None where the run lacks the shape or FlashMLA. The run's provenance (gpu, gpu_uuid, git_sha,
+    timestamp) is in the table's attrs, empty when the CSV holds no run; a file that is not a benchmark CSV is a
+    Glm5labError."""
     import math
 
     import pandas as pd

@@ -1,8 +1,9 @@
 """Long-format benchmark rows (one measurement per row) appended to a CSV, each with its provenance.
 
 Columns: suite, implementation, shape, dtype, layout, metric, value, unit, p20, p50, p80, then the
-provenance columns (GPU, capability, torch/triton/vLLM versions, git SHA, timestamp). Plots are drawn
-from these files, never the other way round.
+provenance columns (GPU, capability, the board's UUID, torch/triton/vLLM versions, git SHA, timestamp). Plots
+are drawn from these files, never the other way round. A file written before a provenance column existed is
+rewritten with the current header (the new column empty in its old rows) when rows are next appended to it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from glm5lab.env import collect
 
 MEASUREMENT_COLUMNS = ["suite", "implementation", "shape", "dtype", "layout", "metric", "value", "unit",
                        "p20", "p50", "p80"]
-PROVENANCE_COLUMNS = ["gpu", "capability", "torch", "triton", "vllm", "glm5lab", "git_sha",
+PROVENANCE_COLUMNS = ["gpu", "capability", "gpu_uuid", "torch", "triton", "vllm", "glm5lab", "git_sha",
                       "triton_interpret", "timestamp", "command"]
 COLUMNS = MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 
@@ -38,6 +39,8 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        _conform_header(path)
     with path.open("a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         if new:
@@ -50,16 +53,50 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
     return len(rows)
 
 
+def _header(path: Path) -> list[str]:
+    with path.open(newline="") as fh:
+        return next(csv.reader(fh), [])
+
+
+def _conform(df, path):
+    """`df` (read as text) with exactly COLUMNS, in order; an older file's missing provenance columns empty."""
+    unknown = [c for c in df.columns if c not in COLUMNS]
+    if unknown or not set(MEASUREMENT_COLUMNS) <= set(df.columns):
+        raise ValueError(f"{path} is not a benchmark CSV (columns {list(df.columns)[:5]}...; expected {COLUMNS})")
+    return df.reindex(columns=COLUMNS, fill_value="")
+
+
+def _conform_header(path: Path) -> None:
+    """Rewrite a CSV of an older header with COLUMNS (atomically), so appended rows line up with it."""
+    if _header(path) == COLUMNS:
+        return
+    import pandas as pd
+
+    df = _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        df.to_csv(tmp, index=False, lineterminator="\r\n")       # (as csv.writer)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 # provenance columns that are text even when they look like numbers: a git SHA such as 7e8792557537 parses as a
 # float (inf) otherwise, in kernel_plots.last_run's provenance and the plots' captions
-TEXT_COLUMNS = ("gpu", "torch", "triton", "vllm", "glm5lab", "git_sha", "timestamp", "command")
+TEXT_COLUMNS = ("gpu", "gpu_uuid", "torch", "triton", "vllm", "glm5lab", "git_sha", "timestamp", "command")
 
 
 def read(path: str | os.PathLike):
-    """The CSV as a pandas DataFrame, its provenance's text columns (TEXT_COLUMNS) as text."""
+    """The CSV as a pandas DataFrame, its provenance's text columns (TEXT_COLUMNS) as text; a benchmark CSV written
+    before a provenance column existed gets that column, empty."""
     import pandas as pd
 
-    return pd.read_csv(path, dtype=dict.fromkeys(TEXT_COLUMNS, str))
+    df = pd.read_csv(path, dtype=dict.fromkeys(TEXT_COLUMNS, str))
+    if set(MEASUREMENT_COLUMNS) <= set(df.columns):
+        for col in PROVENANCE_COLUMNS:
+            if col not in df.columns:
+                df[col] = pd.Series(pd.NA, index=df.index, dtype=object)
+    return df
 
 
 def history_path(path: str | os.PathLike) -> Path:
@@ -81,9 +118,7 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no benchmark CSV at {path}")
-    df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    if not set(COLUMNS) <= set(df.columns):
-        raise ValueError(f"{path} is not a benchmark CSV (columns {list(df.columns)[:5]}...; expected {COLUMNS})")
+    df = _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
     run = df["git_sha"] + "\x00" + df["command"]
     runs = list(dict.fromkeys(run))
     old = df[run.isin(runs[:-keep] if keep > 0 else runs)]
@@ -91,12 +126,17 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
         return 0
     history = history_path(path)
     tmp_hist, tmp_csv = history.with_name(history.name + ".tmp"), path.with_name(path.name + ".tmp")
+    # the history's one header must be COLUMNS too: one written before a provenance column existed is rewritten
+    earlier = history.exists() and _history_header(history) == COLUMNS
     try:
         with open(tmp_hist, "wb") as fh:
-            if history.exists():
+            moving = old
+            if earlier:
                 fh.write(history.read_bytes())
+            elif history.exists():
+                moving = pd.concat([_conform(pd.read_csv(history, dtype=str, keep_default_na=False), history), old])
             with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
-                gz.write(old.to_csv(index=False, header=not history.exists(), lineterminator="\r\n").encode())
+                gz.write(moving.to_csv(index=False, header=not earlier, lineterminator="\r\n").encode())
         df[~df.index.isin(old.index)].to_csv(tmp_csv, index=False, lineterminator="\r\n")  # (as csv.writer)
         os.replace(tmp_hist, history)
         os.replace(tmp_csv, path)
@@ -104,6 +144,13 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
         for t in (tmp_hist, tmp_csv):
             t.unlink(missing_ok=True)
     return len(old)
+
+
+def _history_header(history: Path) -> list[str]:
+    import gzip
+
+    with gzip.open(history, "rt", newline="") as fh:
+        return next(csv.reader(fh), [])
 
 
 def main(argv=None) -> int:
