@@ -28,14 +28,18 @@ def test_gguf_config_carries_the_default_dtype(tiny_paths):
 
 
 def test_plugin_kernels_refuse_cpu_tensors():
-    """Why the dtype kernels are checked on the GPU only: the plugin's Triton path needs CUDA tensors."""
+    """Why the dtype kernels are checked on the GPU only, and why glm5lab.vllm_plugin.cpu_gguf exists: the plugin's
+    own op (as installed, whether or not the CPU patch is applied in this process) needs CUDA tensors."""
     import gguf
     import numpy as np
     from vllm_gguf_plugin import ops
 
+    from glm5lab.vllm_plugin import cpu_gguf
+
+    installed = cpu_gguf._originals.get("ggml_dequantize", ops.ggml_dequantize)
     q = gguf.quants.quantize(np.ones((4, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
     with pytest.raises(ValueError, match="CUDA"):
-        ops.ggml_dequantize(torch.from_numpy(q), int(gguf.GGMLQuantizationType.Q8_0), 4, 32, torch.bfloat16)
+        installed(torch.from_numpy(q), int(gguf.GGMLQuantizationType.Q8_0), 4, 32, torch.bfloat16)
 
 
 @pytest.mark.gpu
