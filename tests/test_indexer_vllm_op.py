@@ -87,6 +87,24 @@ def test_vllm_instantiates_glm5lab_class_and_hands_back_unsupported_features(glm
             assert theirs.glm5lab_reason is None
 
 
+def test_the_reason_is_logged_once_not_once_a_layer(glm5lab_path, monkeypatch, caplog):
+    """GLM-5 builds 78 indexer layers: one warning names the reason, the others go to debug."""
+    import logging
+
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+
+    monkeypatch.setattr(indexer_op, "_REASONS_LOGGED", set())
+    buf = torch.zeros(4, TOPK, dtype=torch.int32)
+    with _vllm_config(), caplog.at_level(logging.DEBUG, logger="glm5lab.vllm_plugin"):
+        for layer in range(3):
+            kc = SimpleNamespace(prefix=f"model.layers.{layer}.indexer.k_cache",
+                                 kv_cache=torch.zeros(2, PAGE, D + 4, dtype=torch.uint8))
+            SparseAttnIndexer(kc, 128, "ue8m0", TOPK, D, 256, 256, buf)
+    ours = [r for r in caplog.records if "runs on glm5lab's kernels" in r.getMessage()]
+    assert [r.levelno for r in ours] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert glm5lab_path in ours[0].getMessage() and "layers.0" in ours[0].getMessage()
+
+
 def _quant_q_like_vllm(q: torch.Tensor):
     """vLLM's Indexer.forward: per-(token, head) fp8 e4m3 with a power-of-two scale (group = head_dim)."""
     amax = q.abs().amax(dim=-1).clamp(min=1e-4)

@@ -258,6 +258,7 @@ def _register_torch_op() -> None:
 
 # ------------------------------------------------------------------------------------------- vLLM class
 _CLASS = None
+_REASONS_LOGGED: set[str] = set()
 
 
 def oot_class():
@@ -301,8 +302,11 @@ def oot_class():
             self.dense_mha_metadata_layer_name = ""
             self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False
             self.glm5lab_reason = blocker
-            logger.warning("glm5lab: DSA indexer %s runs on glm5lab's kernels: %s",
-                           getattr(k_cache, "prefix", "?"), blocker)
+            # once a reason per process (GLM-5 has 78 indexer layers, all alike), each layer at debug level
+            log = logger.debug if blocker in _REASONS_LOGGED else logger.warning
+            _REASONS_LOGGED.add(blocker)
+            log("glm5lab: DSA indexer %s (and every indexer layer alike) runs on glm5lab's kernels: %s",
+                getattr(k_cache, "prefix", "?"), blocker)
 
         def _glm5lab_forward(self, hidden_states, q_quant, k, weights):
             import torch
