@@ -54,7 +54,10 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
 
 
 def _header(path: Path) -> list[str]:
-    with path.open(newline="") as fh:
+    """The first row of a CSV, gzipped (a history) or not."""
+    import gzip
+
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", newline="") as fh:
         return next(csv.reader(fh), [])
 
 
@@ -127,7 +130,7 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     history = history_path(path)
     tmp_hist, tmp_csv = history.with_name(history.name + ".tmp"), path.with_name(path.name + ".tmp")
     # the history's one header must be COLUMNS too: one written before a provenance column existed is rewritten
-    earlier = history.exists() and _history_header(history) == COLUMNS
+    earlier = history.exists() and _header(history) == COLUMNS
     try:
         with open(tmp_hist, "wb") as fh:
             moving = old
@@ -144,13 +147,6 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
         for t in (tmp_hist, tmp_csv):
             t.unlink(missing_ok=True)
     return len(old)
-
-
-def _history_header(history: Path) -> list[str]:
-    import gzip
-
-    with gzip.open(history, "rt", newline="") as fh:
-        return next(csv.reader(fh), [])
 
 
 def main(argv=None) -> int:

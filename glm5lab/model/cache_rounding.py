@@ -4,7 +4,8 @@ Why: an engine with `kv_cache_dtype="fp8_ds_mla"` keeps each token's normalized 
 with one float32 scale per 128 values, and every attention read (prefill too, in sparse MLA) sees those
 rounded values. transformers keeps the latent in the model's dtype, so it is not the reference for such
 an engine; the same model with the latent rounded through glm5lab's fp8_ds_mla writer and reader is.
-The rope part of the row is stored in bfloat16 by that layout, which a bfloat16 model already holds.
+The layout stores the rope part in bfloat16; it is left as the model holds it (rounding it too for a float16
+model did not bring the engine closer: results/kernels/NOTES.md v47).
 """
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ def latent_cache_rounding(model, layout: str = "fp8_ds_mla"):
     returns it. The hooks are removed on exit, also after an error."""
     if layout not in LAYOUTS:
         raise Glm5labError(f"latent rounding knows the layouts {LAYOUTS}, got {layout!r}")
-    norms = [getattr(getattr(layer, "self_attn", None), "kv_a_layernorm", None) for layer in model.model.layers]
+    from glm5lab.kernels.fp8_ds_mla import LATENT
+
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    norms = [getattr(getattr(layer, "self_attn", None), "kv_a_layernorm", None) for layer in layers]
     if not norms or any(n is None for n in norms):
         raise Glm5labError(f"{type(model).__name__} has no self_attn.kv_a_layernorm in every layer: not an MLA model")
     rank = model.config.kv_lora_rank
-    if rank != 512:
-        raise Glm5labError(f"{layout} stores a 512-value latent, this model's kv_lora_rank is {rank}")
+    if rank != LATENT:
+        raise Glm5labError(f"{layout} stores a {LATENT}-value latent, this model's kv_lora_rank is {rank}")
     hooks = [n.register_forward_hook(lambda _module, _args, out: _round_latent(out)) for n in norms]
     try:
         yield model
