@@ -22,7 +22,8 @@ def _quantized(shape, qtype, gen):
     """(uint8 blocks as the plugin holds them, float64 values they stand for) of fresh random weights."""
     w = torch.randn(*shape, generator=gen).numpy().astype(np.float32)
     blocks = gguf.quants.quantize(w, qtype)
-    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
+    return torch.from_numpy(np.ascontiguousarray(blocks)), values
 
 
 def _close(got, want, dtype):
