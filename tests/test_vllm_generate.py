@@ -72,13 +72,16 @@ def reference(hf_model):
     return _greedy_reference(hf_model)
 
 
-def _first_step_errors(result, prompts, reference) -> list[float]:
-    errors = []
-    for ids, lp in zip(prompts, result.first_step_logprobs):
-        _, first = reference(ids, 1)
+def _against(result, prompts, reference, counts=None) -> list[tuple[list[int], float]]:
+    """Per prompt, from one reference run: its greedy ids (counts[i] of them, default MAX_TOKENS) and the largest
+    first-step log-prob difference between vLLM and it over the vocabulary."""
+    counts = counts or [MAX_TOKENS] * len(prompts)
+    out = []
+    for ids, n, lp in zip(prompts, counts, result.first_step_logprobs):
+        want, first = reference(ids, n)
         vllm_lp = torch.tensor([lp[i] for i in range(first.shape[0])], dtype=torch.float64)
-        errors.append(float((vllm_lp - first).abs().max()))
-    return errors
+        out.append((want, float((vllm_lp - first).abs().max())))
+    return out
 
 
 def _check(result, prompts, reference, counts=None, tol=LOGPROB_TOL):
@@ -86,11 +89,10 @@ def _check(result, prompts, reference, counts=None, tol=LOGPROB_TOL):
     expected_path = PATH_TRITON if os.environ.get("TRITON_INTERPRET") == "1" else PATH_TORCH
     assert result.attention_path == expected_path
     assert result.indexer.startswith("glm5lab")
-    counts = counts or [MAX_TOKENS] * len(prompts)
-    for ids, n, got in zip(prompts, counts, result.token_ids):
-        want, _ = reference(ids, n)
+    compared = _against(result, prompts, reference, counts)
+    for ids, got, (want, _) in zip(prompts, result.token_ids, compared):
         assert got == want, f"prompt of {len(ids)} tokens: vLLM {got} != transformers {want}"
-    for ids, err in zip(prompts, _first_step_errors(result, prompts, reference)):
+    for ids, (_, err) in zip(prompts, compared):
         assert err <= tol, f"prompt of {len(ids)} tokens: first-step log-prob error {err:.3g} > {tol}"
 
 
@@ -148,7 +150,7 @@ def test_fp8_ds_mla_cache_generates_like_the_model_with_rounded_latents(hf_model
     long, batch = _prompts(engine.spec.hf_config.index_topk)
     prompts = [long, *batch]
     result = G.generate(engine, prompts, max_tokens=MAX_TOKENS, logprobs=True)
-    unrounded = _first_step_errors(result, prompts, reference)
+    unrounded = [err for _, err in _against(result, prompts, reference, [1] * len(prompts))]
     with latent_cache_rounding(hf_model):
         _check(result, prompts, reference, tol=FP8_LOGPROB_TOL)
     assert max(unrounded) > FP8_LOGPROB_TOL, f"the fp8 cache matched the unrounded model too: {unrounded}"
@@ -176,8 +178,9 @@ def test_q8_0_gguf_generates_like_the_model_with_its_dequantized_weights(referen
     assert max(sizes) > 64, sizes
     dequantized = _greedy_reference(hf_model_from_gguf(engine.spec.model, dtype=torch.float16))
     _check(result, prompts, dequantized)
-    unquantized = _first_step_errors(result, prompts, reference)
-    differs = [got != reference(ids, MAX_TOKENS)[0] for ids, got in zip(prompts, result.token_ids)]
+    vs_checkpoint = _against(result, prompts, reference)
+    unquantized = [err for _, err in vs_checkpoint]
+    differs = [got != want for got, (want, _) in zip(result.token_ids, vs_checkpoint)]
     assert any(differs) or max(unquantized) > LOGPROB_TOL, f"the Q8_0 engine matched the F16 weights: {unquantized}"
 
 

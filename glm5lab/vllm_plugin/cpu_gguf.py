@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from glm5lab.vllm_plugin import ledger
-from glm5lab.vllm_plugin.gguf_loader import VERSIONS
+from glm5lab.vllm_plugin.gguf_loader import VERSIONS, dequantize_bytes
 from glm5lab.vllm_plugin.ledger import Patch
 
 PATCH = "cpu: quantized GGUF matmuls"
@@ -27,10 +27,7 @@ _originals: dict[str, object] = {}
 
 def dequantize(W: torch.Tensor, quant_type: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """uint8 GGUF blocks [..., bytes a row] -> [..., values a row] in `dtype` (default float16, the plugin's)."""
-    import gguf
-
-    values = gguf.quants.dequantize(W.contiguous().numpy(), gguf.GGMLQuantizationType(int(quant_type)))
-    return torch.from_numpy(values).to(dtype or torch.float16)
+    return dequantize_bytes(W.contiguous(), quant_type).to(dtype or torch.float16)
 
 
 def ggml_dequantize(W, quant_type, m, n, dtype):
