@@ -3,10 +3,14 @@
 Profile `cpu` (no CUDA device): small parameters, Triton in its interpreter (TRITON_INTERPRET=1).
 Profile `gpu`: full sizes on the device. Each notebook is executed into
 results/notebooks/<profile>/<name>.ipynb; a failed one goes to <name>.failed.ipynb and stops the run
-with the notebook's name and failing cell, leaving the good copies of earlier runs intact.
+with the notebook's name and failing cell, leaving the good copies of earlier runs intact. After a run
+in which every notebook passed, each benchmark CSV the run appended to keeps that run's rows alone; earlier
+runs' rows move to <name>_history.csv.gz beside it (readers take the latest run; the CSVs otherwise grow
+~0.3 MB a CPU run, and the tree a GPU call carries is capped).
 """
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import sys
@@ -79,6 +83,7 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
     if profile == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # inherited by the notebook kernels
     books = find_notebooks(notebook_dir, only)
+    started, started_epoch = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0), time.time()
     done: list[Path] = []
     for i, book in enumerate(books, 1):
         print(f"[{i}/{len(books)}] {book.name} (profile {profile})", file=sys.stderr, flush=True)
@@ -87,7 +92,20 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
         done.append(run_notebook(book, out_dir, params, progress=progress))
         print(f"[{i}/{len(books)}] {book.name} done in {time.time() - t0:.0f} s", file=sys.stderr)
     record_provenance(out_dir / "provenance.json", profile, done)
+    archive_earlier_runs(results_dir, started, started_epoch)
     return done
+
+
+def archive_earlier_runs(results_dir: Path, started, started_epoch: float) -> None:
+    """Each benchmark CSV under `results_dir` that this run appended to keeps this run's rows (stamped at or after
+    `started`); the earlier ones go to its `<name>_history.csv.gz` (glm5lab.bench.records)."""
+    from glm5lab.bench import records
+
+    for csv in records.appended_csvs(results_dir, started_epoch):
+        moved = records.archive_rows_before(csv, started)
+        if moved:
+            print(f"[archive] {csv.relative_to(results_dir)}: {moved} rows of earlier runs -> "
+                  f"{records.history_path(csv).name}", file=sys.stderr)
 
 
 def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:

@@ -169,6 +169,56 @@ def test_runner_failure_names_notebook_and_cell_and_keeps_earlier_outputs(tmp_pa
     assert not list((out / "notebooks" / "cpu").glob("*.partial.ipynb"))
 
 
+def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the_earlier_ones(tmp_path):
+    """After a passing run, a benchmark CSV the notebooks appended to holds that run's rows only -- also where an
+    earlier run had the same commit and command, as two `make reproduce` at one commit do -- and the earlier rows
+    sit in <name>_history.csv.gz; a benchmark CSV the run did not touch and a CSV of another kind stay as they
+    were. A failing run archives nothing."""
+    import gzip
+
+    import pandas as pd
+
+    from glm5lab.bench.records import COLUMNS, provenance
+
+    results = tmp_path / "results"
+    (results / "bench").mkdir(parents=True)
+    row = {"suite": "s", "implementation": "glm5lab", "shape": "H8", "metric": "time", "unit": "us"}
+    prov = provenance("notebook 05 (cpu profile)")        # this commit and command: only the stamp tells runs apart
+    earlier = pd.DataFrame([{**prov, **row, "value": v, "timestamp": ts} for v, ts in
+                            ((1, "2026-01-01T00:00:00+00:00"), (2, "2026-01-02T00:00:00+00:00"), (3, ""))],
+                           columns=COLUMNS)
+    appended, untouched, other = results / "bench" / "k.csv", results / "bench" / "u.csv", results / "plain.csv"
+    earlier.to_csv(appended, index=False)
+    earlier.to_csv(untouched, index=False)
+    other.write_text("a,b\n1,2\n")
+    before = {p: p.read_bytes() for p in (appended, untouched, other)}
+    books = tmp_path / "notebooks"
+    books.mkdir()
+    _write_notebook(books / "01_append.ipynb",
+                    "from pathlib import Path\nfrom glm5lab.bench.records import append_rows\n"
+                    f"append_rows(Path(results_dir) / 'bench' / 'k.csv', [{row!r} | {{'value': v}} for v in (7, 8)],"
+                    f" command={prov['command']!r})\n"
+                    "open(Path(results_dir) / 'plain.csv', 'a').write('3,4\\n')")
+    _write_notebook(books / "02_bad.ipynb", "raise ValueError('boom')")
+    with pytest.raises(Glm5labError):
+        run_all("cpu", notebook_dir=books, results_dir=results, progress=False)
+    assert pd.read_csv(appended)["value"].tolist() == [1, 2, 3, 7, 8]   # a failed run moves nothing
+    assert not list(results.rglob("*_history.csv.gz"))
+    for p in (appended, other):
+        p.write_bytes(before[p])
+    (books / "02_bad.ipynb").unlink()
+    run_all("cpu", notebook_dir=books, results_dir=results, progress=False)
+    assert pd.read_csv(appended)["value"].tolist() == [7, 8]
+    assert pd.read_csv(results / "bench" / "k_history.csv.gz")["value"].tolist() == [1, 2, 3]
+    assert list(pd.read_csv(appended).columns) == COLUMNS
+    assert untouched.read_bytes() == before[untouched] and not (results / "bench" / "u_history.csv.gz").exists()
+    assert other.read_text() == "a,b\n1,2\n3,4\n" and not (results / "plain_history.csv.gz").exists()
+    run_all("cpu", notebook_dir=books, results_dir=results, progress=False)    # a second run: history grows
+    assert pd.read_csv(appended)["value"].tolist() == [7, 8]
+    assert pd.read_csv(results / "bench" / "k_history.csv.gz")["value"].tolist() == [1, 2, 3, 7, 8]
+    assert gzip.decompress((results / "bench" / "k_history.csv.gz").read_bytes()).count(b"suite,") == 1
+
+
 def test_runner_rejects_unknown_profile(tmp_path):
     with pytest.raises(Glm5labError, match="unknown profile"):
         run_all("tpu", notebook_dir=tmp_path, results_dir=tmp_path)

@@ -114,17 +114,38 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     Why: the suite and notebook CSVs grow ~0.8 MB a GPU run and the tree a device call carries is capped (64 MiB);
     readers take the latest run anyway (`suites.latest_run`, the plots' last value). Both files are replaced
     atomically: an interrupted call leaves the old ones."""
-    import gzip
+    df = _read_for_archive(path)
+    run = df["git_sha"] + "\x00" + df["command"]
+    runs = list(dict.fromkeys(run))
+    return _move_to_history(Path(path), df, run.isin(runs[:-keep] if keep > 0 else runs))
 
+
+def archive_rows_before(path: str | os.PathLike, since) -> int:
+    """Move the rows stamped before `since` (an aware datetime), or not stamped, into the history, as
+    `archive_older_runs` does; returns how many moved. The main job does this to each CSV it appended to, so
+    that the CSV holds that run alone, even where an earlier run had the same commit and command."""
+    import pandas as pd
+
+    df = _read_for_archive(path)
+    stamp = pd.to_datetime(df["timestamp"], utc=True, errors="coerce", format="ISO8601")
+    return _move_to_history(Path(path), df, ~(stamp >= pd.Timestamp(since)))
+
+
+def _read_for_archive(path):
     import pandas as pd
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no benchmark CSV at {path}")
-    df = _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
-    run = df["git_sha"] + "\x00" + df["command"]
-    runs = list(dict.fromkeys(run))
-    old = df[run.isin(runs[:-keep] if keep > 0 else runs)]
+    return _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
+
+
+def _move_to_history(path: Path, df, moving_mask) -> int:
+    import gzip
+
+    import pandas as pd
+
+    old = df[moving_mask]
     if old.empty:
         return 0
     history = history_path(path)
@@ -140,13 +161,19 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
                 moving = pd.concat([_conform(pd.read_csv(history, dtype=str, keep_default_na=False), history), old])
             with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
                 gz.write(moving.to_csv(index=False, header=not earlier, lineterminator="\r\n").encode())
-        df[~df.index.isin(old.index)].to_csv(tmp_csv, index=False, lineterminator="\r\n")  # (as csv.writer)
+        df[~moving_mask].to_csv(tmp_csv, index=False, lineterminator="\r\n")  # (as csv.writer)
         os.replace(tmp_hist, history)
         os.replace(tmp_csv, path)
     finally:
         for t in (tmp_hist, tmp_csv):
             t.unlink(missing_ok=True)
     return len(old)
+
+
+def appended_csvs(root: str | os.PathLike, since_epoch: float) -> list[Path]:
+    """The benchmark CSVs under `root` (current header) modified at or after `since_epoch`: what a run appended to."""
+    return sorted(p for p in Path(root).rglob("*.csv")
+                  if p.stat().st_mtime >= since_epoch and _header(p) == COLUMNS)
 
 
 def main(argv=None) -> int:
