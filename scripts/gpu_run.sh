@@ -51,6 +51,8 @@ echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
 mkdir -p "$stage/results"
 # (so does a bench run of some suite parts only: BENCH_PARTS="indexer attention_stack projection plots")
 case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;; *) seed=1 ;; esac
+# (SEED_RESULTS=0: start from an empty results tree, e.g. on another GPU model, whose rows go to a folder of their own)
+seed=${SEED_RESULTS:-$seed}
 if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
   [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done; fi
 
