@@ -10,13 +10,13 @@ runs' rows move to <name>_history.csv.gz beside it (readers take the latest run;
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from glm5lab.bench import records
 from glm5lab.errors import Glm5labError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
     if profile == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # inherited by the notebook kernels
     books = find_notebooks(notebook_dir, only)
-    started, started_epoch = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0), time.time()
+    rows_before = records.row_counts(results_dir)
     done: list[Path] = []
     for i, book in enumerate(books, 1):
         print(f"[{i}/{len(books)}] {book.name} (profile {profile})", file=sys.stderr, flush=True)
@@ -92,18 +92,17 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
         done.append(run_notebook(book, out_dir, params, progress=progress))
         print(f"[{i}/{len(books)}] {book.name} done in {time.time() - t0:.0f} s", file=sys.stderr)
     record_provenance(out_dir / "provenance.json", profile, done)
-    archive_earlier_runs(results_dir, started, started_epoch)
+    archive_earlier_runs(results_dir, rows_before)
     return done
 
 
-def archive_earlier_runs(results_dir: Path, started, started_epoch: float) -> None:
-    """Each benchmark CSV under `results_dir` that this run appended to keeps this run's rows (stamped at or after
-    `started`); the earlier ones go to its `<name>_history.csv.gz` (glm5lab.bench.records)."""
-    from glm5lab.bench import records
-
-    for csv in records.appended_csvs(results_dir, started_epoch):
-        moved = records.archive_rows_before(csv, started)
-        if moved:
+def archive_earlier_runs(results_dir: Path, rows_before: dict[Path, int]) -> None:
+    """Each benchmark CSV under `results_dir` that grew since `rows_before` (records.row_counts at the run's start)
+    keeps the rows it gained; the ones it held go to its `<name>_history.csv.gz` (glm5lab.bench.records)."""
+    for csv, rows in records.row_counts(results_dir).items():
+        held = rows_before.get(csv, 0)
+        if 0 < held < rows:
+            moved = records.archive_leading_rows(csv, held)
             print(f"[archive] {csv.relative_to(results_dir)}: {moved} rows of earlier runs -> "
                   f"{records.history_path(csv).name}", file=sys.stderr)
 

@@ -120,15 +120,12 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     return _move_to_history(Path(path), df, run.isin(runs[:-keep] if keep > 0 else runs))
 
 
-def archive_rows_before(path: str | os.PathLike, since) -> int:
-    """Move the rows stamped before `since` (an aware datetime), or not stamped, into the history, as
-    `archive_older_runs` does; returns how many moved. The main job does this to each CSV it appended to, so
-    that the CSV holds that run alone, even where an earlier run had the same commit and command."""
-    import pandas as pd
-
+def archive_leading_rows(path: str | os.PathLike, count: int) -> int:
+    """Move the first `count` rows of a CSV into its history, as `archive_older_runs` does; returns how many moved.
+    The main job does this to each CSV it appended to, with the rows it held before: the CSV then holds that run
+    alone, even where an earlier run had the same commit and command."""
     df = _read_for_archive(path)
-    stamp = pd.to_datetime(df["timestamp"], utc=True, errors="coerce", format="ISO8601")
-    return _move_to_history(Path(path), df, ~(stamp >= pd.Timestamp(since)))
+    return _move_to_history(Path(path), df, df.index < count)     # (read_csv's RangeIndex: row numbers)
 
 
 def _read_for_archive(path):
@@ -170,10 +167,14 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
     return len(old)
 
 
-def appended_csvs(root: str | os.PathLike, since_epoch: float) -> list[Path]:
-    """The benchmark CSVs under `root` (current header) modified at or after `since_epoch`: what a run appended to."""
-    return sorted(p for p in Path(root).rglob("*.csv")
-                  if p.stat().st_mtime >= since_epoch and _header(p) == COLUMNS)
+def row_counts(root: str | os.PathLike) -> dict[Path, int]:
+    """Rows of every benchmark CSV under `root` (any provenance header), by path: what a run will append to."""
+    counts = {}
+    for p in sorted(Path(root).rglob("*.csv")):
+        if set(MEASUREMENT_COLUMNS) <= set(_header(p)):
+            with open(p, newline="") as fh:
+                counts[p] = sum(1 for row in csv.reader(fh) if row) - 1
+    return counts
 
 
 def main(argv=None) -> int:
