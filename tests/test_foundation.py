@@ -172,8 +172,8 @@ def test_runner_failure_names_notebook_and_cell_and_keeps_earlier_outputs(tmp_pa
 def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the_earlier_ones(tmp_path):
     """After a passing run, a benchmark CSV the notebooks appended to holds that run's rows only -- also where an
     earlier run had the same commit and command, as two `make reproduce` at one commit do -- and the earlier rows
-    sit in <name>_history.csv.gz; a benchmark CSV the run did not touch and a CSV of another kind stay as they
-    were. A failing run archives nothing."""
+    sit in <name>_history.csv.gz; a benchmark CSV the run did not touch, a CSV of another kind and a probe's CSV
+    with a column of its own (which archiving refuses) stay as they were. A failing run archives nothing."""
     import gzip
 
     import pandas as pd
@@ -191,20 +191,24 @@ def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the
     earlier.to_csv(appended, index=False)
     earlier.to_csv(untouched, index=False)
     other.write_text("a,b\n1,2\n")
-    before = {p: p.read_bytes() for p in (appended, untouched, other)}
+    probe = results / "probe.csv"
+    earlier.assign(call=0).to_csv(probe, index=False)
+    before = {p: p.read_bytes() for p in (appended, untouched, other, probe)}
     books = tmp_path / "notebooks"
     books.mkdir()
     _write_notebook(books / "01_append.ipynb",
                     "from pathlib import Path\nfrom glm5lab.bench.records import append_rows\n"
                     f"append_rows(Path(results_dir) / 'bench' / 'k.csv', [{row!r} | {{'value': v}} for v in (7, 8)],"
                     f" command={prov['command']!r})\n"
-                    "open(Path(results_dir) / 'plain.csv', 'a').write('3,4\\n')")
+                    "open(Path(results_dir) / 'plain.csv', 'a').write('3,4\\n')\n"
+                    "open(Path(results_dir) / 'probe.csv', 'a').write(open(Path(results_dir) / 'probe.csv')"
+                    ".read().splitlines()[1] + '\\n')")
     _write_notebook(books / "02_bad.ipynb", "raise ValueError('boom')")
     with pytest.raises(Glm5labError):
         run_all("cpu", notebook_dir=books, results_dir=results, progress=False)
     assert pd.read_csv(appended)["value"].tolist() == [1, 2, 3, 7, 8]   # a failed run moves nothing
     assert not list(results.rglob("*_history.csv.gz"))
-    for p in (appended, other):
+    for p in (appended, other, probe):
         p.write_bytes(before[p])
     (books / "02_bad.ipynb").unlink()
     run_all("cpu", notebook_dir=books, results_dir=results, progress=False)
@@ -213,6 +217,7 @@ def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the
     assert list(pd.read_csv(appended).columns) == COLUMNS
     assert untouched.read_bytes() == before[untouched] and not (results / "bench" / "u_history.csv.gz").exists()
     assert other.read_text() == "a,b\n1,2\n3,4\n" and not (results / "plain_history.csv.gz").exists()
+    assert len(pd.read_csv(probe)) == 4 and not (results / "probe_history.csv.gz").exists()
     run_all("cpu", notebook_dir=books, results_dir=results, progress=False)    # a second run: history grows
     assert pd.read_csv(appended)["value"].tolist() == [7, 8]
     assert pd.read_csv(results / "bench" / "k_history.csv.gz")["value"].tolist() == [1, 2, 3, 7, 8]

@@ -168,10 +168,11 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
 
 
 def row_counts(root: str | os.PathLike) -> dict[Path, int]:
-    """Rows of every benchmark CSV under `root` (any provenance header), by path: what a run will append to."""
+    """Rows of every benchmark CSV under `root` (this or an older provenance header; not a probe's CSV with columns
+    of its own, which archiving would refuse), by path: what a run may append to."""
     counts = {}
     for p in sorted(Path(root).rglob("*.csv")):
-        if set(MEASUREMENT_COLUMNS) <= set(_header(p)):
+        if set(MEASUREMENT_COLUMNS) <= set(_header(p)) <= set(COLUMNS):
             with open(p, newline="") as fh:
                 counts[p] = sum(1 for row in csv.reader(fh) if row) - 1
     return counts
