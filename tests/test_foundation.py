@@ -183,7 +183,7 @@ def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the
     results = tmp_path / "results"
     (results / "bench").mkdir(parents=True)
     row = {"suite": "s", "implementation": "glm5lab", "shape": "H8", "metric": "time", "unit": "us"}
-    prov = provenance("notebook 05 (cpu profile)")        # this commit and command: only the stamp tells runs apart
+    prov = provenance("notebook 05 (cpu profile)")  # this commit and command, as every earlier row
     earlier = pd.DataFrame([{**prov, **row, "value": v, "timestamp": ts} for v, ts in
                             ((1, "2026-01-01T00:00:00+00:00"), (2, "2026-01-02T00:00:00+00:00"), (3, ""))],
                            columns=COLUMNS)

@@ -61,10 +61,14 @@ def _header(path: Path) -> list[str]:
         return next(csv.reader(fh), [])
 
 
+def _conformable(columns) -> bool:
+    """A benchmark CSV's columns: every measurement column, and provenance columns of this or an older header."""
+    return set(MEASUREMENT_COLUMNS) <= set(columns) <= set(COLUMNS)
+
+
 def _conform(df, path):
     """`df` (read as text) with exactly COLUMNS, in order; an older file's missing provenance columns empty."""
-    unknown = [c for c in df.columns if c not in COLUMNS]
-    if unknown or not set(MEASUREMENT_COLUMNS) <= set(df.columns):
+    if not _conformable(df.columns):
         raise ValueError(f"{path} is not a benchmark CSV (columns {list(df.columns)[:5]}...; expected {COLUMNS})")
     return df.reindex(columns=COLUMNS, fill_value="")
 
@@ -168,13 +172,14 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
 
 
 def row_counts(root: str | os.PathLike) -> dict[Path, int]:
-    """Rows of every benchmark CSV under `root` (this or an older provenance header; not a probe's CSV with columns
-    of its own, which archiving would refuse), by path: what a run may append to."""
+    """Rows of every benchmark CSV under `root` that archiving accepts (not a probe's CSV with columns of its own),
+    by path: what a run may append to."""
     counts = {}
     for p in sorted(Path(root).rglob("*.csv")):
-        if set(MEASUREMENT_COLUMNS) <= set(_header(p)) <= set(COLUMNS):
-            with open(p, newline="") as fh:
-                counts[p] = sum(1 for row in csv.reader(fh) if row) - 1
+        with open(p, newline="") as fh:
+            rows = csv.reader(fh)
+            if _conformable(next(rows, [])):
+                counts[p] = sum(1 for row in rows if row)
     return counts
 
 
