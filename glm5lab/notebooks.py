@@ -98,13 +98,10 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
 
 def archive_earlier_runs(results_dir: Path, rows_before: dict[Path, int]) -> None:
     """Each benchmark CSV under `results_dir` that grew since `rows_before` (records.row_counts at the run's start)
-    keeps the rows it gained; the ones it held go to its `<name>_history.csv.gz` (glm5lab.bench.records)."""
-    for csv, rows in records.row_counts(results_dir).items():
-        held = rows_before.get(csv, 0)
-        if 0 < held < rows:
-            moved = records.archive_leading_rows(csv, held)
-            print(f"[archive] {csv.relative_to(results_dir)}: {moved} rows of earlier runs -> "
-                  f"{records.history_path(csv).name}", file=sys.stderr)
+    keeps the rows it gained; the ones it held go to its `<name>_history.csv.gz` (records.archive_appended)."""
+    for csv, moved in records.archive_appended(results_dir, rows_before).items():
+        print(f"[archive] {csv.relative_to(results_dir)}: {moved} rows of earlier runs -> "
+              f"{records.history_path(csv).name}", file=sys.stderr)
 
 
 def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:

@@ -54,7 +54,10 @@ case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;;
 # (SEED_RESULTS=0: start from an empty results tree, e.g. on another GPU model, whose rows go to a folder of their own)
 seed=${SEED_RESULTS:-$seed}
 if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
-  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done; fi
+  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done
+  # the rows each seeded benchmark CSV holds now, so that the end of the call can keep only what this call appended
+  python3 -m glm5lab.bench.records count "$stage/results" --out "$stage/../rows_before.json"
+fi
 
 # 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
 gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_sparse_mla_sm90.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
@@ -112,12 +115,11 @@ part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 
 # (01-03 need vLLM or are CPU stories: the device has no vLLM, so the GPU profile runs 04, 05, 05b, 06)
 part notebooks ${NOTEBOOKS_S:-360} python3 -m glm5lab notebooks run --profile gpu --only ${GPU_NOTEBOOKS:-04 05 06} --results "$stage/results" --no-progress
 
-# the suite's and notebook 05's kernel CSVs grow ~0.8 MB a run and the tree a call carries is capped: where this call
-# appended to the committed ones (seeded above), every run but the last moves to *_history.csv.gz beside them
+# the suite's and the notebooks' CSVs grow ~0.8 MB a run and the tree a call carries is capped: in every benchmark
+# CSV this call appended to (seeded above), the rows it held before move to *_history.csv.gz beside it
 if [ $seed = 1 ]; then
-  archive=$(ls "$stage/results/bench/gpu/kernels.csv" \
-    "$stage/results/kernels/kernel_bench_nvidia_h200_notebook.csv" 2>/dev/null)
-  [ -n "$archive" ] && python3 -m glm5lab.bench.records archive $archive 2>&1 | tee -a "$stage/gpu_run.log"
+  python3 -m glm5lab.bench.records archive-appended "$stage/results" --since "$stage/../rows_before.json" 2>&1 \
+    | tee -a "$stage/gpu_run.log"
 fi
 pack
 ls -la "$out"

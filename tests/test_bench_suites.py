@@ -1,6 +1,7 @@
 """`glm5lab bench`: parts isolated, rows with provenance, cpu rows labeled non-performance, failures
 recorded as data, plots drawn from the CSVs."""
 import gzip
+import json
 
 import pandas as pd
 import pytest
@@ -172,6 +173,54 @@ def test_archive_moves_older_runs_to_a_gzipped_history_and_keeps_the_latest(tmp_
         assert records_main(["archive", str(bad)]) == 2      # the CLI: one line, no traceback
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_count_then_archive_appended_keeps_each_csv_s_new_run_even_after_an_inner_archiving(tmp_path, capsys):
+    """`records count` before a GPU call's parts and `records archive-appended` after them (scripts/gpu_run.sh): a
+    CSV a part appended to keeps that part's rows, the rows it held go to its history; a CSV the main job inside
+    the call (the notebooks part) archived already is left alone -- its row count grew past the old one, but
+    re-archiving would move the new run's first rows; an untouched CSV, a new one and a probe's CSV stay as they
+    were; a count file that is not one is refused in one line."""
+    from glm5lab.bench import records
+
+    root = tmp_path / "results"
+    (root / "bench").mkdir(parents=True)
+    row = {"suite": "s", "implementation": "glm5lab", "shape": "H8", "metric": "time", "unit": "us"}
+
+    def add(name, values):
+        records.append_rows(root / name, [{**row, "value": v} for v in values], command=f"bench {name}")
+
+    add("bench/kernels.csv", [1, 2])
+    add("bench/untouched.csv", [5])
+    add("notebook.csv", [3, 4])
+    (root / "probe.csv").write_text(",".join(records.COLUMNS + ["call"]) + "\n" + "," * len(records.COLUMNS) + "0\n")
+    counts = tmp_path / "rows_before.json"
+    assert records.main(["count", str(root), "--out", str(counts)]) == 0
+    assert set(json.loads(counts.read_text())) == {"bench/kernels.csv", "bench/untouched.csv", "notebook.csv"}
+    before = {p: p.read_bytes() for p in root.rglob("*.csv")}
+    add("bench/kernels.csv", [6, 7, 8])                      # the bench part
+    inner = records.row_counts(root)                         # the notebooks part: a main job of its own
+    add("notebook.csv", [9, 10, 11])
+    assert records.archive_appended(root, inner) == {root / "notebook.csv": 2}
+    add("bench/new.csv", [12])
+    capsys.readouterr()
+    assert records.main(["archive-appended", str(root), "--since", str(counts)]) == 0
+    assert "kernels.csv: 2 rows of earlier runs -> kernels_history.csv.gz" in capsys.readouterr().out
+    values = {p.relative_to(root).as_posix(): records.read(p)["value"].tolist() for p in root.rglob("*.csv")
+              if p.name != "probe.csv"}
+    assert values == {"bench/kernels.csv": [6, 7, 8], "bench/untouched.csv": [5], "notebook.csv": [9, 10, 11],
+                      "bench/new.csv": [12]}
+    assert records.read(root / "bench" / "kernels_history.csv.gz")["value"].tolist() == [1, 2]
+    assert records.read(root / "notebook_history.csv.gz")["value"].tolist() == [3, 4]
+    for p in (root / "bench" / "untouched.csv", root / "probe.csv"):
+        assert p.read_bytes() == before[p]
+    assert sorted(h.name for h in root.rglob("*_history.csv.gz")) == ["kernels_history.csv.gz",
+                                                                      "notebook_history.csv.gz"]
+    for bad in ("[1, 2]", "{\"kernels.csv\": 3}", "not json"):
+        counts.write_text(bad)
+        assert records.main(["archive-appended", str(root), "--since", str(counts)]) == 2
+        err = capsys.readouterr().err
+        assert "is not a row count file written by `count`" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_header(tmp_path, monkeypatch):

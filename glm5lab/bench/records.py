@@ -124,14 +124,6 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     return _move_to_history(Path(path), df, run.isin(runs[:-keep] if keep > 0 else runs))
 
 
-def archive_leading_rows(path: str | os.PathLike, count: int) -> int:
-    """Move the first `count` rows of a CSV into its history, as `archive_older_runs` does; returns how many moved.
-    The main job does this to each CSV it appended to, with the rows it held before: the CSV then holds that run
-    alone, even where an earlier run had the same commit and command."""
-    df = _read_for_archive(path)
-    return _move_to_history(Path(path), df, df.index < count)     # (read_csv's RangeIndex: row numbers)
-
-
 def _read_for_archive(path):
     import pandas as pd
 
@@ -171,34 +163,86 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
     return len(old)
 
 
-def row_counts(root: str | os.PathLike) -> dict[Path, int]:
-    """Rows of every benchmark CSV under `root` that archiving accepts (not a probe's CSV with columns of its own),
-    by path: what a run may append to."""
+def _row_mark(header, row) -> str:
+    """A short digest of one row's values under COLUMNS: tells whether a CSV still holds, at the same place, the row
+    it held when it was counted (an append keeps it; an archiving in between does not)."""
+    import hashlib
+
+    values = dict(zip(header, row))
+    return hashlib.sha1("\x1f".join(values.get(c, "") for c in COLUMNS).encode()).hexdigest()[:16]
+
+
+def row_counts(root: str | os.PathLike) -> dict[Path, tuple[int, str]]:
+    """Every benchmark CSV under `root` that archiving accepts (not a probe's CSV with columns of its own), by path:
+    its rows and the mark of its last row (`_row_mark`), i.e. what a run may append to and where it began."""
     counts = {}
     for p in sorted(Path(root).rglob("*.csv")):
         with open(p, newline="") as fh:
             rows = csv.reader(fh)
-            if _conformable(next(rows, [])):
-                counts[p] = sum(1 for row in rows if row)
+            header = next(rows, [])
+            if _conformable(header):
+                n, last = 0, []
+                for row in rows:
+                    if row:
+                        n, last = n + 1, row
+                counts[p] = (n, _row_mark(header, last))
     return counts
 
 
+def archive_appended(root: str | os.PathLike, rows_before: dict[Path, tuple[int, str]]) -> dict[Path, int]:
+    """Each benchmark CSV under `root` that was appended to since `rows_before` (`row_counts` taken before a run)
+    keeps the rows it gained; the rows it held move to its history: it then holds that run alone, even where an
+    earlier run had the same commit and command. Returns the rows moved, by path. A CSV the run created, left as it
+    was, or rewrote (the row at its old end is another: archived already, by the main job inside a GPU call) is not
+    touched."""
+    moved = {}
+    for path, (rows, _) in row_counts(root).items():
+        held, mark = rows_before.get(path, (0, ""))
+        if 0 < held < rows:
+            df = _read_for_archive(path)
+            if _row_mark(COLUMNS, df.iloc[held - 1].tolist()) == mark:
+                moved[path] = _move_to_history(path, df, df.index < held)   # (RangeIndex: row numbers)
+    return moved
+
+
 def main(argv=None) -> int:
-    """`python -m glm5lab.bench.records archive CSV... [--keep N]`: `archive_older_runs` on each file."""
+    """`python -m glm5lab.bench.records archive CSV... [--keep N]`: `archive_older_runs` on each file.
+    `... count ROOT --out JSON` before a run and `... archive-appended ROOT --since JSON` after it: `row_counts` and
+    `archive_appended`, as the main job does (how `scripts/gpu_run.sh` keeps one run in each CSV it appended to)."""
     import argparse
+    import json
 
     ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.records")
-    ap.add_argument("action", choices=("archive",))
-    ap.add_argument("csv", nargs="+", type=Path)
-    ap.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
+    sub = ap.add_subparsers(dest="action", required=True)
+    arc = sub.add_parser("archive", help="move every run but the last --keep of each CSV to its history")
+    arc.add_argument("csv", nargs="+", type=Path)
+    arc.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
+    cnt = sub.add_parser("count", help="write the rows of every benchmark CSV under ROOT to a JSON file")
+    cnt.add_argument("root", type=Path)
+    cnt.add_argument("--out", type=Path, required=True)
+    app = sub.add_parser("archive-appended", help="in each CSV under ROOT that grew since --since, move the rows "
+                                                  "it held to its history")
+    app.add_argument("root", type=Path)
+    app.add_argument("--since", type=Path, required=True, help="the JSON file `count` wrote before the run")
     args = ap.parse_args(argv)
-    for p in args.csv:
-        try:
-            moved = archive_older_runs(p, args.keep)
-        except (FileNotFoundError, ValueError) as exc:      # (missing file, not a benchmark CSV: one line)
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"{p}: {moved} rows of older runs -> {history_path(p).name}")
+    try:
+        if args.action == "count":
+            counts = {str(p.relative_to(args.root)): list(c) for p, c in row_counts(args.root).items()}
+            args.out.write_text(json.dumps(counts, indent=1) + "\n")
+            print(f"{args.out}: rows of {len(counts)} benchmark CSVs under {args.root}")
+        elif args.action == "archive-appended":
+            try:
+                before = {args.root / k: (int(n), str(m)) for k, (n, m) in json.loads(args.since.read_text()).items()}
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{args.since} is not a row count file written by `count` ({exc})") from None
+            for p, moved in archive_appended(args.root, before).items():
+                print(f"{p}: {moved} rows of earlier runs -> {history_path(p).name}")
+        else:
+            for p in args.csv:
+                print(f"{p}: {archive_older_runs(p, args.keep)} rows of older runs -> {history_path(p).name}")
+    except (FileNotFoundError, ValueError) as exc:      # (missing file, not a benchmark CSV: one line)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
