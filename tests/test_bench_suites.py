@@ -221,6 +221,8 @@ def test_cli_count_then_archive_appended_keeps_each_csv_s_new_run_even_after_an_
         assert records.main(["archive-appended", str(root), "--since", str(counts)]) == 2
         err = capsys.readouterr().err
         assert "is not a row count file written by `count`" in err and len(err.strip().splitlines()) == 1
+    assert records.main(["count", str(tmp_path / "nowhere"), "--out", str(counts)]) == 2
+    assert "no results folder at" in capsys.readouterr().err
 
 
 def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_header(tmp_path, monkeypatch):

@@ -226,6 +226,8 @@ def main(argv=None) -> int:
     app.add_argument("--since", type=Path, required=True, help="the JSON file `count` wrote before the run")
     args = ap.parse_args(argv)
     try:
+        if args.action != "archive" and not args.root.is_dir():
+            raise FileNotFoundError(f"no results folder at {args.root}")
         if args.action == "count":
             counts = {str(p.relative_to(args.root)): list(c) for p, c in row_counts(args.root).items()}
             args.out.write_text(json.dumps(counts, indent=1) + "\n")
