@@ -96,7 +96,7 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
     return done
 
 
-def archive_earlier_runs(results_dir: Path, rows_before: dict[Path, int]) -> None:
+def archive_earlier_runs(results_dir: Path, rows_before: dict[Path, tuple[int, str]]) -> None:
     """Each benchmark CSV under `results_dir` that grew since `rows_before` (records.row_counts at the run's start)
     keeps the rows it gained; the ones it held go to its `<name>_history.csv.gz` (records.archive_appended)."""
     for csv, moved in records.archive_appended(results_dir, rows_before).items():
