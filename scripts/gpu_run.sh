@@ -53,6 +53,13 @@ mkdir -p "$stage/results"
 case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;; *) seed=1 ;; esac
 # (SEED_RESULTS=0: start from an empty results tree, e.g. on another GPU model, whose rows go to a folder of their own)
 seed=${SEED_RESULTS:-$seed}
+# the committed results are one GPU model's (the H200's): on another (a call for an H200 may get an H100) the rows of
+# this call would read as that GPU's latest run, so the call starts from an empty tree instead -- commit its rows under
+# results/<gpu>/ (results/h100/)
+if [ $seed = 1 ] && ! python3 -m glm5lab.bench.records same-gpu results/bench/gpu/kernels.csv 2>&1 | tee -a "$stage/gpu_run.log"; then
+  log "not seeding the committed results: another GPU model made them (rows of this call start from an empty tree)"
+  seed=0
+fi
 if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
   [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done
   # the rows each seeded benchmark CSV holds now, so that the end of the call can keep only what this call appended

@@ -2,6 +2,7 @@
 recorded as data, plots drawn from the CSVs."""
 import gzip
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -223,6 +224,44 @@ def test_cli_count_then_archive_appended_keeps_each_csv_s_new_run_even_after_an_
         assert "is not a row count file written by `count`" in err and len(err.strip().splitlines()) == 1
     assert records.main(["count", str(tmp_path / "nowhere"), "--out", str(counts)]) == 2
     assert "no results folder at" in capsys.readouterr().err
+
+
+def test_gpu_run_seeds_the_committed_results_only_on_the_gpu_model_that_made_them(tmp_path, monkeypatch, capsys):
+    """A call for an H200 may be given an H100: seeded, its rows would be appended to the H200's CSVs and read as
+    their latest run. `records same-gpu` compares this machine's GPU with the latest rows' (exit 0 / 1), and
+    scripts/gpu_run.sh, run here on a machine without the committed results' GPU, starts from an empty tree."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    from glm5lab.bench import records
+
+    csv = tmp_path / "kernels.csv"
+    row = {"suite": "s", "implementation": "glm5lab", "shape": "H8", "metric": "time", "unit": "us", "value": 1}
+    monkeypatch.setattr(records, "collect", lambda: {"gpu": "NVIDIA H200", "git_sha": "a" * 12})
+    records.append_rows(csv, [row])
+    monkeypatch.setattr(records, "collect", lambda: {"gpu": "NVIDIA H100 80GB HBM3", "git_sha": "b" * 12})
+    records.append_rows(csv, [row])                          # the latest rows: the H100's
+    for here, status in (("NVIDIA H100 80GB HBM3", 0), ("NVIDIA H200", 1), ("no GPU", 1)):
+        monkeypatch.setattr("glm5lab.env.gpu_info", lambda here=here: {"gpu": here})
+        assert records.main(["same-gpu", str(csv)]) == status
+        assert ("this machine has " + here in capsys.readouterr().out) == bool(status)
+    assert records.main(["same-gpu", str(tmp_path / "none.csv")]) == 0     # nothing committed: seeding is harmless
+
+    repo = Path(__file__).resolve().parents[1]
+    if records.same_gpu(repo / "results" / "bench" / "gpu" / "kernels.csv")[0]:
+        pytest.skip("this machine has the GPU of the committed results")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GLM5LAB_GIT_SHA": "0" * 12}
+    run = subprocess.run(["bash", "scripts/gpu_run.sh", "nothing"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "not seeding the committed results" in run.stdout
+    with tarfile.open(out / "gpu_results_nothing.tar.gz") as tar:
+        files = [m.name for m in tar.getmembers() if m.isfile()]
+    assert "gpu/gpu_run.log" in files and not [n for n in files if n.startswith("gpu/results/")]
 
 
 def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_header(tmp_path, monkeypatch):

@@ -205,10 +205,36 @@ def archive_appended(root: str | os.PathLike, rows_before: dict[Path, tuple[int,
     return moved
 
 
+def latest_gpu(path: str | os.PathLike) -> str:
+    """The GPU named by the last row of a benchmark CSV ('' when it has no rows)."""
+    with open(path, newline="") as fh:
+        rows = csv.reader(fh)
+        header, last = next(rows, []), []
+        for row in rows:
+            last = row or last
+    return dict(zip(header, last)).get("gpu", "")
+
+
+def same_gpu(path: str | os.PathLike) -> tuple[bool, str]:
+    """Whether this machine's GPU is the one that made the latest rows of `path`, and a line saying so. A GPU call
+    that seeds the committed results appends to them: rows of another GPU model would read as the committed GPU's
+    latest run (a call for an H200 may be given an H100)."""
+    from glm5lab.env import gpu_info
+
+    here = gpu_info()["gpu"]
+    if not Path(path).exists():
+        return True, f"no {path} to compare with; this machine: {here}"
+    there = latest_gpu(path)
+    if there in ("", here):
+        return True, f"{path}: latest rows from {there or 'no GPU named'}, this machine {here}"
+    return False, f"{path}: latest rows from {there}, this machine has {here}"
+
+
 def main(argv=None) -> int:
     """`python -m glm5lab.bench.records archive CSV... [--keep N]`: `archive_older_runs` on each file.
     `... count ROOT --out JSON` before a run and `... archive-appended ROOT --since JSON` after it: `row_counts` and
-    `archive_appended`, as the main job does (how `scripts/gpu_run.sh` keeps one run in each CSV it appended to)."""
+    `archive_appended`, as the main job does (how `scripts/gpu_run.sh` keeps one run in each CSV it appended to).
+    `... same-gpu CSV`: `same_gpu`, exit status 0 or 1 (gpu_run.sh seeds the committed results only on their GPU)."""
     import argparse
     import json
 
@@ -224,7 +250,13 @@ def main(argv=None) -> int:
                                                   "it held to its history")
     app.add_argument("root", type=Path)
     app.add_argument("--since", type=Path, required=True, help="the JSON file `count` wrote before the run")
+    same = sub.add_parser("same-gpu", help="exit 0 when this machine's GPU made the latest rows of CSV, else 1")
+    same.add_argument("csv", type=Path)
     args = ap.parse_args(argv)
+    if args.action == "same-gpu":
+        ok, line = same_gpu(args.csv)
+        print(line)
+        return 0 if ok else 1
     try:
         if args.action != "archive" and not args.root.is_dir():
             raise FileNotFoundError(f"no results folder at {args.root}")
