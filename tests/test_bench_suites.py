@@ -246,7 +246,8 @@ def test_gpu_run_seeds_the_committed_results_only_on_the_gpu_model_that_made_the
     for here, status in (("NVIDIA H100 80GB HBM3", 0), ("NVIDIA H200", 1), ("no GPU", 1)):
         monkeypatch.setattr("glm5lab.env.gpu_info", lambda here=here: {"gpu": here})
         assert records.main(["same-gpu", str(csv)]) == status
-        assert ("this machine has " + here in capsys.readouterr().out) == bool(status)
+        out = capsys.readouterr().out
+        assert f"this machine has {here}: " + ("another model" if status else "the same model") in out
     assert records.main(["same-gpu", str(tmp_path / "none.csv")]) == 0     # nothing committed: seeding is harmless
 
     repo = Path(__file__).resolve().parents[1]

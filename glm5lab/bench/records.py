@@ -225,9 +225,9 @@ def same_gpu(path: str | os.PathLike) -> tuple[bool, str]:
     if not Path(path).exists():
         return True, f"no {path} to compare with; this machine: {here}"
     there = latest_gpu(path)
-    if there in ("", here):
-        return True, f"{path}: latest rows from {there or 'no GPU named'}, this machine {here}"
-    return False, f"{path}: latest rows from {there}, this machine has {here}"
+    same = there in ("", here)
+    return same, (f"{path}: latest rows from {there or 'no GPU named'}; this machine has {here}: "
+                  f"{'the same model' if same else 'another model'}")
 
 
 def main(argv=None) -> int:
