@@ -172,6 +172,15 @@ def _row_mark(header, row) -> str:
     return hashlib.sha1("\x1f".join(values.get(c, "") for c in COLUMNS).encode()).hexdigest()[:16]
 
 
+def _count_to_last(rows) -> tuple[int, list[str]]:
+    """How many non-empty rows a csv.reader (past its header) holds, and the last of them ([] when none)."""
+    n, last = 0, []
+    for row in rows:
+        if row:
+            n, last = n + 1, row
+    return n, last
+
+
 def row_counts(root: str | os.PathLike) -> dict[Path, tuple[int, str]]:
     """Every benchmark CSV under `root` that archiving accepts (not a probe's CSV with columns of its own), by path:
     its rows and the mark of its last row (`_row_mark`), i.e. what a run may append to and where it began."""
@@ -181,10 +190,7 @@ def row_counts(root: str | os.PathLike) -> dict[Path, tuple[int, str]]:
             rows = csv.reader(fh)
             header = next(rows, [])
             if _conformable(header):
-                n, last = 0, []
-                for row in rows:
-                    if row:
-                        n, last = n + 1, row
+                n, last = _count_to_last(rows)
                 counts[p] = (n, _row_mark(header, last))
     return counts
 
@@ -209,9 +215,8 @@ def latest_gpu(path: str | os.PathLike) -> str:
     """The GPU named by the last row of a benchmark CSV ('' when it has no rows)."""
     with open(path, newline="") as fh:
         rows = csv.reader(fh)
-        header, last = next(rows, []), []
-        for row in rows:
-            last = row or last
+        header = next(rows, [])
+        last = _count_to_last(rows)[1]
     return dict(zip(header, last)).get("gpu", "")
 
 
