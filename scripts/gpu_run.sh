@@ -51,17 +51,23 @@ echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
 mkdir -p "$stage/results"
 # (so does a bench run of some suite parts only: BENCH_PARTS="indexer attention_stack projection plots")
 case " $parts " in *" bench "*) [ -z "${BENCH_PARTS:-}" ] && seed=0 || seed=1 ;; *) seed=1 ;; esac
-# (SEED_RESULTS=0: start from an empty results tree, e.g. on another GPU model, whose rows go to a folder of their own)
+# (SEED_RESULTS=0: start from an empty results tree)
 seed=${SEED_RESULTS:-$seed}
-# the committed results are one GPU model's (the H200's): on another (a call for an H200 may get an H100) the rows of
-# this call would read as that GPU's latest run, so the call starts from an empty tree instead -- commit its rows under
-# results/<gpu>/ (results/h100/)
-if [ $seed = 1 ] && ! python3 -m glm5lab.bench.records same-gpu results/bench/gpu/kernels.csv 2>&1 | tee -a "$stage/gpu_run.log"; then
-  log "not seeding the committed results: another GPU model made them (rows of this call start from an empty tree)"
-  seed=0
+# the committed results are one GPU model's (results/: the H200's; results/<gpu>/: another's, e.g. results/h100/): a
+# call seeds from its own model's tree (a call for an H200 may get an H100, whose rows would otherwise read as the
+# H200's latest run), or, on a model with no tree, starts from an empty one -- commit its rows under results/<gpu>/
+if [ $seed = 1 ]; then
+  tree=$(python3 -m glm5lab.bench.records seed-tree results 2>"$stage/seed_tree.txt")
+  tee -a "$stage/gpu_run.log" < "$stage/seed_tree.txt"
+  if [ -z "$tree" ]; then
+    log "not seeding the committed results: another GPU model made them (rows of this call start from an empty tree)"
+    seed=0
+  else
+    log "seeding from $tree/ (this GPU model's committed results)"
+  fi
 fi
 if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
-  [ -d "results/$d" ] && cp -r "results/$d" "$stage/results/"; done
+  [ -d "$tree/$d" ] && cp -r "$tree/$d" "$stage/results/"; done
   # the rows each seeded benchmark CSV holds now, so that the end of the call can keep only what this call appended
   python3 -m glm5lab.bench.records count "$stage/results" --out "$stage/../rows_before.json"
 fi

@@ -89,6 +89,25 @@ def test_attention_efficiency_is_the_portable_kernels_when_the_run_has_both():
     assert eff["attention"] == pytest.approx(0.34)
 
 
+def test_efficiencies_come_from_cuda_graph_time_where_the_run_has_it():
+    """vLLM runs a decode step in a CUDA graph: at a batch of one, do_bench's time is mostly launch overhead (the
+    H200's Triton kernel: 72 us against 8.7 us in a graph). Where the suite has graph-timed fractions the projection
+    takes them, per quantity, and do_bench's otherwise."""
+    slow = _measured(eff_att=0.05, eff_idx=0.01)
+    graph = slow[slow.metric.isin(["roofline_fraction", "fraction_of_copy_ceiling"])]
+    graph = graph.assign(metric=graph.metric + "_graph", value=graph.metric.map({"roofline_fraction": 0.4,
+                                                                                "fraction_of_copy_ceiling": 0.3}))
+    assert projection.efficiencies(slow, 1, 4096)[0] == {"attention": 0.05, "indexer": 0.01, "weights": 0.7}
+    assert projection.efficiencies(pd.concat([slow, graph]), 1, 4096)[0] == {"attention": 0.4, "indexer": 0.3,
+                                                                              "weights": 0.7}
+    only_attention = pd.concat([slow, graph[graph.suite == "sparse_mla_kernel"]])
+    assert projection.efficiencies(only_attention, 1, 4096)[0]["indexer"] == 0.01
+    kw = dict(qtypes=("Q4_K",), batches=(1,), contexts=(4096,))
+    before, after = (projection.project(measurements=m, **kw).query("kind == 'projection'").iloc[0]
+                     for m in (slow, pd.concat([slow, graph])))
+    assert after.kv_ms == pytest.approx(before.kv_ms * 0.05 / 0.4) and after.step_ms < before.step_ms
+
+
 def test_projection_plot_marks_projected_values(projections, tmp_path):
     _, meas = projections
     rows = pd.DataFrame(projection.projection_rows(meas))

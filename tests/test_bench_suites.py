@@ -265,6 +265,52 @@ def test_gpu_run_seeds_the_committed_results_only_on_the_gpu_model_that_made_the
     assert "gpu/gpu_run.log" in files and not [n for n in files if n.startswith("gpu/results/")]
 
 
+def test_a_gpu_call_seeds_from_the_committed_tree_of_its_own_gpu_model(tmp_path, monkeypatch, capsys):
+    """results/ holds the H200's runs, results/<gpu>/ another model's (results/h100/). `records seed-tree` names the
+    tree of this machine's model (exit 0) or none (exit 1), and gpu_run.sh copies that tree into the call's results:
+    a notebooks call on an H100 reads the H100's suite, not the H200's and not nothing."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    from glm5lab.bench import records
+
+    row = {"suite": "s", "implementation": "glm5lab", "shape": "H8", "metric": "time", "unit": "us", "value": 1}
+    repo = tmp_path / "repo"
+    for tree, gpu in (("results", "NVIDIA H200"), ("results/h100", "NVIDIA H100 80GB HBM3"),
+                      ("results/cpu", "no GPU")):
+        monkeypatch.setattr(records, "collect", lambda gpu=gpu: {"gpu": gpu, "git_sha": "a" * 12})
+        records.append_rows(repo / tree / "bench" / "gpu" / "kernels.csv", [row])
+    (repo / "results" / "h100" / "indexer").mkdir()
+    for here, want in (("NVIDIA H200", "results"), ("NVIDIA H100 80GB HBM3", "results/h100"),
+                       ("no GPU", "results/cpu"), ("NVIDIA B200", None)):
+        monkeypatch.setattr("glm5lab.env.gpu_info", lambda here=here: {"gpu": here})
+        tree, line = records.seed_tree(repo / "results")
+        assert tree == (repo / want if want else None), (here, line)
+        assert records.main(["seed-tree", str(repo / "results")]) == (0 if want else 1)
+        out, err = capsys.readouterr()
+        assert out.strip() == (str(repo / want) if want else "") and f"this machine has {here}" in err
+    assert records.main(["seed-tree", str(tmp_path / "none")]) == 2
+
+    # the script itself, on this GPU-less machine: it seeds from results/cpu/ (the "no GPU" model's tree) alone
+    src = Path(__file__).resolve().parents[1]
+    (repo / "scripts").mkdir()
+    (repo / "scripts" / "gpu_run.sh").write_text((src / "scripts" / "gpu_run.sh").read_text())
+    (repo / "glm5lab").symlink_to(src / "glm5lab")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GLM5LAB_GIT_SHA": "0" * 12}
+    run = subprocess.run(["bash", "scripts/gpu_run.sh", "nothing"], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "seeding from results/cpu/" in run.stdout
+    with tarfile.open(tmp_path / "out" / "gpu_results_nothing.tar.gz") as tar:
+        seeded = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                  if m.isfile() and m.name.startswith("gpu/results/")}
+    assert list(seeded) == ["gpu/results/bench/gpu/kernels.csv"] and ",no GPU," in seeded[
+        "gpu/results/bench/gpu/kernels.csv"]
+
+
 def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_header(tmp_path, monkeypatch):
     """The board's UUID is a provenance column (lent H200s differ by 3-5%). The committed CSVs predate it: they
     read back with the column empty, an append rewrites the file under the current header first (else the new

@@ -4,9 +4,11 @@ torch.topk), at GLM-5's sizes: 32 index heads x 128, index_topk 2048, page 64, c
 batch 1-256, bf16 and vLLM's fp8 index-key cache layout (issue 9).
 
 For each shape: median time of logits, top-k and the whole step (glm5lab.bench.timing.bench: CUDA events,
-L2 flushed), the bytes the logits kernel must read (keys of every context token + q + weights + the
-logits it writes) against the device copy bandwidth measured in the same run, and a correctness check
-(rows of the glm5lab top-k that obey the tie rule on the torch logits, within the logits tolerance).
+L2 flushed; at batch 1 that is mostly launch overhead), on a GPU also the CUDA-graph time of logits and step as a
+captured decode step sees them (`_graph_times`), the bytes the logits kernel must read (keys of every context
+token + q + weights + the logits it writes) against the device copy bandwidth measured in the same run, and a
+correctness check (rows of the glm5lab top-k that obey the tie rule on the torch logits, within the logits
+tolerance).
 CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
 
     PYTHONPATH=. python -m glm5lab.bench.indexer_bench --out results/indexer/indexer_bench_h200.csv
@@ -58,6 +60,19 @@ def torch_indexer_step(q, weights, key_flat, block_table, lengths, page, topk):
 def _bytes_read(B, L, H, D, dtype):
     key_bytes = D + 4 if dtype == "fp8" else 2 * D
     return B * L * key_bytes + B * H * D * 2 + B * H * 4 + B * L * 4    # keys + q + weights + logits out
+
+
+def _graph_times(logits_fn, step_fn, block_table_all, batch: int, blocks: int) -> dict:
+    """CUDA-graph time (us) of the logits kernel and of the whole step, as vLLM's captured decode sees them (no launch
+    overhead: do_bench's time at batch 1 is mostly that). `logits_fn(table)` / `step_fn(table)` run on one block table;
+    the graph rotates through all the disjoint row sets of `block_table_all` (>= 138 MB of fp8 keys at 4k context, well
+    over the H100's / H200's 50 MB L2), so each call reads its keys from memory, not from the previous call's L2."""
+    from glm5lab.bench.kernel_bench import graph_time_us
+
+    tables = [block_table_all[i:i + batch, :blocks].contiguous()
+              for i in range(0, block_table_all.shape[0] - batch + 1, batch)]
+    return {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
+            "step": graph_time_us([lambda t=t: step_fn(t) for t in tables])}
 
 
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
@@ -124,14 +139,14 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         logits_buf = torch.empty(B, L, device=dev, dtype=torch.float32)
         top_buf = torch.empty(B, K, device=dev, dtype=torch.int32)
 
-        def logits_fn():
-            return indexer_logits_decode(q, w, cache, bt, lengths, max_len=L, out=logits_buf)
+        def logits_fn(table=bt):
+            return indexer_logits_decode(q, w, cache, table, lengths, max_len=L, out=logits_buf)
 
         def topk_fn():
             return indexer_topk(logits_buf, K, lengths, out=top_buf)
 
-        def step_fn():
-            logits_fn()
+        def step_fn(table=bt):
+            logits_fn(table)
             return topk_fn()
 
         t_logits = bench(logits_fn)
@@ -161,6 +176,12 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         if bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
                          "value": gbps / bw, "unit": "ratio"})
+        graph = _graph_times(logits_fn, step_fn, block_table_all, B, bt.shape[1]) if cuda else {}
+        for part, us in graph.items():
+            rows.append({**base, "implementation": impl, "metric": f"{part}_time_graph", "value": us, "unit": "us"})
+        if graph and bw:
+            rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
+                         "value": nbytes / (graph["logits"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
 
         t_torch = None
         if B * L <= prof.torch_max_elems:
@@ -184,6 +205,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
                         "topk_us": t_topk["p50"], "topk_hist_us": t_topk_hist["p50"],
                         "topk_split_us": t_topk_split["p50"],
                         "torch_topk_us": t_topk_torch["p50"], "step_us": t_step["p50"],
+                        "step_graph_us": graph.get("step"),
                         "torch_step_us": t_torch["p50"] if t_torch else None,
                         "speedup_vs_torch": (t_torch["p50"] / t_step["p50"]) if t_torch else None,
                         "logits_GBps": gbps, "fraction_of_copy": (gbps / bw) if bw else None})

@@ -235,11 +235,28 @@ def same_gpu(path: str | os.PathLike) -> tuple[bool, str]:
                   f"{'the same model' if same else 'another model'}")
 
 
+def seed_tree(results: str | os.PathLike) -> tuple[Path | None, str]:
+    """The committed results tree a GPU call on this machine should start from, and a line saying why: `results`
+    when its suite CSV (bench/gpu/kernels.csv) is this GPU model's or absent, else the first `results/<name>/` whose
+    suite CSV is this model's (results/h100/ on an H100), else None (start from an empty tree). So a call seeded on
+    another model reads, and appends to, that model's own earlier runs (notebook 06 on an H100: the H100's suite)."""
+    results = Path(results)
+    suite_csv = Path("bench", "gpu", "kernels.csv")
+    ok, line = same_gpu(results / suite_csv)
+    if ok:
+        return results, line
+    for tree in sorted(d for d in results.iterdir() if (d / suite_csv).is_file()):
+        if same_gpu(tree / suite_csv)[0]:
+            return tree, f"{line}; {tree / suite_csv} is this model's"
+    return None, f"{line}; no results/<gpu>/ tree holds this model's runs"
+
+
 def main(argv=None) -> int:
     """`python -m glm5lab.bench.records archive CSV... [--keep N]`: `archive_older_runs` on each file.
     `... count ROOT --out JSON` before a run and `... archive-appended ROOT --since JSON` after it: `row_counts` and
     `archive_appended`, as the main job does (how `scripts/gpu_run.sh` keeps one run in each CSV it appended to).
-    `... same-gpu CSV`: `same_gpu`, exit status 0 or 1 (gpu_run.sh seeds the committed results only on their GPU)."""
+    `... same-gpu CSV`: `same_gpu`, exit status 0 or 1. `... seed-tree RESULTS`: `seed_tree`'s folder on stdout (its
+    line on stderr), exit status 1 when there is none (how gpu_run.sh picks the committed results to start from)."""
     import argparse
     import json
 
@@ -257,11 +274,23 @@ def main(argv=None) -> int:
     app.add_argument("--since", type=Path, required=True, help="the JSON file `count` wrote before the run")
     same = sub.add_parser("same-gpu", help="exit 0 when this machine's GPU made the latest rows of CSV, else 1")
     same.add_argument("csv", type=Path)
+    seed = sub.add_parser("seed-tree", help="print the committed results tree of this machine's GPU model "
+                                            "(RESULTS or RESULTS/<name>/); exit 1 when there is none")
+    seed.add_argument("results", type=Path)
     args = ap.parse_args(argv)
     if args.action == "same-gpu":
         ok, line = same_gpu(args.csv)
         print(line)
         return 0 if ok else 1
+    if args.action == "seed-tree":
+        if not args.results.is_dir():
+            print(f"error: no results folder at {args.results}", file=sys.stderr)
+            return 2
+        tree, line = seed_tree(args.results)
+        print(line, file=sys.stderr)
+        if tree is not None:
+            print(tree)
+        return 0 if tree is not None else 1
     try:
         if args.action != "archive" and not args.root.is_dir():
             raise FileNotFoundError(f"no results folder at {args.root}")

@@ -329,12 +329,13 @@ def kernel_speed_table(df):
 
 def indexer_speed_table(df):
     """indexer_bench rows -> step time (µs) per shape and implementation, and the logits kernel's
-    fraction of the copy ceiling."""
+    fraction of the copy ceiling; each also from CUDA-graph time where the run has it (`_graph` columns)."""
     import pandas as pd
 
     if df is None or df.empty:
         return pd.DataFrame()
-    d = df[df.metric.isin(["step_time", "fraction_of_copy_ceiling"])].copy()
+    metrics = ["step_time", "step_time_graph", "fraction_of_copy_ceiling", "fraction_of_copy_ceiling_graph"]
+    d = df[df.metric.isin(metrics)].copy()
     d["value"] = pd.to_numeric(d.value, errors="coerce")
     return d.pivot_table(index=["dtype", "shape"], columns=["metric", "implementation"], values="value",
                          aggfunc="last")
