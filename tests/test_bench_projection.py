@@ -6,7 +6,7 @@ import pytest
 from glm5lab.bench import plots, projection
 
 
-def _measured(eff_att=0.5, eff_idx=0.4, eff_w=0.7) -> pd.DataFrame:
+def _measured(eff_att=0.5, eff_idx=0.4, eff_w=0.7, topk_us=None) -> pd.DataFrame:
     """Rows shaped like the full suite's (kernel_bench, indexer_bench, gemm_streaming) on a GPU."""
     rows = []
     for T in (1, 8, 32, 128, 512):
@@ -16,6 +16,9 @@ def _measured(eff_att=0.5, eff_idx=0.4, eff_w=0.7) -> pd.DataFrame:
         for L in (4096, 16384, 65536):
             rows.append(dict(suite="dsa_indexer", implementation="glm5lab-triton", layout="paged64", dtype="fp8",
                              shape=f"B{B}_L{L}_H32_D128_K2048", metric="fraction_of_copy_ceiling", value=eff_idx))
+            for method, us in (topk_us or {"hist": 30.0, "split": 130.0}).items():
+                rows.append(dict(suite="dsa_indexer", implementation=f"glm5lab-triton-{method}", layout="paged64",
+                                 dtype="fp8", shape=f"B{B}_L{L}_H32_D128_K2048", metric="topk_time", value=us))
     for B in (1, 8, 32, 64, 128, 256):
         rows.append(dict(suite="gemm_streaming", implementation="torch-bf16-gemm", layout="-", dtype="bf16",
                          shape=f"B{B}_N24576_K6144", metric="fraction_of_copy", value=eff_w))
@@ -106,6 +109,27 @@ def test_efficiencies_come_from_cuda_graph_time_where_the_run_has_it():
     before, after = (projection.project(measurements=m, **kw).query("kind == 'projection'").iloc[0]
                      for m in (slow, pd.concat([slow, graph])))
     assert after.kv_ms == pytest.approx(before.kv_ms * 0.05 / 0.4) and after.step_ms < before.step_ms
+
+
+def test_the_indexer_top_k_time_is_the_measured_kernel_s_that_the_indexer_op_runs_at_that_context():
+    """The top-k is bound by latency, not by memory: the projection adds, per layer, the time measured for the kernel
+    glm5lab's indexer op picks (hist up to 16k positions, split beyond); its upper bound reads the logits once."""
+    from glm5lab.bench.projection import model_bytes
+
+    df = _measured(topk_us={"hist": 30.0, "split": 130.0, "radix16": 700.0})
+    assert projection.topk_time_us(df, 1, 4096) == 30.0 and projection.topk_time_us(df, 1, 65536) == 130.0
+    layers = model_bytes("Q4_K")["layers"]
+    p = projection.project(measurements=df, qtypes=("Q4_K",), batches=(1,), contexts=(4096, 65536))
+    proj = p[p.kind == "projection"].set_index("context")
+    assert proj.topk_ms.tolist() == pytest.approx([layers * 30e-3, layers * 130e-3])
+    parts = proj.weights_ms + proj.kv_ms + proj.indexer_ms + proj.topk_ms
+    assert (proj.step_ms - proj.allreduce_ms).tolist() == pytest.approx(parts.tolist())
+    bound = p[p.kind != "projection"].set_index("context")
+    assert bound.topk_ms.tolist() == pytest.approx([layers * L * 4 / 1792e9 * 1e3 for L in (4096, 65536)])
+    no_topk = df[df.metric != "topk_time"]
+    assert "top-k" in projection.efficiencies(no_topk, 1, 4096)[1][0]
+    assert projection.project(measurements=no_topk, qtypes=("Q4_K",), batches=(1,), contexts=(4096,)).query(
+        "kind == 'projection'").missing_inputs.str.contains("top-k").all()
 
 
 def test_projection_plot_marks_projected_values(projections, tmp_path):

@@ -128,7 +128,7 @@ def plot_projection(df: pd.DataFrame, profile: str):
 
 
 def plot_projection_breakdown(df: pd.DataFrame, profile: str, context: int = 16384):
-    d = _num(df[df.metric.isin(["weights_ms", "kv_ms", "indexer_ms", "allreduce_ms"])])
+    d = _num(df[df.metric.isin(["weights_ms", "kv_ms", "indexer_ms", "topk_ms", "allreduce_ms"])])
     if d.empty:
         return None
     parts = d["shape"].str.extract(r"(\w+?)_B(\d+)_L(\d+)")
@@ -141,7 +141,7 @@ def plot_projection_breakdown(df: pd.DataFrame, profile: str, context: int = 163
     p = d[d.qtype == qt].pivot_table(index="B", columns="metric", values="value")
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = None
-    for m in ["weights_ms", "kv_ms", "indexer_ms", "allreduce_ms"]:
+    for m in ["weights_ms", "kv_ms", "indexer_ms", "topk_ms", "allreduce_ms"]:
         if m in p:
             ax.bar([str(b) for b in p.index], p[m], bottom=bottom, label=m.replace("_ms", ""),
                    hatch="//" if kind == "projection" else None, alpha=0.85)

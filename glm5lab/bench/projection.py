@@ -2,8 +2,9 @@
 
 A roofline model: per decode step, every GPU streams its share of the weights the batch touches, the
 selected latent KV rows, and the index keys of the whole context, at the card's published memory
-bandwidth times an efficiency MEASURED on the H200 (read from the full suite's CSV); two all-reduces per
-layer cross PCIe (no NVLink on this card). Every number that is not measured is in `assumptions()` with
+bandwidth times an efficiency MEASURED on the H200 (read from the full suite's CSV), then selects the top-k
+of the indexer's logits in the time the H200 measured for it (latency-bound: carried over unscaled); two
+all-reduces per layer cross PCIe (no NVLink on this card). Every number that is not measured is in `assumptions()` with
 its source and kind (published / derived / assumption). Without measured efficiencies the model only
 gives the efficiency-1.0 upper bound and lists the missing inputs; it never invents them.
 """
@@ -66,6 +67,9 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs()) -> pd.DataFrame:
          "uniform routing: distinct experts per layer = 256*(1-(1-8/256)^B)"),
         ("model sizes", "glm5lab.gguf.inspect.estimate_real_glm5", "-", "derived",
          "GLM-5 config (78 layers, 256 experts), uniform GGUF quantization (notebook 01)"),
+        ("indexer top-k time", "H200 full suite", "us per layer", "assumption",
+         "measured on the H200 (indexer_bench topk_time, the kernel glm5lab's indexer op picks for the context) and "
+         "carried over unscaled: one program per row or segment, bound by latency rather than by memory"),
         ("efficiencies", "H200 full suite", "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "
          "time where the suite has it (a captured decode step has no launch overhead), else do_bench time"),
@@ -157,6 +161,27 @@ def _graph_timed(d: pd.DataFrame, metric: str) -> pd.DataFrame:
     return graph if not graph.empty else d[d.metric == metric]
 
 
+def _nearest_shape(d: pd.DataFrame, batch: int, context: int) -> float:
+    """The value of the indexer row (shape B<b>_L<l>_...) nearest this batch and context, relative distance."""
+    d = d.assign(B=d["shape"].str.extract(r"B(\d+)_")[0].astype(float),
+                 L=d["shape"].str.extract(r"_L(\d+)_")[0].astype(float))
+    pref = d[d.dtype == "fp8"] if (d.dtype == "fp8").any() else d
+    pref = pref.assign(dist=(pref.B - batch).abs() / max(batch, 1) + (pref.L - context).abs() / max(context, 1))
+    return float(pref.sort_values("dist").iloc[0].value)
+
+
+def topk_time_us(df: pd.DataFrame, batch: int, context: int) -> float | None:
+    """Measured time (us) of one layer's indexer top-k for this batch and context, with the kernel glm5lab's indexer
+    op runs there (`fastest_topk_method`), or None when the run has no such rows."""
+    from glm5lab.kernels.dsa_indexer import fastest_topk_method
+
+    if df.empty:
+        return None
+    d = df[(df.suite == "dsa_indexer") & (df.metric == "topk_time")
+           & (df.implementation == f"glm5lab-triton-{fastest_topk_method(context)}")].dropna(subset=["value"])
+    return _nearest_shape(d, batch, context) if not d.empty else None
+
+
 def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list[str]]:
     """Measured fractions of the H200's copy bandwidth for this batch/context (CUDA-graph timed where the run has
     it: `_graph_timed`), and what is missing."""
@@ -176,11 +201,7 @@ def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list
         missing.append("attention kernel roofline fraction (kernel_bench: glm5lab fp8_ds_mla, 8 heads)")
     idx = _graph_timed(df[df.implementation == "glm5lab-triton"], "fraction_of_copy_ceiling")
     if not idx.empty:
-        idx = idx.assign(B=idx["shape"].str.extract(r"B(\d+)_")[0].astype(float),
-                         L=idx["shape"].str.extract(r"_L(\d+)_")[0].astype(float))
-        pref = idx[idx.dtype == "fp8"] if (idx.dtype == "fp8").any() else idx
-        pref = pref.assign(dist=(pref.B - batch).abs() / max(batch, 1) + (pref.L - context).abs() / max(context, 1))
-        eff["indexer"] = float(pref.sort_values("dist").iloc[0].value)
+        eff["indexer"] = _nearest_shape(idx, batch, context)
     else:
         missing.append("indexer logits fraction of copy ceiling (indexer_bench)")
     gemm = df[(df.suite == "gemm_streaming") & (df.metric == "fraction_of_copy")]
@@ -189,6 +210,8 @@ def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list
         eff["weights"] = _nearest(gemm.dropna(subset=["B"]), "B", batch)
     else:
         missing.append("weight-streaming GEMM fraction of copy (gemm_streaming part)")
+    if topk_time_us(df, batch, context) is None:
+        missing.append("indexer top-k time (indexer_bench topk_time of the hist / split kernels)")
     return eff, missing
 
 
@@ -210,6 +233,7 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
             for L in contexts:
                 kv_bytes = B * min(L, knobs.topk) * knobs.kv_row_bytes * L_layers
                 idx_bytes = B * L * knobs.index_key_bytes * L_layers
+                logits_bytes = B * L * 4 * L_layers          # what the top-k must read at least
                 resident = mb["total"] / n + mb["always_replicated"] * (n - 1) / n \
                     + B * L * (knobs.kv_row_bytes + knobs.index_key_bytes) * L_layers
                 fits = resident / 1e9 + knobs.reserved_gb <= card.capacity_gb
@@ -229,9 +253,12 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
                     t_w = w_bytes / (bw * max(e["weights"], 1e-3))
                     t_kv = kv_bytes / (bw * max(e["attention"], 1e-3))
                     t_idx = idx_bytes / (bw * max(e["indexer"], 1e-3))
-                    step = max(t_w + t_kv + t_idx, t_compute) + t_ar
+                    t_topk = (topk_time_us(df, B, L) * 1e-6 * L_layers if kind == "projection"
+                              else logits_bytes / bw)
+                    step = max(t_w + t_kv + t_idx + t_topk, t_compute) + t_ar
                     out.append(dict(qtype=qt, batch=B, context=L, kind=kind, fits=fits, resident_gb=resident / 1e9,
                                     weights_ms=t_w * 1e3, kv_ms=t_kv * 1e3, indexer_ms=t_idx * 1e3,
+                                    topk_ms=t_topk * 1e3,
                                     allreduce_ms=t_ar * 1e3, compute_floor_ms=t_compute * 1e3,
                                     step_ms=step * 1e3, tokens_per_s=B / step if fits else float("nan"),
                                     eff_weights=e["weights"], eff_attention=e["attention"],
@@ -251,7 +278,7 @@ def projection_rows(proj: pd.DataFrame) -> list[dict]:
             rows.append({**base, "metric": "missing_inputs", "value": float("nan"), "unit": r.missing_inputs[:300]})
             continue
         for m, unit in (("step_ms", "ms"), ("tokens_per_s", "tok/s"), ("weights_ms", "ms"), ("kv_ms", "ms"),
-                        ("indexer_ms", "ms"), ("allreduce_ms", "ms"), ("compute_floor_ms", "ms"),
+                        ("indexer_ms", "ms"), ("topk_ms", "ms"), ("allreduce_ms", "ms"), ("compute_floor_ms", "ms"),
                         ("resident_gb", "GB")):
             rows.append({**base, "metric": m, "value": float(getattr(r, m)), "unit": unit})
     return rows

@@ -534,6 +534,16 @@ def _topk_split(logits, k, lengths, out, block, seg):
 TOPK_METHODS = ("radix16", "hist", "split")
 
 
+def fastest_topk_method(columns: int, on_gpu: bool = True) -> str:
+    """Which top-k kernel for rows of `columns` logits. Measured on the H200 (results/bench/gpu/indexer.csv, top-k
+    2048, batch 1-256): the histogram select is fastest up to 16k positions (28-40 us at 4k, 94-139 us at 16k; the
+    multi-program "split" took 170-310 us there), "split" wins beyond (248-292 us vs 367-373 us at 64k for
+    batch <= 128); the H100 agrees (v50). The CPU interpreter runs the simplest kernel."""
+    if not on_gpu:
+        return "radix16"
+    return "hist" if columns <= 16384 else "split"
+
+
 def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, block: int = 1024, method: str = "radix16",
                  seg: int | None = None) -> torch.Tensor:

@@ -129,13 +129,10 @@ def _topk(logits, k, lengths, out, path):
 
 
 def topk_method(logits: torch.Tensor) -> str:
-    """Which top-k kernel for these logits. Measured on the H200 (results/bench/gpu/indexer.csv, top-k 2048,
-    batch 1-256): the histogram select is fastest up to 16k positions (28-40 us at 4k, 94-139 us at 16k; the
-    multi-program "split" took 170-310 us there), "split" wins beyond (248-292 us vs 367-373 us at 64k for
-    batch <= 128). The CPU interpreter runs the simplest kernel."""
-    if not logits.is_cuda:
-        return "radix16"
-    return "hist" if logits.shape[-1] <= 16384 else "split"
+    """Which top-k kernel for these logits (`dsa_indexer.fastest_topk_method`: measured, by row length)."""
+    from glm5lab.kernels.dsa_indexer import fastest_topk_method
+
+    return fastest_topk_method(logits.shape[-1], logits.is_cuda)
 
 
 def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.Tensor | None,
