@@ -1,14 +1,15 @@
-"""DSA indexer benchmark: time per decode step of glm5lab's Triton indexer (paged logits + radix top-k) vs
+"""DSA indexer benchmark: time per decode step of glm5lab's Triton indexer (paged logits + top-k) vs
 the torch version (gather the keys through the block table, batched matmul, relu, weighted head sum,
 torch.topk), at GLM-5's sizes: 32 index heads x 128, index_topk 2048, page 64, contexts 4k-64k,
 batch 1-256, bf16 and vLLM's fp8 index-key cache layout (issue 9).
 
-For each shape: median time of logits, top-k and the whole step (glm5lab.bench.timing.bench: CUDA events,
-L2 flushed; at batch 1 that is mostly launch overhead), on a GPU also the CUDA-graph time of logits and step as a
-captured decode step sees them (`_graph_times`), the bytes the logits kernel must read (keys of every context
-token + q + weights + the logits it writes) against the device copy bandwidth measured in the same run, and a
-correctness check (rows of the glm5lab top-k that obey the tie rule on the torch logits, within the logits
-tolerance).
+For each shape: median time of logits, top-k (each kernel, and torch.topk) and the whole step as glm5lab's
+indexer op runs it (the top-k kernel `fastest_topk_method` picks; glm5lab.bench.timing.bench: CUDA events, L2
+flushed, launch overhead included: at batch 1 most of the logits' time), on a GPU also the CUDA-graph time of
+logits and step as a captured decode step sees them (`_graph_times`), the bytes the logits kernel must read (keys
+of every context token + q + weights + the logits it writes) against the device copy bandwidth measured in the
+same run, and a correctness check (rows of the step's top-k that obey the tie rule on the torch logits, within
+the logits tolerance).
 CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
 
     PYTHONPATH=. python -m glm5lab.bench.indexer_bench --out results/indexer/indexer_bench_h200.csv
@@ -84,8 +85,8 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
 
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, pick_profile
-    from glm5lab.kernels.dsa_indexer import (dequantize_index_key_cache, indexer_logits_decode, indexer_topk,
-                                             write_index_key_cache)
+    from glm5lab.kernels.dsa_indexer import (dequantize_index_key_cache, fastest_topk_method, indexer_logits_decode,
+                                             indexer_topk, write_index_key_cache)
     from glm5lab.sparse.indexer_reference import topk_sets_agree
 
     prof, dev = pick_profile(PROFILES, profile)
@@ -145,9 +146,12 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         def topk_fn():
             return indexer_topk(logits_buf, K, lengths, out=top_buf)
 
+        step_method = fastest_topk_method(L, cuda)       # (the op's choice; before v50 the step ran radix16)
+        step_buf = torch.empty_like(top_buf)
+
         def step_fn(table=bt):
             logits_fn(table)
-            return topk_fn()
+            return indexer_topk(logits_buf, K, lengths, out=step_buf, method=step_method)
 
         t_logits = bench(logits_fn)
         t_topk = bench(topk_fn)
@@ -193,7 +197,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
             n = min(B, prof.check_rows)
             step_fn()
             scale = float(ref_logits[:n].abs().max())
-            fails = topk_sets_agree(top_buf[:n], ref_logits[:n], K, lengths[:n], atol=2e-3 * scale)
+            fails = topk_sets_agree(step_buf[:n], ref_logits[:n], K, lengths[:n], atol=2e-3 * scale)
             rows.append({**base, "implementation": impl, "metric": "topk_rows_valid",
                          "value": (n - len(fails)) / n, "unit": "fraction"})
             del ref_logits, ref_top
@@ -204,12 +208,12 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         summary.append({"dtype": dt, "context": L, "batch": B, "logits_us": t_logits["p50"],
                         "topk_us": t_topk["p50"], "topk_hist_us": t_topk_hist["p50"],
                         "topk_split_us": t_topk_split["p50"],
-                        "torch_topk_us": t_topk_torch["p50"], "step_us": t_step["p50"],
+                        "torch_topk_us": t_topk_torch["p50"], "step_topk": step_method, "step_us": t_step["p50"],
                         "step_graph_us": graph.get("step"),
                         "torch_step_us": t_torch["p50"] if t_torch else None,
                         "speedup_vs_torch": (t_torch["p50"] / t_step["p50"]) if t_torch else None,
                         "logits_GBps": gbps, "fraction_of_copy": (gbps / bw) if bw else None})
-        logits_buf = top_buf = hist_buf = split_buf = None    # (freed; not del: the lambdas above name them)
+        logits_buf = top_buf = hist_buf = split_buf = step_buf = None    # (freed; not del: the lambdas name them)
     append_rows(csv_path, rows, command=command or "glm5lab.bench.indexer_bench.run")
     df = pd.DataFrame(summary)
     log(df.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
