@@ -126,6 +126,11 @@ def test_the_indexer_top_k_time_is_the_measured_kernel_s_that_the_indexer_op_run
     assert (proj.step_ms - proj.allreduce_ms).tolist() == pytest.approx(parts.tolist())
     bound = p[p.kind != "projection"].set_index("context")
     assert bound.topk_ms.tolist() == pytest.approx([layers * L * 4 / 1792e9 * 1e3 for L in (4096, 65536)])
+    # graph-timed rows of the kernel, where the run has them (the multi-launch split loses most of its do_bench time)
+    graph = df[(df.metric == "topk_time") & (df.implementation == "glm5lab-triton-split")]
+    graph = graph.assign(metric="topk_time_graph", value=40.0)
+    assert projection.topk_time_us(pd.concat([df, graph]), 1, 65536) == 40.0
+    assert projection.topk_time_us(pd.concat([df, graph]), 1, 4096) == 30.0      # (no graph rows of hist)
     no_topk = df[df.metric != "topk_time"]
     assert "top-k" in projection.efficiencies(no_topk, 1, 4096)[1][0]
     assert projection.project(measurements=no_topk, qtypes=("Q4_K",), batches=(1,), contexts=(4096,)).query(

@@ -63,16 +63,21 @@ def _bytes_read(B, L, H, D, dtype):
     return B * L * key_bytes + B * H * D * 2 + B * H * 4 + B * L * 4    # keys + q + weights + logits out
 
 
-def _graph_times(logits_fn, step_fn, block_table_all, batch: int, blocks: int) -> dict:
-    """CUDA-graph time (us) of the logits kernel and of the whole step, as vLLM's captured decode sees them (no launch
-    overhead: do_bench's time at batch 1 is mostly that). `logits_fn(table)` / `step_fn(table)` run on one block table;
-    the graph rotates through all the disjoint row sets of `block_table_all` (>= 138 MB of fp8 keys at 4k context, well
-    over the H100's / H200's 50 MB L2), so each call reads its keys from memory, not from the previous call's L2."""
+def _graph_times(logits_fn, topk_fn, step_fn, block_table_all, batch: int, blocks: int) -> dict:
+    """CUDA-graph time (us) of the logits kernel, the step's top-k and the whole step, as vLLM's captured decode sees
+    them (no launch overhead: do_bench's time includes it -- most of the logits' at batch 1, and most of the multi-
+    launch "split" top-k's: 148 against ~37 us at 64k positions on an H100, v50). `logits_fn(table)` / `step_fn(table)`
+    run on one block table; the graph rotates through all the disjoint row sets of `block_table_all` (>= 138 MB of fp8
+    keys at 4k context, well over the H100's / H200's 50 MB L2), so each call reads its keys from memory, not from the
+    previous call's L2. `topk_fn()` reads the logits just written, as in a step. A graph holds at least 8 calls, so
+    that its own launch is not a call's time (latency_anatomy found it in the time of one-call graphs, v27)."""
     from glm5lab.bench.kernel_bench import graph_time_us
 
     tables = [block_table_all[i:i + batch, :blocks].contiguous()
               for i in range(0, block_table_all.shape[0] - batch + 1, batch)]
+    tables = tables * -(-8 // len(tables))
     return {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
+            "topk": graph_time_us([topk_fn] * 8),
             "step": graph_time_us([lambda t=t: step_fn(t) for t in tables])}
 
 
@@ -149,9 +154,12 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         step_method = fastest_topk_method(L, cuda)       # (the op's choice; before v50 the step ran radix16)
         step_buf = torch.empty_like(top_buf)
 
+        def step_topk_fn():
+            return indexer_topk(logits_buf, K, lengths, out=step_buf, method=step_method)
+
         def step_fn(table=bt):
             logits_fn(table)
-            return indexer_topk(logits_buf, K, lengths, out=step_buf, method=step_method)
+            return step_topk_fn()
 
         t_logits = bench(logits_fn)
         t_topk = bench(topk_fn)
@@ -180,9 +188,10 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         if bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
                          "value": gbps / bw, "unit": "ratio"})
-        graph = _graph_times(logits_fn, step_fn, block_table_all, B, bt.shape[1]) if cuda else {}
-        for part, us in graph.items():
-            rows.append({**base, "implementation": impl, "metric": f"{part}_time_graph", "value": us, "unit": "us"})
+        graph = _graph_times(logits_fn, step_topk_fn, step_fn, block_table_all, B, bt.shape[1]) if cuda else {}
+        for part, us in graph.items():    # (the step's top-k under its kernel's name, beside its do_bench row)
+            name = f"{impl}-{step_method}" if part == "topk" else impl
+            rows.append({**base, "implementation": name, "metric": f"{part}_time_graph", "value": us, "unit": "us"})
         if graph and bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
                          "value": nbytes / (graph["logits"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
