@@ -63,22 +63,23 @@ def _bytes_read(B, L, H, D, dtype):
     return B * L * key_bytes + B * H * D * 2 + B * H * 4 + B * L * 4    # keys + q + weights + logits out
 
 
-def _graph_times(logits_fn, topk_fn, step_fn, block_table_all, batch: int, blocks: int) -> dict:
-    """CUDA-graph time (us) of the logits kernel, the step's top-k and the whole step, as vLLM's captured decode sees
-    them (no launch overhead: do_bench's time includes it -- most of the logits' at batch 1, and most of the multi-
-    launch "split" top-k's: 148 against ~37 us at 64k positions on an H100, v50). `logits_fn(table)` / `step_fn(table)`
-    run on one block table; the graph rotates through all the disjoint row sets of `block_table_all` (>= 138 MB of fp8
-    keys at 4k context, well over the H100's / H200's 50 MB L2), so each call reads its keys from memory, not from the
-    previous call's L2. `topk_fn()` reads the logits just written, as in a step. A graph holds at least 8 calls, so
-    that its own launch is not a call's time (latency_anatomy found it in the time of one-call graphs, v27)."""
+def _graph_times(logits_fn, step_fn, topk_fns: dict, block_table_all, batch: int, blocks: int) -> dict:
+    """CUDA-graph time (us) of the logits kernel, the whole step and each top-k kernel of `topk_fns` ({name: fn}, keys
+    "topk-<name>"), as vLLM's captured decode sees them (no launch overhead: do_bench's time includes it -- most of the
+    logits' at batch 1, and most of the multi-launch "split" top-k's: 148 against ~37 us at 64k positions on an H100,
+    v50, so which top-k is fastest in a graph is measured here, not read off do_bench). `logits_fn(table)` /
+    `step_fn(table)` run on one block table; the graph rotates through all the disjoint row sets of `block_table_all`
+    (>= 138 MB of fp8 keys at 4k context, well over the H100's / H200's 50 MB L2), so each call reads its keys from
+    memory, not from the previous call's L2. The top-k calls read the logits just written, as in a step. A graph holds
+    at least 8 calls, so that its own launch is not a call's time (latency_anatomy found it in one-call graphs, v27)."""
     from glm5lab.bench.kernel_bench import graph_time_us
 
     tables = [block_table_all[i:i + batch, :blocks].contiguous()
               for i in range(0, block_table_all.shape[0] - batch + 1, batch)]
     tables = tables * -(-8 // len(tables))
-    return {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
-            "topk": graph_time_us([topk_fn] * 8),
-            "step": graph_time_us([lambda t=t: step_fn(t) for t in tables])}
+    times = {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
+             "step": graph_time_us([lambda t=t: step_fn(t) for t in tables])}
+    return {**times, **{f"topk-{name}": graph_time_us([fn] * 8) for name, fn in topk_fns.items()}}
 
 
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
@@ -154,21 +155,19 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         step_method = fastest_topk_method(L, cuda)       # (the op's choice; before v50 the step ran radix16)
         step_buf = torch.empty_like(top_buf)
 
-        def step_topk_fn():
-            return indexer_topk(logits_buf, K, lengths, out=step_buf, method=step_method)
-
         def step_fn(table=bt):
             logits_fn(table)
-            return step_topk_fn()
+            return indexer_topk(logits_buf, K, lengths, out=step_buf, method=step_method)
 
         t_logits = bench(logits_fn)
         t_topk = bench(topk_fn)
         t_step = bench(step_fn)
         # the other top-k kernel and torch.topk on the same logits (torch's is the baseline's top-k)
-        hist_buf = torch.empty_like(top_buf)
-        t_topk_hist = bench(lambda: indexer_topk(logits_buf, K, lengths, out=hist_buf, method="hist"))
-        split_buf = torch.empty_like(top_buf)
-        t_topk_split = bench(lambda: indexer_topk(logits_buf, K, lengths, out=split_buf, method="split"))
+        hist_buf, split_buf = torch.empty_like(top_buf), torch.empty_like(top_buf)
+        topk_fns = {m: (lambda m=m, buf=buf: indexer_topk(logits_buf, K, lengths, out=buf, method=m))
+                    for m, buf in (("hist", hist_buf), ("split", split_buf))}
+        t_topk_hist = bench(topk_fns["hist"])
+        t_topk_split = bench(topk_fns["split"])
         t_topk_torch = bench(lambda: torch.topk(logits_buf, min(K, L), dim=1))
         rows.append({**base, "implementation": "glm5lab-triton-hist", "metric": "topk_time",
                      "value": t_topk_hist["p50"], "unit": "us", **t_topk_hist})
@@ -188,10 +187,10 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         if bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
                          "value": gbps / bw, "unit": "ratio"})
-        graph = _graph_times(logits_fn, step_topk_fn, step_fn, block_table_all, B, bt.shape[1]) if cuda else {}
-        for part, us in graph.items():    # (the step's top-k under its kernel's name, beside its do_bench row)
-            name = f"{impl}-{step_method}" if part == "topk" else impl
-            rows.append({**base, "implementation": name, "metric": f"{part}_time_graph", "value": us, "unit": "us"})
+        graph = _graph_times(logits_fn, step_fn, topk_fns, block_table_all, B, bt.shape[1]) if cuda else {}
+        for part, us in graph.items():    # (each top-k under its kernel's name, beside its do_bench row)
+            name, metric = (f"{impl}-{part[5:]}", "topk") if part.startswith("topk-") else (impl, part)
+            rows.append({**base, "implementation": name, "metric": f"{metric}_time_graph", "value": us, "unit": "us"})
         if graph and bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
                          "value": nbytes / (graph["logits"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
