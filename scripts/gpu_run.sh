@@ -60,7 +60,7 @@ if [ $seed = 1 ]; then
   tree=$(python3 -m glm5lab.bench.records seed-tree results 2>"$stage/seed_tree.txt")
   tee -a "$stage/gpu_run.log" < "$stage/seed_tree.txt"
   if [ -z "$tree" ]; then
-    log "not seeding the committed results: another GPU model made them (rows of this call start from an empty tree)"
+    log "not seeding the committed results: none are this GPU model's (rows of this call start from an empty tree)"
     seed=0
   else
     log "seeding from $tree/ (this GPU model's committed results)"
