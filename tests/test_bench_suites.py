@@ -282,7 +282,6 @@ def test_a_gpu_call_seeds_from_the_committed_tree_of_its_own_gpu_model(tmp_path,
                       ("results/cpu", "no GPU")):
         monkeypatch.setattr(records, "collect", lambda gpu=gpu: {"gpu": gpu, "git_sha": "a" * 12})
         records.append_rows(repo / tree / "bench" / "gpu" / "kernels.csv", [row])
-    (repo / "results" / "h100" / "indexer").mkdir()
     for here, want in (("NVIDIA H200", "results"), ("NVIDIA H100 80GB HBM3", "results/h100"),
                        ("no GPU", "results/cpu"), ("NVIDIA B200", None)):
         monkeypatch.setattr("glm5lab.env.gpu_info", lambda here=here: {"gpu": here})
