@@ -64,22 +64,24 @@ def _bytes_read(B, L, H, D, dtype):
 
 
 def _graph_times(logits_fn, step_fn, topk_fns: dict, block_table_all, batch: int, blocks: int) -> dict:
-    """CUDA-graph time (us) of the logits kernel, the whole step and each top-k kernel of `topk_fns` ({name: fn}, keys
-    "topk-<name>"), as vLLM's captured decode sees them (no launch overhead: do_bench's time includes it -- most of the
-    logits' at batch 1, and most of the multi-launch "split" top-k's: 148 against ~37 us at 64k positions on an H100,
-    v50, so which top-k is fastest in a graph is measured here, not read off do_bench). `logits_fn(table)` /
-    `step_fn(table)` run on one block table; the graph rotates through all the disjoint row sets of `block_table_all`
-    (>= 138 MB of fp8 keys at 4k context, well over the H100's / H200's 50 MB L2), so each call reads its keys from
-    memory, not from the previous call's L2. The top-k calls read the logits just written, as in a step. A graph holds
-    at least 8 calls, so that its own launch is not a call's time (latency_anatomy found it in one-call graphs, v27)."""
+    """CUDA-graph time (us) of the logits kernel, the whole step and each top-k kernel of `topk_fns` ({name: fn};
+    under "topk", by name), as vLLM's captured decode sees them (no launch overhead: do_bench's time includes it --
+    most of the logits' at batch 1, and most of the multi-launch "split" top-k's: 148 against ~37 us at 64k positions
+    on an H100, v50, so which top-k is fastest in a graph is measured here, not read off do_bench). `logits_fn(table)`
+    / `step_fn(table)` run on one block table; the graph rotates through all the disjoint row sets of
+    `block_table_all` (>= 138 MB of fp8 keys at 4k context, well over the H100's / H200's 50 MB L2), so each call reads
+    its keys from memory, not from the previous call's L2. The top-k calls read the logits just written, as in a step.
+    A graph holds at least 8 calls, so that its own launch is not a call's time (latency_anatomy found it in one-call
+    graphs, v27)."""
+
     from glm5lab.bench.kernel_bench import graph_time_us
 
     tables = [block_table_all[i:i + batch, :blocks].contiguous()
               for i in range(0, block_table_all.shape[0] - batch + 1, batch)]
     tables = tables * -(-8 // len(tables))
-    times = {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
-             "step": graph_time_us([lambda t=t: step_fn(t) for t in tables])}
-    return {**times, **{f"topk-{name}": graph_time_us([fn] * 8) for name, fn in topk_fns.items()}}
+    return {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
+            "step": graph_time_us([lambda t=t: step_fn(t) for t in tables]),
+            "topk": {name: graph_time_us([fn] * 8) for name, fn in topk_fns.items()}}
 
 
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
@@ -188,9 +190,12 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
                          "value": gbps / bw, "unit": "ratio"})
         graph = _graph_times(logits_fn, step_fn, topk_fns, block_table_all, B, bt.shape[1]) if cuda else {}
-        for part, us in graph.items():    # (each top-k under its kernel's name, beside its do_bench row)
-            name, metric = (f"{impl}-{part[5:]}", "topk") if part.startswith("topk-") else (impl, part)
-            rows.append({**base, "implementation": name, "metric": f"{metric}_time_graph", "value": us, "unit": "us"})
+        for part in ("logits", "step") if graph else ():
+            rows.append({**base, "implementation": impl, "metric": f"{part}_time_graph", "value": graph[part],
+                         "unit": "us"})
+        for name, us in graph.get("topk", {}).items():    # (under each kernel's name, beside its do_bench row)
+            rows.append({**base, "implementation": f"{impl}-{name}", "metric": "topk_time_graph", "value": us,
+                         "unit": "us"})
         if graph and bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
                          "value": nbytes / (graph["logits"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
