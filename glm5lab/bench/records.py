@@ -276,25 +276,22 @@ def main(argv=None) -> int:
     same.add_argument("csv", type=Path)
     seed = sub.add_parser("seed-tree", help="print the committed results tree of this machine's GPU model "
                                             "(RESULTS or RESULTS/<name>/); exit 1 when there is none")
-    seed.add_argument("results", type=Path)
+    seed.add_argument("root", type=Path, metavar="results")
     args = ap.parse_args(argv)
     if args.action == "same-gpu":
         ok, line = same_gpu(args.csv)
         print(line)
         return 0 if ok else 1
-    if args.action == "seed-tree":
-        if not args.results.is_dir():
-            print(f"error: no results folder at {args.results}", file=sys.stderr)
-            return 2
-        tree, line = seed_tree(args.results)
-        print(line, file=sys.stderr)
-        if tree is not None:
-            print(tree)
-        return 0 if tree is not None else 1
     try:
         if args.action != "archive" and not args.root.is_dir():
             raise FileNotFoundError(f"no results folder at {args.root}")
-        if args.action == "count":
+        if args.action == "seed-tree":
+            tree, line = seed_tree(args.root)
+            print(line, file=sys.stderr)
+            if tree is None:
+                return 1
+            print(tree)
+        elif args.action == "count":
             counts = {str(p.relative_to(args.root)): list(c) for p, c in row_counts(args.root).items()}
             args.out.write_text(json.dumps(counts, indent=1) + "\n")
             print(f"{args.out}: rows of {len(counts)} benchmark CSVs under {args.root}")
