@@ -6,6 +6,9 @@ in fp32, the sum over D=128 and the heads is accumulated in fp32) and 1e-5 * max
 Top-k sets are compared with the tie rule of glm5lab.sparse.indexer_reference: identical up to ties at the
 k-th score, where (end to end) "tied" means within the logits tolerance.
 """
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -251,6 +254,29 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ------------------------------------------------------------------------------------ GPU, GLM-5 shapes
+def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
+    """`fastest_topk_method` is what the vLLM indexer op and the projection run; it must pick, in every cell a
+    committed GPU run graph-timed both kernels in, one within 5% of the faster (the 64k x 256-row cell is a tie)."""
+    import pandas as pd
+
+    from glm5lab.kernels.dsa_indexer import fastest_topk_method
+
+    assert fastest_topk_method(65536, 1, on_gpu=False) == "radix16"
+    assert [fastest_topk_method(L, B) for L, B in ((4096, 1), (16384, 1), (16384, 256), (65536, 128))] == [
+        "hist", "split", "hist", "split"]
+    cells = 0
+    for csv in sorted((Path(__file__).resolve().parents[1] / "results").glob("**/bench/gpu/indexer.csv")):
+        d = pd.read_csv(csv)
+        d = d[(d.metric == "topk_time_graph") & d.implementation.isin(["glm5lab-triton-hist", "glm5lab-triton-split"])]
+        for (shape, dtype), g in d.groupby(["shape", "dtype"]):
+            times = dict(zip(g.implementation.str.removeprefix("glm5lab-triton-"), g.value))
+            rows, columns = (int(x) for x in re.match(r"B(\d+)_L(\d+)_", shape).groups())
+            pick = fastest_topk_method(columns, rows)
+            assert times[pick] <= 1.05 * min(times.values()), (csv, shape, dtype, pick, times)
+            cells += 1
+    assert cells >= 24, "no committed graph-timed top-k rows to check the rule against"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_glm5_shapes(fp8):

@@ -154,7 +154,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         def topk_fn():
             return indexer_topk(logits_buf, K, lengths, out=top_buf)
 
-        step_method = fastest_topk_method(L, cuda)       # (the op's choice; before v50 the step ran radix16)
+        step_method = fastest_topk_method(L, B, cuda)      # (the op's choice; before v50 the step ran radix16)
         step_buf = torch.empty_like(top_buf)
 
         def step_fn(table=bt):

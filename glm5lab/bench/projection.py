@@ -179,7 +179,7 @@ def topk_time_us(df: pd.DataFrame, batch: int, context: int) -> float | None:
 
     if df.empty:
         return None
-    d = df[(df.suite == "dsa_indexer") & (df.implementation == f"glm5lab-triton-{fastest_topk_method(context)}")]
+    d = df[(df.suite == "dsa_indexer") & (df.implementation == f"glm5lab-triton-{fastest_topk_method(context, batch)}")]
     d = _graph_timed(d, "topk_time").dropna(subset=["value"])
     return _nearest_shape(d, batch, context) if not d.empty else None
 

@@ -534,14 +534,19 @@ def _topk_split(logits, k, lengths, out, block, seg):
 TOPK_METHODS = ("radix16", "hist", "split")
 
 
-def fastest_topk_method(columns: int, on_gpu: bool = True) -> str:
-    """Which top-k kernel for rows of `columns` logits. Measured on the H200 (results/bench/gpu/indexer.csv, top-k
-    2048, batch 1-256): the histogram select is fastest up to 16k positions (28-40 us at 4k, 94-139 us at 16k; the
-    multi-program "split" took 170-310 us there), "split" wins beyond (248-292 us vs 367-373 us at 64k for
-    batch <= 128); the H100 agrees (v50). The CPU interpreter runs the simplest kernel."""
+def fastest_topk_method(columns: int, rows: int = 1, on_gpu: bool = True) -> str:
+    """Which top-k kernel for `rows` rows of `columns` logits: the one a cost model fitted to CUDA-graph times says
+    is faster (v51, H100, top-k 2048, results/h100/bench/gpu/indexer.csv). "hist" runs one program per row: ~5.4 ns a
+    column (24 us at least), and past ~170 rows the rows queue for the SMs. "split" cuts each row over many
+    programs: ~30 us of fixed cost plus ~33 ps a logit. So split wins for few long rows (16k positions up to ~100
+    rows, 64k up to ~230), hist for short rows or many of them; the model picks the measured winner in 23 of 24
+    cells (the 24th, 64k x 256 rows, is a 2% tie). do_bench times, which charge split for its several launches,
+    had put the boundary at 16k whatever the batch. The CPU interpreter runs the simplest kernel."""
     if not on_gpu:
         return "radix16"
-    return "hist" if columns <= 16384 else "split"
+    hist_us = max(24.0, 5.4e-3 * columns) * max(1.0, rows / 170)
+    split_us = 30.0 + 3.3e-5 * rows * columns
+    return "split" if split_us < hist_us else "hist"
 
 
 def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None,

@@ -129,10 +129,10 @@ def _topk(logits, k, lengths, out, path):
 
 
 def topk_method(logits: torch.Tensor) -> str:
-    """Which top-k kernel for these logits (`dsa_indexer.fastest_topk_method`: measured, by row length)."""
+    """Which top-k kernel for these logits (`dsa_indexer.fastest_topk_method`: by row count and length)."""
     from glm5lab.kernels.dsa_indexer import fastest_topk_method
 
-    return fastest_topk_method(logits.shape[-1], logits.is_cuda)
+    return fastest_topk_method(logits.shape[-1], logits.shape[0], logits.is_cuda)
 
 
 def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.Tensor | None,
