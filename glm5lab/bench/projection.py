@@ -69,7 +69,7 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs()) -> pd.DataFrame:
          "GLM-5 config (78 layers, 256 experts), uniform GGUF quantization (notebook 01)"),
         ("indexer top-k time", "H200 full suite", "us per layer", "assumption",
          "measured on the H200 (indexer_bench topk_time, graph-timed where the suite has it, of the kernel glm5lab's "
-         "indexer op picks for the context) and carried over unscaled: one program per row or segment, bound by "
+         "indexer op picks for the batch and context) and carried over unscaled: one program per row or segment, bound by "
          "latency rather than by memory"),
         ("efficiencies", "H200 full suite", "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "
