@@ -277,6 +277,27 @@ def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
     assert cells >= 24, "no committed graph-timed top-k rows to check the rule against"
 
 
+def test_topk_ab_script_names_a_bad_before_copy_and_refuses_without_a_gpu(tmp_path, capsys):
+    """scripts/topk_ab.py (the before/after of a top-k change, run on the device) fails in one line, writing
+    nothing, on a missing or wrong --before file, and on a machine without a GPU."""
+    import runpy
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    ab = runpy.run_path(str(repo / "scripts" / "topk_ab.py"))["main"]
+    out = tmp_path / "ab.csv"
+    assert ab(["--before", str(tmp_path / "missing.py"), "--out", str(out)]) == 1
+    assert "missing.py: no such file" in capsys.readouterr().err
+    (tmp_path / "other.py").write_text("x = 1\n")
+    assert ab(["--before", str(tmp_path / "other.py"), "--out", str(out)]) == 1
+    assert "has no indexer_topk" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        shutil.copy(repo / "glm5lab" / "kernels" / "dsa_indexer.py", tmp_path / "before.py")
+        assert ab(["--before", str(tmp_path / "before.py"), "--out", str(out)]) == 1
+        assert "GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_glm5_shapes(fp8):

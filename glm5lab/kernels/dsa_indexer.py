@@ -426,49 +426,56 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
 
 
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
-# decode batches too small to fill the GPU with one program per row. 4 levels x (histogram + pick), then
-# per-segment counts and the ordered write: 10 launches, each over all segments of all rows.
+# decode batches too small to fill the GPU with one program per row. One launch a level: the segments add their
+# histogram of the level's digit into that level's global histogram (all four zeroed by one memset), and every
+# program of the next level reads the earlier levels' histograms and picks the digits itself (a separate pick
+# launch a level cost ~2.5 us each in a CUDA graph, v51). Then per-segment counts and the ordered write: 1 memset
+# + 6 launches, each over all segments of all rows.
 @triton.jit
-def _split_hist_kernel(L, LEN, HIST, PREFIX, stride_l, C, SEG, shift,
-                       FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
+    """(prefix, above) after the first LEVELS digits: the chosen high digits (unsigned space u = key + 2**31)
+    and how many valid positions lie above them, from the levels' global histograms [4, T, 256]."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.int64)
+    above = tl.zeros([], dtype=tl.int32)
+    for lv in tl.static_range(LEVELS):
+        hist = tl.load(HIST + (lv * T + row) * 256 + bins)
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
+        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
+        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
+        prefix = prefix + (j.to(tl.int64) << (24 - 8 * lv))
+    return prefix, above
+
+
+@triton.jit
+def _split_hist_kernel(L, LEN, HIST, stride_l, C, SEG, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     seg0 = tl.program_id(1) * SEG
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
     base = L + row.to(tl.int64) * stride_l
-    prefix = tl.load(PREFIX + row)
+    prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
+    shift = 24 - 8 * LEVEL
     hist = tl.zeros([256], dtype=tl.int32)
     for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = (offs < n) & (offs < seg0 + SEG)
         u = _order_key(tl.load(base + offs, mask=m, other=0.0)).to(tl.int64) + 2147483648
-        if not FIRST:
+        if LEVEL > 0:
             m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
         hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
     if seg0 < n:
-        tl.atomic_add(HIST + row * 256 + tl.arange(0, 256), hist)
+        tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist)
 
 
 @triton.jit
-def _split_pick_kernel(HIST, PREFIX, ABOVE, K, shift):
-    row = tl.program_id(0)
-    bins = tl.arange(0, 256)
-    hist = tl.load(HIST + row * 256 + bins)
-    above = tl.load(ABOVE + row)
-    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
-    tl.store(ABOVE + row, above + tl.sum(tl.where(bins > j, hist, 0), axis=0))
-    tl.store(PREFIX + row, tl.load(PREFIX + row) + (j.to(tl.int64) << shift))
-    tl.store(HIST + row * 256 + bins, tl.zeros([256], dtype=tl.int32))
-
-
-@triton.jit
-def _split_count_kernel(L, LEN, PREFIX, COUNTS, stride_l, C, SEG, S, BLOCK: tl.constexpr):
+def _split_count_kernel(L, LEN, HIST, COUNTS, stride_l, C, SEG, S, T, K, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     seg = tl.program_id(1)
     seg0 = seg * SEG
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
     base = L + row.to(tl.int64) * stride_l
-    thr = (tl.load(PREFIX + row) - 2147483648).to(tl.int32)
+    prefix, _ = _split_threshold(HIST, row, T, K, 4)
+    thr = (prefix - 2147483648).to(tl.int32)
     gt = tl.zeros([], dtype=tl.int32)
     eq = tl.zeros([], dtype=tl.int32)
     for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
@@ -482,7 +489,7 @@ def _split_count_kernel(L, LEN, PREFIX, COUNTS, stride_l, C, SEG, S, BLOCK: tl.c
 
 
 @triton.jit
-def _split_write_kernel(L, LEN, PREFIX, ABOVE, COUNTS, OUT, stride_l, stride_o, C, K, SEG, S,
+def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG, S, T,
                         SP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     seg = tl.program_id(1)
@@ -490,9 +497,10 @@ def _split_write_kernel(L, LEN, PREFIX, ABOVE, COUNTS, OUT, stride_l, stride_o, 
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
     base = L + row.to(tl.int64) * stride_l
     obase = OUT + row.to(tl.int64) * stride_o
-    thr = (tl.load(PREFIX + row) - 2147483648).to(tl.int32)
+    prefix, above = _split_threshold(HIST, row, T, K, 4)
+    thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
-    need_eq = K - tl.load(ABOVE + row)
+    need_eq = K - above
     segs = tl.arange(0, SP)
     before = segs < seg
     gt_before = tl.sum(tl.load(COUNTS + (row * S + segs) * 2, mask=before, other=0), axis=0)
@@ -512,22 +520,17 @@ def _split_write_kernel(L, LEN, PREFIX, ABOVE, COUNTS, OUT, stride_l, stride_o, 
 
 def _topk_split(logits, k, lengths, out, block, seg):
     T, C = logits.shape
-    dev = logits.device
     if seg is None:   # enough programs to fill the GPU even for one row, at least one BLOCK each
         seg = max(block, _pow2(cdiv(C * T, 512)))
     S = max(1, cdiv(C, seg))
-    hist = torch.zeros((T, 256), dtype=torch.int32, device=dev)
-    prefix = torch.zeros((T,), dtype=torch.int64, device=dev)
-    above = torch.zeros((T,), dtype=torch.int32, device=dev)
-    counts = torch.empty((T, S, 2), dtype=torch.int32, device=dev)
+    hist = torch.zeros((4, T, 256), dtype=torch.int32, device=logits.device)
+    counts = torch.empty((T, S, 2), dtype=torch.int32, device=logits.device)
     for level in range(4):
-        shift = 24 - 8 * level
-        _split_hist_kernel[(T, S)](logits, lengths, hist, prefix, logits.stride(0), C, seg, shift,
-                                   FIRST=level == 0, BLOCK=block, num_warps=4)
-        _split_pick_kernel[(T,)](hist, prefix, above, k, shift)
-    _split_count_kernel[(T, S)](logits, lengths, prefix, counts, logits.stride(0), C, seg, S, BLOCK=block)
-    _split_write_kernel[(T, S)](logits, lengths, prefix, above, counts, out, logits.stride(0), out.stride(0),
-                                C, k, seg, S, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)))
+        _split_hist_kernel[(T, S)](logits, lengths, hist, logits.stride(0), C, seg, T, k, LEVEL=level,
+                                   BLOCK=block, num_warps=4)
+    _split_count_kernel[(T, S)](logits, lengths, hist, counts, logits.stride(0), C, seg, S, T, k, BLOCK=block)
+    _split_write_kernel[(T, S)](logits, lengths, hist, counts, out, logits.stride(0), out.stride(0),
+                                C, k, seg, S, T, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)))
     return out
 
 
