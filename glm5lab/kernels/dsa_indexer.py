@@ -325,6 +325,19 @@ def _order_key(x):
 
 
 @triton.jit
+def _select_block(x, offs, m, K, thr, need_eq, take_all, written, eq_seen):
+    """One block of `_select_range`: logits `x` at positions `offs` (valid where `m`); returns the positions to
+    store at, which to store, and the updated (written, eq_seen)."""
+    key = _order_key(x)
+    eq = (m & (key == thr)).to(tl.int32)
+    eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
+    sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
+    sel_i = sel.to(tl.int32)
+    pos = tl.cumsum(sel_i, axis=0) - sel_i + written
+    return pos, sel & (pos < K), written + tl.sum(sel_i, axis=0), eq_seen + tl.sum(eq, axis=0)
+
+
+@triton.jit
 def _select_range(base, obase, lo, hi, K, thr, need_eq, take_all, written, eq_seen, BLOCK: tl.constexpr):
     """The selection rule, over positions [lo, hi) of one row: take every key above the k-th key `thr`, and
     the first `need_eq` keys equal to it (lowest position first; `eq_seen` ties came before lo); write the
@@ -332,15 +345,9 @@ def _select_range(base, obase, lo, hi, K, thr, need_eq, take_all, written, eq_se
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < hi
-        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
-        eq = (m & (key == thr)).to(tl.int32)
-        eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
-        sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
-        sel_i = sel.to(tl.int32)
-        pos = tl.cumsum(sel_i, axis=0) - sel_i + written
-        tl.store(obase + pos, offs, mask=sel & (pos < K))
-        written += tl.sum(sel_i, axis=0)
-        eq_seen += tl.sum(eq, axis=0)
+        x = tl.load(base + offs, mask=m, other=0.0)
+        pos, store, written, eq_seen = _select_block(x, offs, m, K, thr, need_eq, take_all, written, eq_seen)
+        tl.store(obase + pos, offs, mask=store)
     return written
 
 
@@ -428,9 +435,9 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
 # decode batches too small to fill the GPU with one program per row. One launch a level: the segments add their
 # histogram of the level's digit into that level's global histogram (all four zeroed by one memset), and every
-# program of the next level reads the earlier levels' histograms and picks the digits itself (a separate pick
-# launch a level cost ~2.5 us each in a CUDA graph, v51). Then per-segment counts and the ordered write: 1 memset
-# + 6 launches, each over all segments of all rows.
+# program of the next level reads the earlier levels' histograms and picks the digits itself (v51: the 13 kernels
+# of 4 x (histogram, pick), 3 memsets, count and write became 7, 1.02-1.11x faster in a CUDA graph). Then
+# per-segment counts and the ordered write: 1 memset + 6 launches, each over all segments of all rows.
 @triton.jit
 def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
     """(prefix, above) after the first LEVELS digits: the chosen high digits (unsigned space u = key + 2**31)
@@ -448,21 +455,31 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _digit_hist(x, m, prefix, shift, LEVEL: tl.constexpr):
+    """Histogram of the 8-bit digit at `shift` of the logits `x` whose higher digits equal `prefix`'s."""
+    u = _order_key(x).to(tl.int64) + 2147483648
+    if LEVEL > 0:
+        m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+
+
+# The split kernels load their segment's first block before they read the levels' histograms back: the two
+# round trips overlap (at 1-32 rows a segment is one block).
+@triton.jit
 def _split_hist_kernel(L, LEN, HIST, stride_l, C, SEG, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     seg0 = tl.program_id(1) * SEG
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    hi = tl.minimum(seg0 + SEG, n)
     base = L + row.to(tl.int64) * stride_l
+    offs = seg0 + tl.arange(0, BLOCK)
+    x = tl.load(base + offs, mask=offs < hi, other=0.0)
     prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
     shift = 24 - 8 * LEVEL
-    hist = tl.zeros([256], dtype=tl.int32)
-    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
+    hist = _digit_hist(x, offs < hi, prefix, shift, LEVEL)
+    for start in range(seg0 + BLOCK, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = (offs < n) & (offs < seg0 + SEG)
-        u = _order_key(tl.load(base + offs, mask=m, other=0.0)).to(tl.int64) + 2147483648
-        if LEVEL > 0:
-            m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+        hist += _digit_hist(tl.load(base + offs, mask=offs < hi, other=0.0), offs < hi, prefix, shift, LEVEL)
     if seg0 < n:
         tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist)
 
@@ -473,17 +490,20 @@ def _split_count_kernel(L, LEN, HIST, COUNTS, stride_l, C, SEG, S, T, K, BLOCK: 
     seg = tl.program_id(1)
     seg0 = seg * SEG
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    hi = tl.minimum(seg0 + SEG, n)
     base = L + row.to(tl.int64) * stride_l
+    offs = seg0 + tl.arange(0, BLOCK)
+    x = tl.load(base + offs, mask=offs < hi, other=0.0)
     prefix, _ = _split_threshold(HIST, row, T, K, 4)
     thr = (prefix - 2147483648).to(tl.int32)
-    gt = tl.zeros([], dtype=tl.int32)
-    eq = tl.zeros([], dtype=tl.int32)
-    for start in range(seg0, tl.minimum(seg0 + SEG, n), BLOCK):
+    key = _order_key(x)
+    gt = tl.sum(((offs < hi) & (key > thr)).to(tl.int32), axis=0)
+    eq = tl.sum(((offs < hi) & (key == thr)).to(tl.int32), axis=0)
+    for start in range(seg0 + BLOCK, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = (offs < n) & (offs < seg0 + SEG)
-        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
-        gt += tl.sum((m & (key > thr)).to(tl.int32), axis=0)
-        eq += tl.sum((m & (key == thr)).to(tl.int32), axis=0)
+        key = _order_key(tl.load(base + offs, mask=offs < hi, other=0.0))
+        gt += tl.sum(((offs < hi) & (key > thr)).to(tl.int32), axis=0)
+        eq += tl.sum(((offs < hi) & (key == thr)).to(tl.int32), axis=0)
     tl.store(COUNTS + (row * S + seg) * 2, gt)
     tl.store(COUNTS + (row * S + seg) * 2 + 1, eq)
 
@@ -495,8 +515,11 @@ def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG
     seg = tl.program_id(1)
     seg0 = seg * SEG
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    hi = tl.minimum(seg0 + SEG, n)
     base = L + row.to(tl.int64) * stride_l
     obase = OUT + row.to(tl.int64) * stride_o
+    offs = seg0 + tl.arange(0, BLOCK)
+    x = tl.load(base + offs, mask=offs < hi, other=0.0)
     prefix, above = _split_threshold(HIST, row, T, K, 4)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
@@ -509,8 +532,9 @@ def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG
     eq_seen = eq_before
     if take_all:
         written = seg0
-    _select_range(base, obase, seg0, tl.minimum(seg0 + SEG, n), K, thr, need_eq, take_all, written, eq_seen,
-                  BLOCK)
+    pos, store, written, eq_seen = _select_block(x, offs, offs < hi, K, thr, need_eq, take_all, written, eq_seen)
+    tl.store(obase + pos, offs, mask=store)
+    _select_range(base, obase, seg0 + BLOCK, hi, K, thr, need_eq, take_all, written, eq_seen, BLOCK)
     if seg == 0:   # -1 after the chosen ones: min(K, n) positions are filled
         filled = tl.minimum(n, K)
         for start in range(0, K, BLOCK_K):
