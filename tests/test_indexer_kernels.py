@@ -192,6 +192,23 @@ def test_topk_constructed_ties(method):
     assert topk_sets_agree(wrong, logits, 16, lengths) != []
 
 
+@pytest.mark.parametrize("whole_row_max", [16384, 0], ids=["registers", "streaming"])
+def test_topk_hist_both_kernels_equal_reference(whole_row_max, monkeypatch):
+    """"hist" keeps rows of up to HIST_WHOLE_ROW_MAX columns in registers and streams longer ones; both kernels,
+    on random rows, heavy ties, -0.0 / -inf, empty and short rows."""
+    import glm5lab.kernels.dsa_indexer as dsa
+
+    monkeypatch.setattr(dsa, "HIST_WHOLE_ROW_MAX", whole_row_max)
+    gen = torch.Generator().manual_seed(35)
+    logits = torch.randn(6, 517, generator=gen) * 3
+    logits[1] = torch.randint(-3, 3, (517,), generator=gen).float()
+    logits[2, ::7] = -0.0
+    logits[3, ::5] = float("-inf")
+    lengths = torch.tensor([517, 517, 400, 300, 0, 9])
+    for k in (1, 10, 64, 300, 600):
+        _check_topk_exact(logits, k, lengths, "hist")
+
+
 def test_topk_split_over_many_segments_equals_reference():
     """The multi-program top-k: rows cut into 32-column segments, ties spanning segment borders."""
     gen = torch.Generator().manual_seed(33)
@@ -345,12 +362,14 @@ def test_gpu_prefill_glm5_shapes_causal():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", TOPK_METHODS)
-def test_gpu_topk_large_rows_with_ties(method):
+@pytest.mark.parametrize("columns", [65536, 16384, 3001])
+def test_gpu_topk_large_rows_with_ties(method, columns):
+    """GLM-5's top-k 2048 over long rows (hist streams 64k; keeps 16k and 3001 in registers)."""
     gen = torch.Generator().manual_seed(53)
-    logits = torch.randn(64, 65536, generator=gen).cuda()
-    logits[1] = torch.randint(0, 50, (65536,), generator=gen).float().cuda()   # heavy ties
-    lengths = torch.randint(1, 65537, (64,), generator=gen).cuda()
-    lengths[:2] = 65536
+    logits = torch.randn(64, columns, generator=gen).cuda()
+    logits[1] = torch.randint(0, 50, (columns,), generator=gen).float().cuda()   # heavy ties
+    lengths = torch.randint(1, columns + 1, (64,), generator=gen).cuda()
+    lengths[:2] = columns
     top = indexer_topk(logits, 2048, lengths, method=method)
     ref = indexer_topk_reference(logits, 2048, lengths)
     assert torch.equal(top, ref)

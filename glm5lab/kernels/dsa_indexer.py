@@ -432,6 +432,48 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
     _write_selected(base, obase, n, K, thr, K - above, take_all, BLOCK, BLOCK_K)
 
 
+@triton.jit
+def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_topk_hist_kernel for rows of at most ROW columns: the row is loaded once and kept in registers (as order
+    keys) through the four histogram passes and the write, instead of being read from L2 five times."""
+    row = tl.program_id(0)
+    n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
+    base = L + row.to(tl.int64) * stride_l
+    obase = OUT + row.to(tl.int64) * stride_o
+    offs = tl.arange(0, ROW)
+    m = offs < n
+    key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+    uk = key.to(tl.uint32, bitcast=True) ^ 0x80000000                    # u = key + 2**31, as unsigned 32 bits
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.int64)
+    above = tl.zeros([], dtype=tl.int32)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        mm = m
+        if p > 0:
+            mm = m & ((uk >> (shift + 8)) == (prefix >> (shift + 8)).to(tl.uint32))
+        hist = tl.histogram(((uk >> shift) & 255).to(tl.int32), 256, mask=mm)
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
+        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
+        prefix = prefix + (j.to(tl.int64) << shift)
+    thr = (prefix - 2147483648).to(tl.int32)
+    eq = (m & (key == thr)).to(tl.int32)
+    sel = m & ((key > thr) | ((eq > 0) & (tl.cumsum(eq, axis=0) - eq < K - above)) | (n <= K))
+    sel_i = sel.to(tl.int32)
+    pos = tl.cumsum(sel_i, axis=0) - sel_i
+    tl.store(obase + pos, offs, mask=sel & (pos < K))
+    filled = tl.minimum(n, K)
+    for start in range(0, K, BLOCK_K):
+        o = start + tl.arange(0, BLOCK_K)
+        tl.store(obase + o, tl.full([BLOCK_K], -1, tl.int32), mask=(o >= filled) & (o < K))
+
+
+# rows up to this many columns run the register-resident hist kernel (16k fp32 keys: 64 registers a thread at 8
+# warps, 32 at 16); longer rows stream through L2 once a pass
+HIST_WHOLE_ROW_MAX = 16384
+
+
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
 # decode batches too small to fill the GPU with one program per row. One launch a level: the segments add their
 # histogram of the level's digit into that level's global histogram (all four zeroed by one memset), and every
@@ -609,6 +651,11 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
         return out
     if method == "split":
         return _topk_split(logits, k, lengths, out, block, seg)
+    if method == "hist" and C <= HIST_WHOLE_ROW_MAX:
+        row = _pow2(C, 16)
+        _topk_hist_row_kernel[(T,)](logits, lengths, out, logits.stride(0), out.stride(0), C, k, ROW=row,
+                                    BLOCK_K=min(1024, _pow2(k)), num_warps=8 if row <= 4096 else 16)
+        return out
     kernel = _topk_kernel if method == "radix16" else _topk_hist_kernel
     kernel[(T,)](logits, lengths, out, logits.stride(0), out.stride(0), C, k,
                  BLOCK=block, BLOCK_K=min(1024, _pow2(k)), num_warps=8)
