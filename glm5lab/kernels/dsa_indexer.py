@@ -448,7 +448,7 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         mm = m
         if p > 0:
             mm = m & ((uk >> (shift + 8)) == (prefix >> (shift + 8)).to(tl.uint32))
