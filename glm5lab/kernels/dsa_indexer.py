@@ -470,7 +470,7 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
 
 
 # rows up to this many columns run the register-resident hist kernel; longer rows stream through L2 once a pass.
-# v51 (H100, CUDA graphs): 4k columns 1.44-1.52x faster in registers; 16k 0.18-0.78x (16 warps' registers spill)
+# v51 (H100, CUDA graphs): 4k columns 1.44-1.53x faster in registers; 16k 0.18-0.78x (16 warps' registers spill)
 HIST_WHOLE_ROW_MAX = 4096
 
 
