@@ -325,10 +325,19 @@ def _order_key(x):
 
 
 @triton.jit
-def _select_block(x, offs, m, K, thr, need_eq, take_all, written, eq_seen):
-    """One block of `_select_range`: logits `x` at positions `offs` (valid where `m`); returns the positions to
-    store at, which to store, and the updated (written, eq_seen)."""
-    key = _order_key(x)
+def _pick_digit(hist, above, prefix, K, shift):
+    """One radix level: the digit j whose bin holds the k-th largest of the candidates (`above` positions already
+    lie above the prefix); returns (above, prefix) with j appended at `shift`."""
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
+    j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
+    above += tl.sum(tl.where(tl.arange(0, 256) > j, hist, 0), axis=0)
+    return above, prefix + (j.to(tl.int64) << shift)
+
+
+@triton.jit
+def _select_block(key, offs, m, K, thr, need_eq, take_all, written, eq_seen):
+    """One block of `_select_range`: order keys `key` at positions `offs` (valid where `m`); returns the positions
+    to store at, which to store, and the updated (written, eq_seen)."""
     eq = (m & (key == thr)).to(tl.int32)
     eq_rank = tl.cumsum(eq, axis=0) - eq + eq_seen
     sel = m & ((key > thr) | ((eq > 0) & (eq_rank < need_eq)) | take_all)
@@ -345,8 +354,8 @@ def _select_range(base, obase, lo, hi, K, thr, need_eq, take_all, written, eq_se
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < hi
-        x = tl.load(base + offs, mask=m, other=0.0)
-        pos, store, written, eq_seen = _select_block(x, offs, m, K, thr, need_eq, take_all, written, eq_seen)
+        key = _order_key(tl.load(base + offs, mask=m, other=0.0))
+        pos, store, written, eq_seen = _select_block(key, offs, m, K, thr, need_eq, take_all, written, eq_seen)
         tl.store(obase + pos, offs, mask=store)
     return written
 
@@ -409,7 +418,6 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
     n = tl.maximum(n, 0)
     base = L + row.to(tl.int64) * stride_l
     obase = OUT + row.to(tl.int64) * stride_o
-    bins = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.int64)      # chosen high digits, unsigned space u = key + 2**31
     above = tl.zeros([], dtype=tl.int32)       # valid positions whose u is above the chosen prefix
     for p in tl.static_range(4):
@@ -423,10 +431,7 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
                 m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             digit = ((u >> shift) & 255).to(tl.int32)
             hist += tl.histogram(digit, 256, mask=m)
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
-        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
-        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
-        prefix = prefix + (j.to(tl.int64) << shift)
+        above, prefix = _pick_digit(hist, above, prefix, K, shift)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
     _write_selected(base, obase, n, K, thr, K - above, take_all, BLOCK, BLOCK_K)
@@ -444,7 +449,6 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
     m = offs < n
     key = _order_key(tl.load(base + offs, mask=m, other=0.0))
     uk = key.to(tl.uint32, bitcast=True) ^ 0x80000000                    # u = key + 2**31, as unsigned 32 bits
-    bins = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
     for p in tl.static_range(4):
@@ -453,16 +457,11 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
         if p > 0:
             mm = m & ((uk >> (shift + 8)) == (prefix >> (shift + 8)).to(tl.uint32))
         hist = tl.histogram(((uk >> shift) & 255).to(tl.int32), 256, mask=mm)
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
-        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
-        prefix = prefix + (j.to(tl.int64) << shift)
+        above, prefix = _pick_digit(hist, above, prefix, K, shift)
     thr = (prefix - 2147483648).to(tl.int32)
-    eq = (m & (key == thr)).to(tl.int32)
-    sel = m & ((key > thr) | ((eq > 0) & (tl.cumsum(eq, axis=0) - eq < K - above)) | (n <= K))
-    sel_i = sel.to(tl.int32)
-    pos = tl.cumsum(sel_i, axis=0) - sel_i
-    tl.store(obase + pos, offs, mask=sel & (pos < K))
+    zero = tl.zeros([], dtype=tl.int32)
+    pos, store, _, _ = _select_block(key, offs, m, K, thr, K - above, n <= K, zero, zero)
+    tl.store(obase + pos, offs, mask=store)
     filled = tl.minimum(n, K)
     for start in range(0, K, BLOCK_K):
         o = start + tl.arange(0, BLOCK_K)
@@ -488,11 +487,7 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
     for lv in tl.static_range(LEVELS):
-        hist = tl.load(HIST + (lv * T + row) * 256 + bins)
-        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
-        j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
-        above += tl.sum(tl.where(bins > j, hist, 0), axis=0)
-        prefix = prefix + (j.to(tl.int64) << (24 - 8 * lv))
+        above, prefix = _pick_digit(tl.load(HIST + (lv * T + row) * 256 + bins), above, prefix, K, 24 - 8 * lv)
     return prefix, above
 
 
@@ -574,7 +569,8 @@ def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG
     eq_seen = eq_before
     if take_all:
         written = seg0
-    pos, store, written, eq_seen = _select_block(x, offs, offs < hi, K, thr, need_eq, take_all, written, eq_seen)
+    pos, store, written, eq_seen = _select_block(_order_key(x), offs, offs < hi, K, thr, need_eq, take_all, written,
+                                                 eq_seen)
     tl.store(obase + pos, offs, mask=store)
     _select_range(base, obase, seg0 + BLOCK, hi, K, thr, need_eq, take_all, written, eq_seen, BLOCK)
     if seg == 0:   # -1 after the chosen ones: min(K, n) positions are filled
