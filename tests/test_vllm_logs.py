@@ -11,10 +11,12 @@ from glm5lab.vllm_plugin.logs import set_vllm_log_level
 
 @pytest.fixture
 def restore_vllm_logging(monkeypatch):
+    """vLLM's logger level, VLLM_LOGGING_LEVEL and the warning filters as they were before the test."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     logger = logging.getLogger("vllm")
     level = logger.level
-    yield logger
+    with warnings.catch_warnings():
+        yield logger
     logger.setLevel(level)
 
 
