@@ -602,11 +602,11 @@ TOPK_METHODS = ("radix16", "hist", "split")
 def fastest_topk_method(columns: int, rows: int = 1, on_gpu: bool = True) -> str:
     """Which top-k kernel for `rows` rows of `columns` logits: the one a cost model fitted to CUDA-graph times says
     is faster (v51, H100, top-k 2048, results/h100/bench/gpu/indexer.csv). "hist" runs one program per row: ~16 us
-    for rows held in registers (up to HIST_WHOLE_ROW_MAX columns), else ~5.4 ns a column (24 us at least), and past
-    ~170 rows the rows queue for the SMs. "split" cuts each row over many
-    programs: ~25 us of fixed cost (six dependent passes) plus ~28 ps a logit. So split wins for few long rows (16k
-    positions up to ~130 rows, 64k up to ~290), hist for short rows or many of them; the model's pick is within 5% of
-    the measured faster kernel in every cell of three H100 boards (v51 calls 2, 5 and 7). do_bench times, which charge split for its several
+    for a row held in registers (up to HIST_WHOLE_ROW_MAX columns), else ~5.4 ns a column (24 us at least); past
+    ~170 rows the rows queue for the SMs. "split" cuts each row over many programs: ~25 us of fixed cost (six
+    dependent passes) plus ~28 ps a logit. So split wins for few long rows (16k positions up to ~130 rows, 64k up to
+    ~290), hist for short rows or many of them. The pick is within 5% of the faster kernel in every committed cell
+    (and within 1.3% on the rows of two earlier boards); do_bench times, which charge split for its several
     launches, had put the boundary at 16k whatever the batch. The CPU interpreter runs the simplest kernel."""
     if not on_gpu:
         return "radix16"
@@ -621,7 +621,8 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     """Top-k positions per row among columns < lengths[row]: int32 [T, k], ascending, -1 padded.
 
     method "radix16" (one program per row, 4-bit digits by comparison, 10 passes over the row), "hist"
-    (one program per row, 8-bit digits with tl.histogram, 5 passes) or "split" (each row cut into
+    (one program per row, 8-bit digits with tl.histogram, 5 passes; rows of up to HIST_WHOLE_ROW_MAX columns
+    are read once and kept in registers) or "split" (each row cut into
     segments of `seg` columns handled by separate programs, global histograms: for small batches);
     all exact and identical in output.
 
