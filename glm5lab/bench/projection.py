@@ -69,8 +69,8 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs()) -> pd.DataFrame:
          "GLM-5 config (78 layers, 256 experts), uniform GGUF quantization (notebook 01)"),
         ("indexer top-k time", "H200 full suite", "us per layer", "assumption",
          "measured on the H200 (indexer_bench topk_time, graph-timed where the suite has it, of the kernel glm5lab's "
-         "indexer op picks for the batch and context) and carried over unscaled: one program per row or segment, bound by "
-         "latency rather than by memory"),
+         "indexer op picks for the batch and context) and carried over unscaled: one program per row or segment, "
+         "bound by latency rather than by memory"),
         ("efficiencies", "H200 full suite", "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "
          "time where the suite has it (a captured decode step has no launch overhead), else do_bench time"),
@@ -179,7 +179,8 @@ def topk_time_us(df: pd.DataFrame, batch: int, context: int) -> float | None:
 
     if df.empty:
         return None
-    d = df[(df.suite == "dsa_indexer") & (df.implementation == f"glm5lab-triton-{fastest_topk_method(context, batch)}")]
+    kernel = f"glm5lab-triton-{fastest_topk_method(context, batch)}"
+    d = df[(df.suite == "dsa_indexer") & (df.implementation == kernel)]
     d = _graph_timed(d, "topk_time").dropna(subset=["value"])
     return _nearest_shape(d, batch, context) if not d.empty else None
 
