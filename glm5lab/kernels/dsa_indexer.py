@@ -335,6 +335,23 @@ def _pick_digit(hist, above, prefix, K, shift):
 
 
 @triton.jit
+def _digit_hist(x, m, prefix, shift, LEVEL: tl.constexpr):
+    """Histogram of the 8-bit digit at `shift` (level LEVEL) of the logits `x` whose higher digits equal
+    `prefix`'s (unsigned space u = key + 2**31)."""
+    u = _order_key(x).to(tl.int64) + 2147483648
+    if LEVEL > 0:
+        m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+
+
+@triton.jit
+def _count_above_equal(x, m, thr):
+    """How many of the logits `x` (valid where `m`) have an order key above / equal to `thr`."""
+    key = _order_key(x)
+    return tl.sum((m & (key > thr)).to(tl.int32), axis=0), tl.sum((m & (key == thr)).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _select_block(key, offs, m, K, thr, need_eq, take_all, written, eq_seen):
     """One block of `_select_range`: order keys `key` at positions `offs` (valid where `m`); returns the positions
     to store at, which to store, and the updated (written, eq_seen)."""
@@ -426,11 +443,7 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
-            u = _order_key(tl.load(base + offs, mask=m, other=0.0)).to(tl.int64) + 2147483648
-            if p > 0:
-                m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-            digit = ((u >> shift) & 255).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=m)
+            hist += _digit_hist(tl.load(base + offs, mask=m, other=0.0), m, prefix, shift, p)
         above, prefix = _pick_digit(hist, above, prefix, K, shift)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
@@ -491,15 +504,6 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
     return prefix, above
 
 
-@triton.jit
-def _digit_hist(x, m, prefix, shift, LEVEL: tl.constexpr):
-    """Histogram of the 8-bit digit at `shift` of the logits `x` whose higher digits equal `prefix`'s."""
-    u = _order_key(x).to(tl.int64) + 2147483648
-    if LEVEL > 0:
-        m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-    return tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
-
-
 # The split kernels load their segment's first block before they read the levels' histograms back: the two
 # round trips overlap (at 1-32 rows a segment is one block).
 @triton.jit
@@ -533,14 +537,12 @@ def _split_count_kernel(L, LEN, HIST, COUNTS, stride_l, C, SEG, S, T, K, BLOCK: 
     x = tl.load(base + offs, mask=offs < hi, other=0.0)
     prefix, _ = _split_threshold(HIST, row, T, K, 4)
     thr = (prefix - 2147483648).to(tl.int32)
-    key = _order_key(x)
-    gt = tl.sum(((offs < hi) & (key > thr)).to(tl.int32), axis=0)
-    eq = tl.sum(((offs < hi) & (key == thr)).to(tl.int32), axis=0)
+    gt, eq = _count_above_equal(x, offs < hi, thr)
     for start in range(seg0 + BLOCK, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        key = _order_key(tl.load(base + offs, mask=offs < hi, other=0.0))
-        gt += tl.sum(((offs < hi) & (key > thr)).to(tl.int32), axis=0)
-        eq += tl.sum(((offs < hi) & (key == thr)).to(tl.int32), axis=0)
+        gt_block, eq_block = _count_above_equal(tl.load(base + offs, mask=offs < hi, other=0.0), offs < hi, thr)
+        gt += gt_block
+        eq += eq_block
     tl.store(COUNTS + (row * S + seg) * 2, gt)
     tl.store(COUNTS + (row * S + seg) * 2 + 1, eq)
 
