@@ -210,11 +210,15 @@ def test_topk_hist_both_kernels_equal_reference(whole_row_max, monkeypatch):
 
 
 def test_topk_split_over_many_segments_equals_reference():
-    """The multi-program top-k: rows cut into 32-column segments, ties spanning segment borders."""
+    """The multi-program top-k: rows cut into 32-column segments, ties spanning segment borders. Row 3's ties sit
+    at negative integers, whose order keys end in the digit 255 (the segments' counts past the last bin), below a few
+    positive logits."""
     gen = torch.Generator().manual_seed(33)
-    logits = torch.randint(0, 4, (3, 333), generator=gen).float()
+    logits = torch.randint(0, 4, (4, 333), generator=gen).float()
     logits[2] = torch.randn(333, generator=gen)
-    lengths = torch.tensor([333, 100, 250])
+    logits[3] = -torch.randint(1, 4, (333,), generator=gen).float()
+    logits[3, ::29] = torch.rand(12, generator=gen) + 0.5          # above the ties, in most segments
+    lengths = torch.tensor([333, 100, 250, 333])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for k in (1, 40, 120):
         out = indexer_topk(logits.to(dev), k, lengths.to(dev), method="split", block=16, seg=32).cpu()

@@ -67,7 +67,7 @@ def _caches(slots_n: int, gen):
     return {"bf16": kv, "fp8_ds_mla": quantize_fp8_ds_mla(kv)}
 
 
-def _cuda_kernels(prof) -> list:
+def gpu_kernel_spans(prof) -> list:
     """(start_us, end_us, name) of every GPU kernel a torch profiler recorded."""
     import torch
 
@@ -151,7 +151,7 @@ def kernel_split(csv_path, command: str = "", verbose: bool = True, tokens=(8, 3
                 c()
             torch.cuda.synchronize()
         per_kernel = collections.defaultdict(float)
-        for start, end, name in _cuda_kernels(prof):
+        for start, end, name in gpu_kernel_spans(prof):
             per_kernel[name] += (end - start) / n_sets
         shape = f"T{t}_H{h}_K{topk}_S{s if s else 'auto'}"
         for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
@@ -210,7 +210,7 @@ def merge_timeline(csv_path, command: str = "", verbose: bool = True, tokens=(1,
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             replay()
             torch.cuda.synchronize()
-        parts = timeline_parts(_cuda_kernels(prof))
+        parts = timeline_parts(gpu_kernel_spans(prof))
         if not parts:
             continue                                    # an unsplit call has no merge to place
         shape = f"T{t}_H{h}_K{topk}" + "".join(f"_{k}{v}" for k, v in cfg.items())

@@ -345,13 +345,6 @@ def _digit_hist(x, m, prefix, shift, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _count_above_equal(x, m, thr):
-    """How many of the logits `x` (valid where `m`) have an order key above / equal to `thr`."""
-    key = _order_key(x)
-    return tl.sum((m & (key > thr)).to(tl.int32), axis=0), tl.sum((m & (key == thr)).to(tl.int32), axis=0)
-
-
-@triton.jit
 def _select_block(key, offs, m, K, thr, need_eq, take_all, written, eq_seen):
     """One block of `_select_range`: order keys `key` at positions `offs` (valid where `m`); returns the positions
     to store at, which to store, and the updated (written, eq_seen)."""
@@ -490,8 +483,9 @@ HIST_WHOLE_ROW_MAX = 4096
 # decode batches too small to fill the GPU with one program per row. One launch a level: the segments add their
 # histogram of the level's digit into that level's global histogram (all four zeroed by one memset), and every
 # program of the next level reads the earlier levels' histograms and picks the digits itself (v51: the 13 kernels
-# of 4 x (histogram, pick), 3 memsets, count and write became 7, 1.02-1.11x faster in a CUDA graph). Then
-# per-segment counts and the ordered write: 1 memset + 6 launches, each over all segments of all rows.
+# of 4 x (histogram, pick), 3 memsets, count and write became 7, 1.02-1.11x faster in a CUDA graph). The last level
+# also leaves each segment's own counts for the ordered write (v52: the separate count pass is gone), so: 1 memset +
+# 5 launches (4 levels, the write), each over all segments of all rows.
 @triton.jit
 def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
     """(prefix, above) after the first LEVELS digits: the chosen high digits (unsigned space u = key + 2**31)
@@ -507,26 +501,10 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
 # The split kernels load their segment's first block before they read the levels' histograms back: the two
 # round trips overlap (at 1-32 rows a segment is one block).
 @triton.jit
-def _split_hist_kernel(L, LEN, HIST, stride_l, C, SEG, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    seg0 = tl.program_id(1) * SEG
-    n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
-    hi = tl.minimum(seg0 + SEG, n)
-    base = L + row.to(tl.int64) * stride_l
-    offs = seg0 + tl.arange(0, BLOCK)
-    x = tl.load(base + offs, mask=offs < hi, other=0.0)
-    prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
-    shift = 24 - 8 * LEVEL
-    hist = _digit_hist(x, offs < hi, prefix, shift, LEVEL)
-    for start in range(seg0 + BLOCK, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        hist += _digit_hist(tl.load(base + offs, mask=offs < hi, other=0.0), offs < hi, prefix, shift, LEVEL)
-    if seg0 < n:
-        tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist)
-
-
-@triton.jit
-def _split_count_kernel(L, LEN, HIST, COUNTS, stride_l, C, SEG, S, T, K, BLOCK: tl.constexpr):
+def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    """Level LEVEL's digit histogram of one segment, added into the level's global histogram. The last level also
+    stores the segment's own counts, SEGCOUNT[row, seg, b] = how many of its positions lie above the 3-digit prefix
+    or carry it with a last digit >= b (b = 0..256): the write kernel reads its segment's place from them."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     seg0 = seg * SEG
@@ -535,20 +513,28 @@ def _split_count_kernel(L, LEN, HIST, COUNTS, stride_l, C, SEG, S, T, K, BLOCK: 
     base = L + row.to(tl.int64) * stride_l
     offs = seg0 + tl.arange(0, BLOCK)
     x = tl.load(base + offs, mask=offs < hi, other=0.0)
-    prefix, _ = _split_threshold(HIST, row, T, K, 4)
-    thr = (prefix - 2147483648).to(tl.int32)
-    gt, eq = _count_above_equal(x, offs < hi, thr)
+    prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
+    shift = 24 - 8 * LEVEL
+    above_thr = (prefix + 255 - 2147483648).to(tl.int32)     # last level: keys above every key with this prefix
+    hist = _digit_hist(x, offs < hi, prefix, shift, LEVEL)
+    above = tl.sum(((offs < hi) & (_order_key(x) > above_thr)).to(tl.int32), axis=0)
     for start in range(seg0 + BLOCK, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        gt_block, eq_block = _count_above_equal(tl.load(base + offs, mask=offs < hi, other=0.0), offs < hi, thr)
-        gt += gt_block
-        eq += eq_block
-    tl.store(COUNTS + (row * S + seg) * 2, gt)
-    tl.store(COUNTS + (row * S + seg) * 2 + 1, eq)
+        x = tl.load(base + offs, mask=offs < hi, other=0.0)
+        hist += _digit_hist(x, offs < hi, prefix, shift, LEVEL)
+        if LEVEL == 3:
+            above += tl.sum(((offs < hi) & (_order_key(x) > above_thr)).to(tl.int32), axis=0)
+    if seg0 < n:
+        tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist)
+    if LEVEL == 3:   # above + (how many with the prefix have a last digit >= b); every segment, empty ones too
+        bins = tl.arange(0, 256)
+        out = SEGCOUNT + (row * S + seg).to(tl.int64) * 257
+        tl.store(out + bins, above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist)
+        tl.store(out + 256, above)
 
 
 @triton.jit
-def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG, S, T,
+def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, SEG, S, T,
                         SP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     seg = tl.program_id(1)
@@ -563,10 +549,15 @@ def _split_write_kernel(L, LEN, HIST, COUNTS, OUT, stride_l, stride_o, C, K, SEG
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
     need_eq = K - above
+    # the earlier segments' counts above / equal to the threshold, from their last-level counts at digit j, j + 1
+    j = (prefix & 255).to(tl.int32)
     segs = tl.arange(0, SP)
     before = segs < seg
-    gt_before = tl.sum(tl.load(COUNTS + (row * S + segs) * 2, mask=before, other=0), axis=0)
-    eq_before = tl.sum(tl.load(COUNTS + (row * S + segs) * 2 + 1, mask=before, other=0), axis=0)
+    counts = SEGCOUNT + (row * S + segs).to(tl.int64) * 257
+    ge_j = tl.load(counts + j, mask=before, other=0)
+    gt_j = tl.load(counts + j + 1, mask=before, other=0)
+    gt_before = tl.sum(gt_j, axis=0)
+    eq_before = tl.sum(ge_j - gt_j, axis=0)
     written = gt_before + tl.minimum(eq_before, need_eq)
     eq_seen = eq_before
     if take_all:
@@ -588,12 +579,11 @@ def _topk_split(logits, k, lengths, out, block, seg):
         seg = max(block, _pow2(cdiv(C * T, 512)))
     S = max(1, cdiv(C, seg))
     hist = torch.zeros((4, T, 256), dtype=torch.int32, device=logits.device)
-    counts = torch.empty((T, S, 2), dtype=torch.int32, device=logits.device)
+    segcount = torch.empty((T, S, 257), dtype=torch.int32, device=logits.device)
     for level in range(4):
-        _split_hist_kernel[(T, S)](logits, lengths, hist, logits.stride(0), C, seg, T, k, LEVEL=level,
+        _split_hist_kernel[(T, S)](logits, lengths, hist, segcount, logits.stride(0), C, seg, S, T, k, LEVEL=level,
                                    BLOCK=block, num_warps=4)
-    _split_count_kernel[(T, S)](logits, lengths, hist, counts, logits.stride(0), C, seg, S, T, k, BLOCK=block)
-    _split_write_kernel[(T, S)](logits, lengths, hist, counts, out, logits.stride(0), out.stride(0),
+    _split_write_kernel[(T, S)](logits, lengths, hist, segcount, out, logits.stride(0), out.stride(0),
                                 C, k, seg, S, T, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)))
     return out
 
