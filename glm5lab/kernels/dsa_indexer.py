@@ -327,11 +327,14 @@ def _order_key(x):
 @triton.jit
 def _pick_digit(hist, above, prefix, K, shift):
     """One radix level: the digit j whose bin holds the k-th largest of the candidates (`above` positions already
-    lie above the prefix); returns (above, prefix) with j appended at `shift`."""
-    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist          # count with digit >= j
-    j = tl.maximum(tl.sum(((above + suffix) >= K).to(tl.int32), axis=0) - 1, 0)
-    above += tl.sum(tl.where(tl.arange(0, 256) > j, hist, 0), axis=0)
-    return above, prefix + (j.to(tl.int64) << shift)
+    lie above the prefix); returns (above, prefix) with j appended at `shift`. One scan, then two reductions that do
+    not wait for each other: bins up to j reach K, and the count above bin j is the largest suffix count that does
+    not (the suffix counts fall with the digit). A row with fewer than K valid positions, which takes them all,
+    reaches K nowhere."""
+    suffix = tl.cumsum(hist, axis=0, reverse=True)                       # count with digit >= each bin's
+    reach = (above + suffix) >= K
+    j = tl.maximum(tl.sum(reach.to(tl.int32), axis=0) - 1, 0)
+    return above + tl.max(tl.where(reach, 0, suffix), axis=0), prefix + (j.to(tl.int64) << shift)
 
 
 @triton.jit
@@ -452,8 +455,8 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
     base = L + row.to(tl.int64) * stride_l
     obase = OUT + row.to(tl.int64) * stride_o
     offs = tl.arange(0, ROW)
+    key = _order_key(tl.load(base + offs, mask=offs < C, other=0.0))        # not waiting for the length
     m = offs < n
-    key = _order_key(tl.load(base + offs, mask=m, other=0.0))
     uk = key.to(tl.uint32, bitcast=True) ^ 0x80000000                    # u = key + 2**31, as unsigned 32 bits
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
@@ -498,8 +501,9 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
     return prefix, above
 
 
-# The split kernels load their segment's first block before they read the levels' histograms back: the two
-# round trips overlap (at 1-32 rows a segment is one block).
+# The split kernels load their segment's first block before they read the levels' histograms back, and without
+# waiting for the row's length (masked to the row's columns, the length applied after): the three round trips overlap
+# (at 1-32 rows a segment is one block). The histograms' atomic adds are relaxed: the next launch orders them.
 @triton.jit
 def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     """Level LEVEL's digit histogram of one segment, added into the level's global histogram. The last level also
@@ -512,7 +516,7 @@ def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL:
     hi = tl.minimum(seg0 + SEG, n)
     base = L + row.to(tl.int64) * stride_l
     offs = seg0 + tl.arange(0, BLOCK)
-    x = tl.load(base + offs, mask=offs < hi, other=0.0)
+    x = tl.load(base + offs, mask=offs < tl.minimum(seg0 + SEG, C), other=0.0)     # not waiting for the length
     prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
     shift = 24 - 8 * LEVEL
     above_thr = (prefix + 255 - 2147483648).to(tl.int32)     # last level: keys above every key with this prefix
@@ -525,7 +529,7 @@ def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL:
         if LEVEL == 3:
             above += tl.sum(((offs < hi) & (_order_key(x) > above_thr)).to(tl.int32), axis=0)
     if seg0 < n:
-        tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist)
+        tl.atomic_add(HIST + (LEVEL * T + row) * 256 + tl.arange(0, 256), hist, sem="relaxed")
     if LEVEL == 3:   # above + (how many with the prefix have a last digit >= b); every segment, empty ones too
         bins = tl.arange(0, 256)
         out = SEGCOUNT + (row * S + seg).to(tl.int64) * 257
@@ -544,7 +548,7 @@ def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, S
     base = L + row.to(tl.int64) * stride_l
     obase = OUT + row.to(tl.int64) * stride_o
     offs = seg0 + tl.arange(0, BLOCK)
-    x = tl.load(base + offs, mask=offs < hi, other=0.0)
+    x = tl.load(base + offs, mask=offs < tl.minimum(seg0 + SEG, C), other=0.0)
     prefix, above = _split_threshold(HIST, row, T, K, 4)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
