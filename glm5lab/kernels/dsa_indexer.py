@@ -480,6 +480,7 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
 # rows up to this many columns run the register-resident hist kernel; longer rows stream through L2 once a pass.
 # v51 (H100, CUDA graphs): 4k columns 1.44-1.53x faster in registers; 16k 0.18-0.78x (16 warps' registers spill)
 HIST_WHOLE_ROW_MAX = 4096
+HIST_ROW_WARPS = 8
 
 
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
@@ -577,8 +578,13 @@ def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, S
             tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= filled) & (offs < K))
 
 
+# the split kernels' block of columns and warps a program
+SPLIT_BLOCK, SPLIT_WARPS = 1024, 4
+
+
 def _topk_split(logits, k, lengths, out, block, seg):
     T, C = logits.shape
+    block = block or SPLIT_BLOCK
     if seg is None:   # enough programs to fill the GPU even for one row, at least one BLOCK each
         seg = max(block, _pow2(cdiv(C * T, 512)))
     S = max(1, cdiv(C, seg))
@@ -586,9 +592,10 @@ def _topk_split(logits, k, lengths, out, block, seg):
     segcount = torch.empty((T, S, 257), dtype=torch.int32, device=logits.device)
     for level in range(4):
         _split_hist_kernel[(T, S)](logits, lengths, hist, segcount, logits.stride(0), C, seg, S, T, k, LEVEL=level,
-                                   BLOCK=block, num_warps=4)
+                                   BLOCK=block, num_warps=SPLIT_WARPS)
     _split_write_kernel[(T, S)](logits, lengths, hist, segcount, out, logits.stride(0), out.stride(0),
-                                C, k, seg, S, T, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)))
+                                C, k, seg, S, T, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)),
+                                num_warps=SPLIT_WARPS)
     return out
 
 
@@ -612,7 +619,7 @@ def fastest_topk_method(columns: int, rows: int = 1, on_gpu: bool = True) -> str
 
 
 def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, block: int = 1024, method: str = "radix16",
+                 out: torch.Tensor | None = None, block: int | None = None, method: str = "radix16",
                  seg: int | None = None) -> torch.Tensor:
     """Top-k positions per row among columns < lengths[row]: int32 [T, k], ascending, -1 padded.
 
@@ -648,11 +655,11 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     if method == "hist" and C <= HIST_WHOLE_ROW_MAX:
         row = _pow2(C, 16)
         _topk_hist_row_kernel[(T,)](logits, lengths, out, logits.stride(0), out.stride(0), C, k, ROW=row,
-                                    BLOCK_K=min(1024, _pow2(k)), num_warps=8)
+                                    BLOCK_K=min(1024, _pow2(k)), num_warps=HIST_ROW_WARPS)
         return out
     kernel = _topk_kernel if method == "radix16" else _topk_hist_kernel
     kernel[(T,)](logits, lengths, out, logits.stride(0), out.stride(0), C, k,
-                 BLOCK=block, BLOCK_K=min(1024, _pow2(k)), num_warps=8)
+                 BLOCK=block or 1024, BLOCK_K=min(1024, _pow2(k)), num_warps=8)
     return out
 
 
