@@ -378,3 +378,5 @@ def test_gpu_topk_large_rows_with_ties(method, columns):
     ref = indexer_topk_reference(logits, 2048, lengths)
     assert torch.equal(top, ref)
     assert torch.equal(indexer_topk(logits[:2], 2048, lengths[:2], method=method), ref[:2])   # batch of 2
+    if method == "split":   # another block than the default (the CPU interpreter accepts code that does not compile)
+        assert torch.equal(indexer_topk(logits[:2], 2048, lengths[:2], method=method, block=256), ref[:2])

@@ -574,8 +574,8 @@ def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, S
     if seg == 0:   # -1 after the chosen ones: min(K, n) positions are filled
         filled = tl.minimum(n, K)
         for start in range(0, K, BLOCK_K):
-            offs = start + tl.arange(0, BLOCK_K)
-            tl.store(obase + offs, tl.full([BLOCK_K], -1, tl.int32), mask=(offs >= filled) & (offs < K))
+            o = start + tl.arange(0, BLOCK_K)      # (not `offs`: BLOCK_K need not be BLOCK, and Triton keeps shapes)
+            tl.store(obase + o, tl.full([BLOCK_K], -1, tl.int32), mask=(o >= filled) & (o < K))
 
 
 # the split kernels' block of columns and warps a program
