@@ -485,20 +485,24 @@ HIST_ROW_WARPS = 8
 
 # ---- "split": the same radix select spread over segments of each row (many programs per row), for
 # decode batches too small to fill the GPU with one program per row. One launch a level: the segments add their
-# histogram of the level's digit into that level's global histogram (all four zeroed by one memset), and every
-# program of the next level reads the earlier levels' histograms and picks the digits itself (v51: the 13 kernels
-# of 4 x (histogram, pick), 3 memsets, count and write became 7, 1.02-1.11x faster in a CUDA graph). The last level
-# also leaves each segment's own counts for the ordered write (v52: the separate count pass is gone), so: 1 memset +
-# 5 launches (4 levels, the write), each over all segments of all rows.
+# histogram of the level's digit into that level's global histogram (all four zeroed by one memset); each program
+# of the next level picks the level's digit from it, starting from the digits before it, which the level's first
+# segment left in PICKS (v52: one pick a launch, not one per level so far). The last level also leaves each
+# segment's own counts for the ordered write. So: 1 memset + 5 launches (4 levels, the write), each over all
+# segments of all rows (v51: 13 kernels and 3 memsets became 7 launches and 1 memset; v52: the count pass is gone).
 @triton.jit
-def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
+def _split_prefix(HIST, PICKS, row, T, K, LEVELS: tl.constexpr):
     """(prefix, above) after the first LEVELS digits: the chosen high digits (unsigned space u = key + 2**31)
-    and how many valid positions lie above them, from the levels' global histograms [4, T, 256]."""
-    bins = tl.arange(0, 256)
+    and how many valid positions lie above them. The last digit is picked from its level's global histogram
+    [4, T, 256], the ones before it read from PICKS [4, T, 2] (int64), where LEVELS - 1's launch left them."""
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
-    for lv in tl.static_range(LEVELS):
-        above, prefix = _pick_digit(tl.load(HIST + (lv * T + row) * 256 + bins), above, prefix, K, 24 - 8 * lv)
+    if LEVELS > 1:
+        prefix = tl.load(PICKS + ((LEVELS - 1) * T + row) * 2)
+        above = tl.load(PICKS + ((LEVELS - 1) * T + row) * 2 + 1).to(tl.int32)
+    if LEVELS > 0:
+        hist = tl.load(HIST + ((LEVELS - 1) * T + row) * 256 + tl.arange(0, 256))
+        above, prefix = _pick_digit(hist, above, prefix, K, 32 - 8 * LEVELS)
     return prefix, above
 
 
@@ -506,10 +510,12 @@ def _split_threshold(HIST, row, T, K, LEVELS: tl.constexpr):
 # waiting for the row's length (masked to the row's columns, the length applied after): the three round trips overlap
 # (at 1-32 rows a segment is one block). The histograms' atomic adds are relaxed: the next launch orders them.
 @triton.jit
-def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-    """Level LEVEL's digit histogram of one segment, added into the level's global histogram. The last level also
-    stores the segment's own counts, SEGCOUNT[row, seg, b] = how many of its positions lie above the 3-digit prefix
-    or carry it with a last digit >= b (b = 0..256): the write kernel reads its segment's place from them."""
+def _split_hist_kernel(L, LEN, HIST, PICKS, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Level LEVEL's digit histogram of one segment, added into the level's global histogram; the first segment
+    leaves the digits so far in PICKS for the next launch. The last level also stores the segment's own counts,
+    SEGCOUNT[row, seg, b] = how many of its positions lie above the 3-digit prefix or carry it with a last digit
+    >= b (b = 0..256): the write kernel reads its segment's place from them."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     seg0 = seg * SEG
@@ -518,7 +524,11 @@ def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL:
     base = L + row.to(tl.int64) * stride_l
     offs = seg0 + tl.arange(0, BLOCK)
     x = tl.load(base + offs, mask=offs < tl.minimum(seg0 + SEG, C), other=0.0)     # not waiting for the length
-    prefix, _ = _split_threshold(HIST, row, T, K, LEVEL)
+    prefix, above_prefix = _split_prefix(HIST, PICKS, row, T, K, LEVEL)
+    if LEVEL > 0:
+        if seg == 0:
+            tl.store(PICKS + (LEVEL * T + row) * 2, prefix)
+            tl.store(PICKS + (LEVEL * T + row) * 2 + 1, above_prefix.to(tl.int64))
     shift = 24 - 8 * LEVEL
     above_thr = (prefix + 255 - 2147483648).to(tl.int32)     # last level: keys above every key with this prefix
     hist = _digit_hist(x, offs < hi, prefix, shift, LEVEL)
@@ -539,7 +549,7 @@ def _split_hist_kernel(L, LEN, HIST, SEGCOUNT, stride_l, C, SEG, S, T, K, LEVEL:
 
 
 @triton.jit
-def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, SEG, S, T,
+def _split_write_kernel(L, LEN, HIST, PICKS, SEGCOUNT, OUT, stride_l, stride_o, C, K, SEG, S, T,
                         SP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     seg = tl.program_id(1)
@@ -550,7 +560,7 @@ def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, S
     obase = OUT + row.to(tl.int64) * stride_o
     offs = seg0 + tl.arange(0, BLOCK)
     x = tl.load(base + offs, mask=offs < tl.minimum(seg0 + SEG, C), other=0.0)
-    prefix, above = _split_threshold(HIST, row, T, K, 4)
+    prefix, above = _split_prefix(HIST, PICKS, row, T, K, 4)
     thr = (prefix - 2147483648).to(tl.int32)
     take_all = n <= K
     need_eq = K - above
@@ -578,22 +588,29 @@ def _split_write_kernel(L, LEN, HIST, SEGCOUNT, OUT, stride_l, stride_o, C, K, S
             tl.store(obase + o, tl.full([BLOCK_K], -1, tl.int32), mask=(o >= filled) & (o < K))
 
 
-# the split kernels' block of columns and warps a program
-SPLIT_BLOCK, SPLIT_WARPS = 1024, 4
+# the split kernels' warps a program, and their block of columns: 512 for short rows in small batches (few
+# segments, each one block), else 1024 (v52, H100, CUDA graphs: 4k x 1-32 rows and 16k x 1 row 1.07-1.13x faster at
+# 512; 64k x 1 row (128 segments), and batches whose segments loop over several blocks, 1.05-1.12x slower)
+SPLIT_WARPS = 4
+
+
+def split_block(columns: int, rows: int) -> int:
+    return 512 if columns <= 16384 and columns * rows <= 512 * 512 else 1024
 
 
 def _topk_split(logits, k, lengths, out, block, seg):
     T, C = logits.shape
-    block = block or SPLIT_BLOCK
+    block = block or split_block(C, T)
     if seg is None:   # enough programs to fill the GPU even for one row, at least one BLOCK each
         seg = max(block, _pow2(cdiv(C * T, 512)))
     S = max(1, cdiv(C, seg))
     hist = torch.zeros((4, T, 256), dtype=torch.int32, device=logits.device)
+    picks = torch.empty((4, T, 2), dtype=torch.int64, device=logits.device)
     segcount = torch.empty((T, S, 257), dtype=torch.int32, device=logits.device)
     for level in range(4):
-        _split_hist_kernel[(T, S)](logits, lengths, hist, segcount, logits.stride(0), C, seg, S, T, k, LEVEL=level,
-                                   BLOCK=block, num_warps=SPLIT_WARPS)
-    _split_write_kernel[(T, S)](logits, lengths, hist, segcount, out, logits.stride(0), out.stride(0),
+        _split_hist_kernel[(T, S)](logits, lengths, hist, picks, segcount, logits.stride(0), C, seg, S, T, k,
+                                   LEVEL=level, BLOCK=block, num_warps=SPLIT_WARPS)
+    _split_write_kernel[(T, S)](logits, lengths, hist, picks, segcount, out, logits.stride(0), out.stride(0),
                                 C, k, seg, S, T, SP=_pow2(S), BLOCK=block, BLOCK_K=min(1024, _pow2(k)),
                                 num_warps=SPLIT_WARPS)
     return out
