@@ -193,6 +193,27 @@ def test_topk_constructed_ties(method):
 
 
 @pytest.mark.parametrize("whole_row_max", [4096, 0], ids=["registers", "streaming"])
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_topk_when_the_k_largest_end_exactly_at_a_digit(method, whole_row_max, monkeypatch):
+    """K equal to how many scores lie at or above a value whose order key ends in zero bytes (2.0, 1.0, -2.0, -inf):
+    the pick is exact at an early level (hist stops there), and the value itself must be taken, not only what lies
+    above it."""
+    import glm5lab.kernels.dsa_indexer as dsa
+
+    monkeypatch.setattr(dsa, "HIST_WHOLE_ROW_MAX", whole_row_max)
+    gen = torch.Generator().manual_seed(34)
+    logits = torch.ones(4, 150)
+    logits[0, torch.randperm(150, generator=gen)[:10]] = 2.0                     # the 10 largest: all of the 2.0s
+    logits[1] = -3.0
+    logits[1, torch.randperm(150, generator=gen)[:10]] = -2.0
+    logits[2, torch.randperm(150, generator=gen)[:140]] = float("-inf")         # K = 10: the row's 1.0s
+    logits[3, 37:] = float("-inf")                                              # K = the 37 ones, then -inf
+    for k, rows in ((10, [0, 1, 2]), (37, [3])):
+        _check_topk_exact(logits[rows], k, torch.full((len(rows),), 150), method)
+    _check_topk_exact(logits[2:3], 150, torch.tensor([150]), method)           # K = n: all, -inf included
+
+
+
 def test_topk_hist_both_kernels_equal_reference(whole_row_max, monkeypatch):
     """"hist" keeps rows of up to HIST_WHOLE_ROW_MAX columns in registers and streams longer ones; both kernels,
     on random rows, heavy ties, -0.0 / -inf, empty and short rows."""

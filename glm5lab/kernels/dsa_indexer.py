@@ -330,11 +330,21 @@ def _pick_digit(hist, above, prefix, K, shift):
     lie above the prefix); returns (above, prefix) with j appended at `shift`. One scan, then two reductions that do
     not wait for each other: bins up to j reach K, and the count above bin j is the largest suffix count that does
     not (the suffix counts fall with the digit). A row with fewer than K valid positions, which takes them all,
-    reaches K nowhere."""
+    reaches K nowhere. Third: how many lie above the prefix or carry it with digit j (== K: no tie is left to split,
+    the later digits need not be picked; unused, the compiler drops it)."""
     suffix = tl.cumsum(hist, axis=0, reverse=True)                       # count with digit >= each bin's
     reach = (above + suffix) >= K
     j = tl.maximum(tl.sum(reach.to(tl.int32), axis=0) - 1, 0)
-    return above + tl.max(tl.where(reach, 0, suffix), axis=0), prefix + (j.to(tl.int64) << shift)
+    through_j = tl.min(tl.where(reach, above + suffix, 2147483647), axis=0)
+    return above + tl.max(tl.where(reach, 0, suffix), axis=0), prefix + (j.to(tl.int64) << shift), through_j
+
+
+@triton.jit
+def _final_threshold(prefix, above, exact, K):
+    """The order key to select above, and how many ties at it to take: after an exact pick (the K largest are exactly
+    the positions at or above `prefix`), everything at or above the prefix and no tie."""
+    thr = (tl.maximum(prefix - exact.to(tl.int64), 0) - 2147483648).to(tl.int32)
+    return thr, tl.where(exact, 0, K - above)
 
 
 @triton.jit
@@ -424,8 +434,9 @@ def _topk_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
 @triton.jit
 def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
                       BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Same contract as _topk_kernel; the radix select takes 8 bits per pass with tl.histogram (4 passes),
-    and the count above the threshold falls out of the select, so 5 passes over the row instead of 10."""
+    """Same contract as _topk_kernel; the radix select takes 8 bits per pass with tl.histogram (4 passes, fewer when
+    a level's pick leaves no tie to split: v52), and the count above the threshold falls out of the select, so 5
+    passes over the row at most instead of 10."""
     row = tl.program_id(0)
     n = tl.minimum(tl.load(LEN + row).to(tl.int32), C)
     n = tl.maximum(n, 0)
@@ -433,23 +444,25 @@ def _topk_hist_kernel(L, LEN, OUT, stride_l, stride_o, C, K,
     obase = OUT + row.to(tl.int64) * stride_o
     prefix = tl.zeros([], dtype=tl.int64)      # chosen high digits, unsigned space u = key + 2**31
     above = tl.zeros([], dtype=tl.int32)       # valid positions whose u is above the chosen prefix
+    exact = n < 0                              # the K largest found without a tie: no more passes
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            hist += _digit_hist(tl.load(base + offs, mask=m, other=0.0), m, prefix, shift, p)
-        above, prefix = _pick_digit(hist, above, prefix, K, shift)
-    thr = (prefix - 2147483648).to(tl.int32)
-    take_all = n <= K
-    _write_selected(base, obase, n, K, thr, K - above, take_all, BLOCK, BLOCK_K)
+        if not exact:
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], dtype=tl.int32)
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                m = offs < n
+                hist += _digit_hist(tl.load(base + offs, mask=m, other=0.0), m, prefix, shift, p)
+            above, prefix, through_j = _pick_digit(hist, above, prefix, K, shift)
+            exact = through_j == K
+    thr, need_eq = _final_threshold(prefix, above, exact, K)
+    _write_selected(base, obase, n, K, thr, need_eq, n <= K, BLOCK, BLOCK_K)
 
 
 @triton.jit
 def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constexpr, BLOCK_K: tl.constexpr):
     """_topk_hist_kernel for rows of at most ROW columns: the row is loaded once and kept in registers (as order
-    keys) through the four histogram passes and the write, instead of being read from L2 five times."""
+    keys) through the (up to) four histogram passes and the write, instead of being read from L2 each time."""
     row = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(LEN + row).to(tl.int32), C), 0)
     base = L + row.to(tl.int64) * stride_l
@@ -460,16 +473,19 @@ def _topk_hist_row_kernel(L, LEN, OUT, stride_l, stride_o, C, K, ROW: tl.constex
     uk = key.to(tl.uint32, bitcast=True) ^ 0x80000000                    # u = key + 2**31, as unsigned 32 bits
     prefix = tl.zeros([], dtype=tl.int64)
     above = tl.zeros([], dtype=tl.int32)
+    exact = n < 0
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        mm = m
-        if p > 0:
-            mm = m & ((uk >> (shift + 8)) == (prefix >> (shift + 8)).to(tl.uint32))
-        hist = tl.histogram(((uk >> shift) & 255).to(tl.int32), 256, mask=mm)
-        above, prefix = _pick_digit(hist, above, prefix, K, shift)
-    thr = (prefix - 2147483648).to(tl.int32)
+        if not exact:
+            shift = 24 - 8 * p
+            mm = m
+            if p > 0:
+                mm = m & ((uk >> (shift + 8)) == (prefix >> (shift + 8)).to(tl.uint32))
+            hist = tl.histogram(((uk >> shift) & 255).to(tl.int32), 256, mask=mm)
+            above, prefix, through_j = _pick_digit(hist, above, prefix, K, shift)
+            exact = through_j == K
+    thr, need_eq = _final_threshold(prefix, above, exact, K)
     zero = tl.zeros([], dtype=tl.int32)
-    pos, store, _, _ = _select_block(key, offs, m, K, thr, K - above, n <= K, zero, zero)
+    pos, store, _, _ = _select_block(key, offs, m, K, thr, need_eq, n <= K, zero, zero)
     tl.store(obase + pos, offs, mask=store)
     filled = tl.minimum(n, K)
     for start in range(0, K, BLOCK_K):
@@ -502,7 +518,7 @@ def _split_prefix(HIST, PICKS, row, T, K, LEVELS: tl.constexpr):
         above = tl.load(PICKS + ((LEVELS - 1) * T + row) * 2 + 1).to(tl.int32)
     if LEVELS > 0:
         hist = tl.load(HIST + ((LEVELS - 1) * T + row) * 256 + tl.arange(0, 256))
-        above, prefix = _pick_digit(hist, above, prefix, K, 32 - 8 * LEVELS)
+        above, prefix, _ = _pick_digit(hist, above, prefix, K, 32 - 8 * LEVELS)
     return prefix, above
 
 
