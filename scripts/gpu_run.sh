@@ -3,7 +3,7 @@
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
 #                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kptx kpower
-#                                           # ktma kwave ktail ktopk:
+#                                           # ktma kwave ktail ktopk klogits:
 #                                           # kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
@@ -123,6 +123,8 @@ part ktail ${KTAIL_S:-300} bash -c "python3 -m pytest -q -p no:cacheprovider -m 
 # the top-k before/after (NOTES v51): this tree's top-k kernels against .ab/dsa_indexer_before.py (carry ".ab")
 part ktopk ${KTOPK_S:-240} python3 scripts/topk_ab.py --before ${TOPK_BEFORE:-.ab/dsa_indexer_before.py} \
   --out "$stage/results/indexer/topk_ab.csv" ${KTOPK_ARGS:-}
+# the indexer's decode logits kernel at several tile sizes (NOTES v52)
+part klogits ${KLOGITS_S:-240} python3 scripts/logits_ab.py --out "$stage/results/indexer/logits_ab.csv" ${KLOGITS_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \

@@ -214,6 +214,7 @@ def test_topk_when_the_k_largest_end_exactly_at_a_digit(method, whole_row_max, m
 
 
 
+@pytest.mark.parametrize("whole_row_max", [4096, 0], ids=["registers", "streaming"])
 def test_topk_hist_both_kernels_equal_reference(whole_row_max, monkeypatch):
     """"hist" keeps rows of up to HIST_WHOLE_ROW_MAX columns in registers and streams longer ones; both kernels,
     on random rows, heavy ties, -0.0 / -inf, empty and short rows."""
@@ -340,6 +341,21 @@ def test_topk_ab_script_names_a_bad_before_copy_and_refuses_without_a_gpu(tmp_pa
     if not torch.cuda.is_available():
         shutil.copy(repo / "glm5lab" / "kernels" / "dsa_indexer.py", tmp_path / "before.py")
         assert ab(["--before", str(tmp_path / "before.py"), "--out", str(out)]) == 1
+        assert "GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path, capsys):
+    """scripts/logits_ab.py (the logits kernel's tile sizes, run on the device) fails in one line, writing nothing, on a
+    malformed --configs and on a machine without a GPU."""
+    import runpy
+
+    ab = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))["main"]
+    out = tmp_path / "ab.csv"
+    assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
+    assert "<keys>x<warps>" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert ab(["--out", str(out)]) == 1
         assert "GPU" in capsys.readouterr().err
     assert not out.exists()
 

@@ -58,7 +58,7 @@ def torch_indexer_step(q, weights, key_flat, block_table, lengths, page, topk):
     return logits, torch.topk(logits, min(topk, L), dim=1).indices
 
 
-def _bytes_read(B, L, H, D, dtype):
+def logits_bytes_read(B, L, H, D, dtype):
     key_bytes = D + 4 if dtype == "fp8" else 2 * D
     return B * L * key_bytes + B * H * D * 2 + B * H * 4 + B * L * 4    # keys + q + weights + logits out
 
@@ -179,7 +179,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
                      "value": t_topk_torch["p50"], "unit": "us", **t_topk_torch})
         hist_agrees = bool(torch.equal(hist_buf, top_buf))
         split_agrees = bool(torch.equal(split_buf, top_buf))
-        nbytes = _bytes_read(B, L, H, D, dt)
+        nbytes = logits_bytes_read(B, L, H, D, dt)
         gbps = nbytes / (t_logits["p50"] * 1e-6) / 1e9
         impl = "glm5lab-triton"
         for metric, t in (("logits_time", t_logits), ("topk_time", t_topk), ("step_time", t_step)):

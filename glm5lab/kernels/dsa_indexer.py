@@ -179,7 +179,7 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
-                          soft_fp8: bool | None = None) -> torch.Tensor:
+                          soft_fp8: bool | None = None, num_warps: int = 4) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
     q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
@@ -229,7 +229,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), kt.stride(1), stride_sb,
         block_table.stride(0), out.stride(0), max_len,
         H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, FP8=fp8,
-        IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8))
+        IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8), num_warps=num_warps)
     return out
 
 

@@ -1,0 +1,83 @@
+"""The indexer's decode logits kernel at several tile sizes (keys a program, warps), in one process on the same
+paged caches, timed in CUDA graphs as the indexer bench times them (rotating disjoint row sets, so the keys come from
+memory), each configuration's logits checked against the default's first. Rows (metric logits_time_graph,
+implementation glm5lab-triton-n<keys>w<warps>, plus fraction_of_copy_ceiling_graph) are appended to --out.
+
+    PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from glm5lab.bench.indexer_bench import logits_bytes_read
+from glm5lab.bench.kernel_bench import graph_time_us
+from glm5lab.bench.records import append_rows
+from glm5lab.bench.timing import copy_bandwidth_gbps, need_gpu
+from glm5lab.errors import Glm5labError, one_line_errors
+from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_cache
+
+
+@one_line_errors
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--configs", nargs="+", default=["128x4", "64x4", "256x4", "256x8"],
+                    help="keys a program x warps; the first is the reference the others are checked against")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 65536])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    args = ap.parse_args(argv)
+    try:
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
+    except ValueError:
+        raise Glm5labError(f"--configs takes <keys>x<warps>, e.g. 128x4; got {args.configs}") from None
+    need_gpu("the logits A/B")
+    command = "python scripts/logits_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    H, D, page = 32, 128, 64
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    maxB, maxL = max(args.batches), max(args.contexts)
+    per_row = -(-maxL // page)
+    n_blocks = max(maxB, 8) * per_row
+    keys = torch.randn(n_blocks, page, D, device="cuda", generator=gen).to(torch.bfloat16)
+    caches = {"bf16": keys}
+    if "fp8" in args.dtypes:
+        caches["fp8"] = torch.empty(n_blocks, page, D + 4, device="cuda", dtype=torch.uint8)
+        write_index_key_cache(caches["fp8"], keys.view(-1, D), torch.arange(n_blocks * page, device="cuda"))
+    table_all = torch.randperm(n_blocks, device="cuda", generator=gen).int().view(-1, per_row)
+    bw = copy_bandwidth_gbps()
+    rows = []
+    for dt, L, B in tqdm([(d, L, B) for d in args.dtypes for L in args.contexts for B in args.batches], desc="logits"):
+        q = torch.randn(B, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+        w = torch.randn(B, H, device="cuda", generator=gen) / H
+        lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
+        blocks = -(-L // page)
+        tables = [table_all[i:i + B, :blocks].contiguous() for i in range(0, table_all.shape[0] - B + 1, B)]
+        tables = tables * -(-8 // len(tables))
+        out = torch.empty(B, L, device="cuda")
+        ref = None
+        for n, warps in configs:
+            def call(t, n=n, warps=warps):
+                return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
+                                             num_warps=warps)
+            got = call(tables[0]).clone()
+            if ref is None:
+                ref = got
+            elif not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
+                raise Glm5labError(f"{dt} B{B} L{L}: block_n {n} x {warps} warps gives other logits")
+            us = graph_time_us([lambda t=t: call(t) for t in tables])
+            base = {"suite": "dsa_indexer_logits_ab", "implementation": f"glm5lab-triton-n{n}w{warps}",
+                    "shape": f"B{B}_L{L}_H{H}_D{D}", "dtype": dt, "layout": f"paged{page}"}
+            rows.append({**base, "metric": "logits_time_graph", "value": us, "unit": "us"})
+            frac = logits_bytes_read(B, L, H, D, dt) / (us * 1e-6) / 1e9 / bw
+            rows.append({**base, "metric": "fraction_of_copy_ceiling_graph", "value": frac, "unit": "ratio"})
+            tqdm.write(f"{dt:4s} B{B:<4d} L{L:<6d} {n:4d} keys x {warps} warps {us:8.1f} us  {frac:5.3f} of copy")
+    append_rows(args.out, rows, command=command)
+    print(f"{len(rows)} rows -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
