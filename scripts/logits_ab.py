@@ -20,20 +20,31 @@ from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_cache
 
 
+def parse_config(text: str) -> tuple:
+    """"128x4" or "64x4x4x3" -> (keys a tile, warps, tiles a program, stages)."""
+    try:
+        parts = [int(v) for v in text.split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) == 2:
+        parts += [1, 1]
+    if len(parts) != 4 or min(parts) < 1:
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>], e.g. 128x4 or 64x4x4x3; got {text!r}")
+    return tuple(parts)
+
+
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", nargs="+", default=["128x4", "64x4", "256x4", "256x8"],
-                    help="keys a program x warps; the first is the reference the others are checked against")
+    ap.add_argument("--configs", nargs="+", default=["128x4", "64x4", "64x4x4x3", "128x4x4x3", "128x8x4x3"],
+                    help="<keys a tile>x<warps>[x<tiles a program>x<stages>]; the first is the reference the others "
+                         "are checked against")
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 65536])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     args = ap.parse_args(argv)
-    try:
-        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
-    except ValueError:
-        raise Glm5labError(f"--configs takes <keys>x<warps>, e.g. 128x4; got {args.configs}") from None
+    configs = [parse_config(c) for c in args.configs]
     need_gpu("the logits A/B")
     command = "python scripts/logits_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
     H, D, page = 32, 128, 64
@@ -58,22 +69,23 @@ def main(argv=None) -> int:
         tables = tables * -(-8 // len(tables))
         out = torch.empty(B, L, device="cuda")
         ref = None
-        for n, warps in configs:
-            def call(t, n=n, warps=warps):
+        for n, warps, tiles, stages in configs:
+            def call(t, n=n, warps=warps, tiles=tiles, stages=stages):
                 return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
-                                             num_warps=warps)
+                                             num_warps=warps, tiles=tiles, num_stages=stages)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got
             elif not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
-                raise Glm5labError(f"{dt} B{B} L{L}: block_n {n} x {warps} warps gives other logits")
+                raise Glm5labError(f"{dt} B{B} L{L}: {n} keys x {warps} warps x {tiles} tiles gives other logits")
             us = graph_time_us([lambda t=t: call(t) for t in tables])
-            base = {"suite": "dsa_indexer_logits_ab", "implementation": f"glm5lab-triton-n{n}w{warps}",
+            base = {"suite": "dsa_indexer_logits_ab", "implementation": f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}",
                     "shape": f"B{B}_L{L}_H{H}_D{D}", "dtype": dt, "layout": f"paged{page}"}
             rows.append({**base, "metric": "logits_time_graph", "value": us, "unit": "us"})
             frac = logits_bytes_read(B, L, H, D, dt) / (us * 1e-6) / 1e9 / bw
             rows.append({**base, "metric": "fraction_of_copy_ceiling_graph", "value": frac, "unit": "ratio"})
-            tqdm.write(f"{dt:4s} B{B:<4d} L{L:<6d} {n:4d} keys x {warps} warps {us:8.1f} us  {frac:5.3f} of copy")
+            tqdm.write(f"{dt:4s} B{B:<4d} L{L:<6d} {n:4d} keys x {warps} warps x {tiles} tiles ({stages} stages) "
+                       f"{us:8.1f} us  {frac:5.3f} of copy")
     append_rows(args.out, rows, command=command)
     print(f"{len(rows)} rows -> {args.out}")
     return 0

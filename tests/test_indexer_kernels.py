@@ -67,14 +67,16 @@ def test_decode_logits_match_reference(dtype, fp8, device):
     T, H, D, page, max_len = 3, 5, 128, 16, 45           # odd head count, odd lengths, padded heads
     q, w, cache, bt, lengths = _paged_case(gen, T=T, H=H, D=D, page=page, num_blocks=7, max_len=max_len,
                                            dtype=dtype, fp8=fp8, device=device)
-    out = torch.full((T, max_len), float("nan"), device=device)   # poisoned: every entry must be written
-    indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out)
     ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
-    out = out.cpu()
     finite = torch.isfinite(ref)
-    assert not torch.isnan(out).any()
-    assert torch.equal(torch.isneginf(out), ~finite)
-    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+    # the default tiling, and 16-key tiles three a program (a program's last tiles past every row's end)
+    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}):
+        out = torch.full((T, max_len), float("nan"), device=device)   # poisoned: every entry must be written
+        indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out, **tiling)
+        out = out.cpu()
+        assert not torch.isnan(out).any(), tiling
+        assert torch.equal(torch.isneginf(out), ~finite), tiling
+        torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
 
 
 def test_software_fp8_decode_equals_hardware_conversion(device):
@@ -353,7 +355,7 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
     ab = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))["main"]
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
-    assert "<keys>x<warps>" in capsys.readouterr().err
+    assert "<keys>x<warps>[x<tiles>x<stages>]" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert ab(["--out", str(out)]) == 1
         assert "GPU" in capsys.readouterr().err
@@ -382,6 +384,10 @@ def test_gpu_decode_glm5_shapes(fp8):
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isneginf(out), ~finite)
     torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+    tiled = torch.full((T, max_len), float("nan"), device="cuda")      # several tiles a program, pipelined
+    indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=tiled, block_n=64, tiles=4, num_stages=3)
+    assert torch.equal(torch.isneginf(tiled), ~finite)
+    torch.testing.assert_close(tiled[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
     top = indexer_topk(out, k, lengths)
     assert torch.equal(top, indexer_topk_reference(out, k, lengths))      # exact on its own logits
     assert topk_sets_agree(top, ref, k, lengths, atol=_tol(torch.bfloat16, ref)) == []

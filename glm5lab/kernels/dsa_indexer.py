@@ -133,36 +133,38 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           stride_qt, stride_qh, stride_wt, stride_kb, stride_ko, stride_sb,
                           stride_bt, stride_ot, out_cols,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                          IEEE: tl.constexpr, SOFT_FP8: tl.constexpr):
+                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                          FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """TILES tiles of BLOCK_N keys a program, one after another (the loads of the next in flight while one computes,
+    STAGES deep), with the query and weights loaded once."""
     t = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     seq = tl.load(SEQ + t)
-    valid = offs_n < seq
-    page = offs_n // PAGE
-    within = offs_n % PAGE
-    blk = tl.load(BT + t * stride_bt + page, mask=valid, other=0).to(tl.int64)
     q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
     w = tl.load(W + t * stride_wt + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
-    kptr = K + blk[:, None] * stride_kb + within[:, None] * stride_ko + offs_d[None, :]
-    kmask = valid[:, None] & (offs_d[None, :] < D)
-    if FP8:
-        bits = tl.load(kptr, mask=kmask, other=0)
-        if SOFT_FP8:
-            k = _fp8e4m3_bits_to_f32(bits).to(q.dtype)
+    for i in tl.range(0, TILES, num_stages=STAGES):
+        offs_n = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = offs_n < seq
+        page = offs_n // PAGE
+        within = offs_n % PAGE
+        blk = tl.load(BT + t * stride_bt + page, mask=valid, other=0).to(tl.int64)
+        kptr = K + blk[:, None] * stride_kb + within[:, None] * stride_ko + offs_d[None, :]
+        kmask = valid[:, None] & (offs_d[None, :] < D)
+        if FP8:
+            bits = tl.load(kptr, mask=kmask, other=0)
+            if SOFT_FP8:
+                k = _fp8e4m3_bits_to_f32(bits).to(q.dtype)
+            else:
+                k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
         else:
-            k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
-    else:
-        k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
-        scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    logit = _weighted_relu_scores(q, k, w, scale, IEEE)
-    logit = tl.where(valid, logit, float("-inf"))
-    tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
+            k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
+            scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        logit = _weighted_relu_scores(q, k, w, scale, IEEE)
+        logit = tl.where(valid, logit, float("-inf"))
+        tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
 
 
 def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
@@ -179,14 +181,16 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
-                          soft_fp8: bool | None = None, num_warps: int = 4) -> torch.Tensor:
+                          soft_fp8: bool | None = None, num_warps: int = 4, tiles: int = 1,
+                          num_stages: int = 2) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
     q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
     fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens
     [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
     output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
-    (default: only on GPUs before SM89, which have no e4m3 support).
+    (default: only on GPUs before SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a
+    program one after another (num_stages: how many tiles' loads in flight), num_warps warps a program.
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -223,13 +227,14 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
     if block_n is None:  # keys per program: larger tiles on a GPU amortize the q load
         block_n = 128 if q.is_cuda else 64
-    grid = (T, cdiv(max_len, block_n))
+    grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), kt.stride(1), stride_sb,
         block_table.stride(0), out.stride(0), max_len,
-        H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, FP8=fp8,
-        IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8), num_warps=num_warps)
+        H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
+        STAGES=num_stages if tiles > 1 else 1,
+        FP8=fp8, IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8), num_warps=num_warps)
     return out
 
 
