@@ -178,6 +178,12 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
         raise Glm5labError("q must be contiguous in its last dimension")
 
 
+# fp8 keys: 64-key tiles up to this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
+# 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows); more
+# tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys
+FP8_SMALL_TILE_MAX_KEYS = 4 * 1024 * 1024
+
+
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
@@ -225,8 +231,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     if soft_fp8 is None:
         soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
-    if block_n is None:  # keys per program: larger tiles on a GPU amortize the q load
-        block_n = 128 if q.is_cuda else 64
+    if block_n is None:  # keys a tile: larger tiles on a GPU amortize the q load, except fp8's in small grids
+        block_n = 64 if not q.is_cuda or (fp8 and T * max_len <= FP8_SMALL_TILE_MAX_KEYS) else 128
     grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
