@@ -1,9 +1,9 @@
-"""The indexer's decode logits kernel at several tile sizes (keys a program, warps), in one process on the same
-paged caches, timed in CUDA graphs as the indexer bench times them (rotating disjoint row sets, so the keys come from
-memory), each configuration's logits checked against the default's first. Rows (metric logits_time_graph,
-implementation glm5lab-triton-n<keys>w<warps>, plus fraction_of_copy_ceiling_graph) are appended to --out.
+"""The indexer's decode logits kernel at several tilings (keys a tile, warps, tiles a program, pipeline stages), in one
+process on the same paged caches, timed in CUDA graphs as the indexer bench times them (rotating disjoint row sets, so
+the keys come from memory), each tiling's logits checked against the first one's. Rows (metric logits_time_graph and
+fraction_of_copy_ceiling_graph, implementation glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>) are appended to --out.
 
-    PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv
+    PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv --configs 128x4 64x4 64x4x4x3
 """
 import argparse
 import sys
