@@ -197,9 +197,9 @@ def test_topk_constructed_ties(method):
 @pytest.mark.parametrize("whole_row_max", [4096, 0], ids=["registers", "streaming"])
 @pytest.mark.parametrize("method", TOPK_METHODS)
 def test_topk_when_the_k_largest_end_exactly_at_a_digit(method, whole_row_max, monkeypatch):
-    """K equal to how many scores lie at or above a value whose order key ends in zero bytes (2.0, 1.0, -2.0, -inf):
-    the pick is exact at an early level (hist stops there), and the value itself must be taken, not only what lies
-    above it."""
+    """K equal to how many scores lie at or above a value (2.0, 1.0, -2.0, -inf): the pick is exact at an early level
+    (hist stops there). 2.0 and 1.0 have order keys that end in zero bytes, equal to the picked prefix itself: they
+    must be taken, not only what lies above them."""
     import glm5lab.kernels.dsa_indexer as dsa
 
     monkeypatch.setattr(dsa, "HIST_WHOLE_ROW_MAX", whole_row_max)
@@ -213,7 +213,6 @@ def test_topk_when_the_k_largest_end_exactly_at_a_digit(method, whole_row_max, m
     for k, rows in ((10, [0, 1, 2]), (37, [3])):
         _check_topk_exact(logits[rows], k, torch.full((len(rows),), 150), method)
     _check_topk_exact(logits[2:3], 150, torch.tensor([150]), method)           # K = n: all, -inf included
-
 
 
 @pytest.mark.parametrize("whole_row_max", [4096, 0], ids=["registers", "streaming"])
