@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         logits = torch.randn(B, L, device="cuda", generator=gen)
         lengths = (L - torch.randint(0, L // 8 + 1, (B,), device="cuda", generator=gen)).int()   # decode rows
         for method in args.methods:
-            outs = {}
+            outs, times = {}, {}
             for tag, module in (("", dsa_indexer), ("-before", before)):
                 out = torch.full((B, args.k), -7, dtype=torch.int32, device="cuda")
 
@@ -87,9 +87,10 @@ def main(argv=None) -> int:
 
                 call()
                 outs[tag] = out.clone()
+                times[tag] = graph_time_us([call] * 8)
                 rows.append({"suite": "dsa_indexer_ab", "implementation": f"glm5lab-triton-{method}{tag}",
                              "shape": f"B{B}_L{L}_K{args.k}", "dtype": "float32", "layout": "rows",
-                             "metric": "topk_time_graph", "value": graph_time_us([call] * 8), "unit": "us"})
+                             "metric": "topk_time_graph", "value": times[tag], "unit": "us"})
                 if args.timeline:
                     per_kernel, gaps = kernel_timeline([call] * 8)
                     timed, impl = rows[-1], f"glm5lab-triton-{method}{tag}"
@@ -100,9 +101,7 @@ def main(argv=None) -> int:
                         f"{name[:28]} {us:.1f}" for name, us in per_kernel.items()))
             if not torch.equal(outs[""], outs["-before"]):
                 raise Glm5labError(f"{method} at B{B} L{L}: this tree's output differs from --before's")
-            now, old = (next(r["value"] for r in rows if r["metric"] == "topk_time_graph" and r["implementation"]
-                             == f"glm5lab-triton-{method}{tag}" and r["shape"] == f"B{B}_L{L}_K{args.k}")
-                        for tag in ("", "-before"))
+            now, old = times[""], times["-before"]
             tqdm.write(f"{method:6s} B{B:<4d} L{L:<6d} before {old:8.1f} us  now {now:8.1f} us  "
                        f"before/now {old / now:5.2f}")
     append_rows(args.out, rows, command=command)

@@ -113,7 +113,8 @@ def test_efficiencies_come_from_cuda_graph_time_where_the_run_has_it():
 
 def test_the_indexer_top_k_time_is_the_measured_kernel_s_that_the_indexer_op_runs_at_that_context():
     """The top-k is bound by latency, not by memory: the projection adds, per layer, the time measured for the kernel
-    glm5lab's indexer op picks (`fastest_topk_method`: hist at 4k x 1 row, split at 64k x 1); its upper bound reads the logits once."""
+    glm5lab's indexer op picks (`fastest_topk_method`: hist at 4k x 1 row, split at 64k x 1); its upper bound reads
+    the logits once."""
     from glm5lab.bench.projection import model_bytes
 
     df = _measured(topk_us={"hist": 30.0, "split": 130.0, "radix16": 700.0})
