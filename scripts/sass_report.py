@@ -115,15 +115,24 @@ def backward_spans(ins: list) -> tuple:
     return spans["any"], spans["conditional"]
 
 
-def report(compiled) -> dict:
-    """Registers / stack / shared memory and the main loop's instruction counts of a compiled kernel."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What Triton's bundled cuobjdump prints for this cubin with these flags."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    usage = dict(re.findall(r"(REG|STACK):(\d+)", res))
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers a thread and stack bytes (spills and local arrays) of a cubin's kernel."""
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", cuobjdump(cubin, "-res-usage")))
+    return {"regs": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0))}
+
+
+def report(compiled) -> dict:
+    """Registers / stack / shared memory and the main loop's instruction counts of a compiled kernel."""
+    sass = cuobjdump(compiled.asm["cubin"], "-sass")
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+(.*?);", sass)]
     loop, step = backward_spans(ins)
     body = [t for a, t in ins if loop and loop[0] <= a <= loop[1]]
@@ -136,8 +145,7 @@ def report(compiled) -> dict:
 
     regions = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                    compiled.asm["ptx"])})   # warp-specialized: registers a region
-    return {"regs": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
-            "smem": compiled.metadata.shared, "loop": len(body),
+    return {**resource_usage(compiled.asm["cubin"]), "smem": compiled.metadata.shared, "loop": len(body),
             "step_loop": sum(1 for a, _ in ins if step and step[0] <= a <= step[1]),
             **{k: count(k) for k in KEYS if count(k)},
             **({"setmaxnreg": regions} if regions else {}), "_sass": sass}

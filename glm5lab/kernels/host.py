@@ -12,3 +12,15 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
     return 1 << (int(n) - 1).bit_length() if n > 1 else 1
+
+
+# Shared memory one block may opt into, in bytes, by NVIDIA compute capability (CUDA programming guide, "Technical
+# Specifications"): what a launch needing more is refused with (Triton: OutOfResources). The ~100 KB GPUs (SM86,
+# SM89, SM120, SM121: RTX 30 / 40 / 50, RTX PRO 6000 Blackwell) cannot hold tiles that Hopper's 227 KB can.
+SHARED_MEMORY_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448,
+                           (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376}
+
+
+def shared_memory_per_block(capability: tuple[int, int] | None) -> int | None:
+    """Bytes of shared memory a block may use on a GPU of this compute capability; None when not known."""
+    return SHARED_MEMORY_PER_BLOCK.get(tuple(capability)) if capability is not None else None

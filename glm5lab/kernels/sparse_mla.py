@@ -37,7 +37,7 @@ from triton.runtime.errors import OutOfResources
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
-from glm5lab.kernels.host import cdiv, next_pow2
+from glm5lab.kernels.host import cdiv, next_pow2, shared_memory_per_block
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -780,11 +780,18 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+# Shared memory (bytes) of the bf16/fp16 64-head tile by rows a step, at 2 stages (1 stage: within 256 B): 64 heads'
+# q alone is 72 KB. From offline sm_120 builds (Triton 3.6, scripts/launch_build.py; sm_86 alike). On a ~100 KB GPU
+# only 16 rows fit: the 64 x 64 tile made every > 32-head bf16/fp16 call there fail (NOTES.md v53).
+WIDE_BF16_TILE_SHARED_MEMORY = {64: 155904, 32: 114816, 16: 94272}
+
+
 def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
     per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
     bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 at <= 16 heads runs the
-    fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM)."""
+    fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM). On a GPU with
+    ~100 KB of shared memory a block (SM86/89/120; `device` tells) bf16/fp16 at > 32 heads steps 16 rows."""
     if num_heads <= 16:
         if fp8:
             # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv.gz): "f16" on 16x32
@@ -797,6 +804,11 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     if fp8:
         # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
         return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    smem = shared_memory_per_block(_compiled_capability(device)) if device is not None else None
+    if smem is not None and smem < WIDE_BF16_TILE_SHARED_MEMORY[64]:
+        # ~100 KB GPUs (SM86/89/120): the largest 64-head tile that fits, single- or double-buffered alike
+        return {"block_h": 64, "block_n": max(n for n, need in WIDE_BF16_TILE_SHARED_MEMORY.items() if need <= smem),
+                "num_warps": 8, "num_stages": 2}
     return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 

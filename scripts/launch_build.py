@@ -1,0 +1,309 @@
+"""Every Triton launch glm5lab's host functions make, built for a GPU on this CPU machine; no launch runs.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code the compiler refuses (a loop-carried
+variable re-bound at another shape, say). Twice a kernel passed every CPU test and then failed to compile on the
+device (NOTES.md v51 call 8, v52 call 3: the split top-k's write kernel built only at 1024-column blocks). This
+script calls the host functions with CPU tensors and the options a GPU run takes (blocks, tiles, warps, fp8 decode),
+catches each launch before it would run, and builds it for sm_<N> with Triton's bundled ptxas (as
+scripts/sass_report.py does). One line a distinct build: kernel, constexprs, warps, registers, stack bytes (spills),
+shared memory, or the compiler's error. A build needing more shared memory than the target gives a block raises
+OutOfResources at its launch, as on the device, so a host's fallbacks run here too; a host call that raises is a row.
+Exit status 1 when a build fails, a host call raises or a kernel of a driven module was never launched.
+
+    PYTHONPATH=. python scripts/launch_build.py --sm 90 120            # every case, a table
+    PYTHONPATH=. python scripts/launch_build.py --case indexer_topk --json
+    PYTHONPATH=. python scripts/launch_build.py --sm 90 120 86 --csv results/kernels/offline_builds.csv
+    PYTHONPATH=. python scripts/launch_build.py --cases-from my_cases.py   # its CASES {name: fn(sm)}, MODULES
+
+Run it as a script: it turns the interpreter off for its own process before any kernel module is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)   # a real build, even when the shell has the interpreter on
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from sass_report import resource_usage  # noqa: E402
+from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import compile as triton_compile  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+
+# what a launch is checked against on the device, by sm number (86 = capability 8.6)
+SMEM_LIMIT = {major * 10 + minor: limit for (major, minor), limit in SHARED_MEMORY_PER_BLOCK.items()}
+
+
+def plain(value):
+    """A constexpr's Python value (Triton wraps some in tl.constexpr)."""
+    return getattr(value, "value", value)
+
+
+@contextlib.contextmanager
+def launches_built_for(sm: int, builds: dict):
+    """Inside: `kernel[grid](...)` builds the kernel for sm_<sm> and returns None instead of launching it. `builds`
+    gets one entry a distinct (kernel, constexprs, options): its resources or its error. A build that needs more
+    shared memory than sm_<sm> gives a block raises OutOfResources, as its launch would on the device, so host code
+    that falls back to a smaller pipeline does so here too. Outputs stay unwritten, so host code between launches
+    sees uninitialised memory (fine for host code that only reads shapes)."""
+    if sm not in SMEM_LIMIT:
+        raise SystemExit(f"sm_{sm}: no shared-memory limit known (known: {sorted(SMEM_LIMIT)})")
+    target = GPUTarget("cuda", sm, 32)
+    backend = make_backend(target)
+    original = JITFunction.run
+
+    def build(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        names = list(self.arg_names)
+        consts = {names[path[0]]: plain(value) for path, value in constexprs.items() if len(path) == 1}
+        key = (sm, self.fn.__name__, json.dumps(consts, sort_keys=True, default=str), options.num_warps,
+               options.num_stages)
+        if key not in builds:
+            builds[key] = _build(self, signature, constexprs, attrs, options, consts)
+        if builds[key].get("over_smem_limit"):
+            raise OutOfResources(builds[key]["smem"], SMEM_LIMIT[sm], "shared memory")
+        return None
+
+    def _build(self, signature, constexprs, attrs, options, consts):
+        entry = {"sm": sm, "module": self.fn.__module__, "kernel": self.fn.__name__, "constexprs": consts,
+                 "num_warps": options.num_warps, "num_stages": options.num_stages}
+        start = time.perf_counter()
+        try:
+            compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+            entry.update(resource_usage(compiled.asm["cubin"]), smem=compiled.metadata.shared,
+                         over_smem_limit=compiled.metadata.shared > SMEM_LIMIT[sm])
+        except Exception as err:   # the compiler's own message is the result
+            entry["error"] = f"{type(err).__name__}: {err}"[-1500:]
+        entry["build_s"] = round(time.perf_counter() - start, 2)
+        return entry
+
+    JITFunction.run = build
+    try:
+        yield builds
+    finally:
+        JITFunction.run = original
+
+
+# ------------------------------------------------------------------------------------------------- the cases
+REFUSALS: list = []     # host calls that raised, as rows (a case goes on to its next call)
+
+
+def attempt(sm: int, what: str, fn, *args, **kwargs) -> None:
+    """fn(*args, **kwargs); an exception becomes a row of REFUSALS naming the call."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:
+        REFUSALS.append({"sm": sm, "case": what, "host_error": f"{type(err).__name__}: {err}"})
+
+
+def indexer_topk(sm: int):
+    """The three top-k methods at the blocks the op picks on a GPU (split_block's 512 and 1024, the GPU test's 256),
+    a register-held row and a streamed one, k below, at and above a block of k."""
+    from glm5lab.kernels import dsa_indexer as d
+
+    torch.manual_seed(0)
+    for columns, rows in ((3001, 2), (4096, 1), (16384, 1), (65536, 1), (16384, 64)):
+        x = torch.randn(rows, columns)
+        for k in (100, 2048):
+            d.indexer_topk(x, k, method="split")
+            d.indexer_topk(x, k, method="hist")
+        d.indexer_topk(x, 2048, method="radix16")
+    d.indexer_topk(torch.randn(3, 5000), 2048, method="split", block=256)
+
+
+def indexer_logits(sm: int):
+    """Decode logits on a plain (fp16 / bf16 / fp32) and an fp8 index-key cache at the tilings a GPU run takes
+    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles; fp8 keys by the hardware conversion from SM89 on and
+    by the integer decode, which GPUs before SM89 take), and the prefill logits."""
+    from glm5lab.kernels import dsa_indexer as d
+
+    torch.manual_seed(0)
+    T, H, D, page, blocks = 3, 32, 128, 64, 8
+    table = torch.arange(T * blocks, dtype=torch.int32).reshape(T, blocks)
+    lens = torch.tensor([500, 17, 64 * blocks], dtype=torch.int32)
+    w = torch.randn(T, H)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        q = torch.randn(T, H, D, dtype=dtype)
+        plain_keys = torch.randn(T * blocks, page, D, dtype=dtype)
+        for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+            d.indexer_logits_decode(q, w, plain_keys, table, lens, block_n=block_n, num_warps=warps)
+        d.indexer_logits_prefill(q, w, torch.randn(600, D, dtype=dtype), torch.zeros(T, dtype=torch.int32),
+                                 lens.clamp(max=600))
+    fp8 = torch.zeros(T * blocks, page, D + 4, dtype=torch.uint8)
+    d.write_index_key_cache(fp8, torch.randn(T * blocks * page, D), torch.arange(T * blocks * page))
+    q = torch.randn(T, H, D, dtype=torch.bfloat16)
+    for block_n in (64, 128):
+        for soft in (True,) if sm < 89 else (False, True):
+            d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft)
+            d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3)
+
+
+def paged_decode(sm: int):
+    """The paged dense MLA decode (the virtual-block-table path) at the GPU's tile (16 heads, 32 keys), one split
+    and several."""
+    from glm5lab.kernels.paged_mla_decode import paged_mla_decode
+
+    torch.manual_seed(0)
+    rows, heads, page, blocks = 2, 16, 64, 4
+    table = torch.arange(rows * blocks, dtype=torch.int32).reshape(rows, blocks)
+    lens = torch.tensor([200, 64 * blocks], dtype=torch.int32)
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randn(rows, heads, 576, dtype=dtype)
+        kv = torch.randn(rows * blocks, page, 576, dtype=dtype)
+        for splits in (1, 4):
+            paged_mla_decode(q, kv, table, lens, 576 ** -0.5, num_splits=splits, block_h=16, block_n=32)
+
+
+@contextlib.contextmanager
+def sparse_mla_sees(sm: int, sms: int = 132):
+    """sparse_mla's host asks the device its compute capability and SM count (fp8 conversion, PDL, splits); here it
+    is told sm_<sm> with `sms` SMs, so its choices are that GPU's."""
+    from glm5lab.kernels import sparse_mla
+
+    saved = {n: getattr(sparse_mla, n) for n in ("_nvidia_sm_at_least", "_capability", "_num_sms")}
+    sparse_mla._nvidia_sm_at_least = lambda device, capability: (sm // 10, sm % 10) >= tuple(capability)
+    sparse_mla._capability = lambda device: (sm // 10, sm % 10)
+    sparse_mla._num_sms = lambda device: sms
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(sparse_mla, n, f)
+
+
+def sparse_mla(sm: int):
+    """The portable Triton sparse-MLA kernel (the one Blackwell and every non-Hopper GPU runs) at its default tile
+    for 8 / 16 / 32 / 64 / 128 heads, bf16 / fp16 / fp8_ds_mla caches, one split and several, both merges (fused;
+    separate: unrolled up to 16 splits, by columns beyond). The Hopper-only Gluon kernels: scripts/sass_report.py."""
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import default_config, sparse_mla_attention
+
+    torch.manual_seed(0)
+    T, topk, blocks, page = 3, 2048, 40, 64
+    slots = torch.randint(-1, blocks * page + 5, (T, topk), dtype=torch.int32)     # -1 and past the cache too
+    with sparse_mla_sees(sm):
+        for dtype in (torch.bfloat16, torch.float16):
+            kv = torch.randn(blocks, page, 576, dtype=dtype)
+            fp8 = quantize_fp8_ds_mla(kv.float())
+            for heads in (8, 16, 32, 64, 128):
+                q = torch.randn(T, heads, 576, dtype=dtype)
+                for cache, is_fp8 in ((kv, False), (fp8, True)):
+                    cfg = {**default_config(heads, is_fp8, torch.device("cuda")), "impl": "triton"}
+                    for splits, merge in ((1, "auto"), (2, "fused"), (2, "separate"), (32, "separate")):
+                        what = (f"sparse_mla {heads} heads {'fp8_ds_mla' if is_fp8 else 'plain'} {dtype} "
+                                f"{splits} splits {merge}")
+                        attempt(sm, what, sparse_mla_attention, q, cache, slots, 576 ** -0.5, num_splits=splits,
+                                merge=merge, _config=cfg)
+
+
+CASES = {"indexer_topk": indexer_topk, "indexer_logits": indexer_logits, "paged_decode": paged_decode,
+         "sparse_mla": sparse_mla}
+# the modules whose every *_kernel the cases must launch (a kernel left out would be a kernel never built)
+MODULES = {"indexer_topk": "glm5lab.kernels.dsa_indexer", "indexer_logits": "glm5lab.kernels.dsa_indexer",
+           "paged_decode": "glm5lab.kernels.paged_mla_decode", "sparse_mla": "glm5lab.kernels.sparse_mla"}
+
+
+def never_launched(modules: set, builds: list) -> list:
+    """Kernels (module-level JIT functions named *_kernel) of these modules that no case built."""
+    built = {(b["module"], b["kernel"]) for b in builds if "kernel" in b}
+    out = []
+    for name in sorted(modules):
+        mod = importlib.import_module(name)
+        out += [f"{name}.{attr}" for attr, obj in vars(mod).items()
+                if isinstance(obj, JITFunction) and attr.endswith("_kernel") and (name, attr) not in built]
+    return out
+
+
+def load_cases(path: str) -> tuple[dict, dict]:
+    """CASES and MODULES of a Python file (its kernels imported after the interpreter was turned off)."""
+    sys.modules.setdefault("launch_build", sys.modules[__name__])   # its `import launch_build` is this run
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.CASES, getattr(mod, "MODULES", {})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sm", type=int, nargs="+", default=[90], help="compute capabilities to build for")
+    ap.add_argument("--case", nargs="+", help=f"cases to run (default all: {', '.join(CASES)})")
+    ap.add_argument("--cases-from", help="a Python file with CASES {name: fn} (and MODULES {name: module})")
+    ap.add_argument("--json", action="store_true", help="one JSON object a line")
+    ap.add_argument("--csv", help="append the builds' registers / stack / shared memory as long-format rows "
+                                  "(glm5lab.bench.records, with provenance) to this CSV; only when every build passed")
+    args = ap.parse_args(argv)
+    cases, modules = load_cases(args.cases_from) if args.cases_from else (CASES, MODULES)
+    unknown = set(args.case or ()) - set(cases)
+    if unknown:
+        ap.error(f"unknown case(s) {sorted(unknown)}; known: {sorted(cases)}")
+    chosen = args.case or list(cases)
+    builds: dict = {}
+    host_errors = []
+    for sm in args.sm:
+        for name in chosen:
+            with launches_built_for(sm, builds):
+                try:
+                    cases[name](sm)
+                except Exception as err:     # a host refusal (e.g. a tile that fits nowhere) is a result too
+                    host_errors.append({"sm": sm, "case": name, "host_error": f"{type(err).__name__}: {err}"})
+    rows = list(builds.values()) + host_errors + REFUSALS
+    # a module's kernels are all expected only when every case that drives it ran
+    complete = {m for m in modules.values() if all(c in chosen for c, mod in modules.items() if mod == m)}
+    missing = never_launched(complete, rows)
+    failed = [r for r in rows if "error" in r or "host_error" in r]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps({"summary": True, "builds": len(rows), "failed": len(failed), "never_launched": missing}))
+    else:
+        for r in rows:
+            if "host_error" in r:
+                print(f"sm_{r['sm']} case {r['case']}: the host refused: {r['host_error']}")
+                continue
+            consts = " ".join(f"{k}={v}" for k, v in r["constexprs"].items())
+            what = (f"ERROR {r['error'].splitlines()[-1][:200]}" if "error" in r
+                    else f"regs {r['regs']:3d} stack {r['stack']:5d} smem {r['smem']:6d}"
+                    + (" > the SM's limit" if r["over_smem_limit"] else ""))
+            print(f"sm_{r['sm']} {r['kernel']:<28} w{r['num_warps']} s{r['num_stages']}  {what}  {consts}")
+        print(f"{len(rows)} builds, {len(failed)} failed" + (f"; never launched: {missing}" if missing else ""))
+    if args.csv and not failed and not missing:
+        from glm5lab.bench import records
+
+        n = records.append_rows(args.csv, csv_rows(rows), command="python scripts/launch_build.py "
+                                + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"{n} rows appended to {args.csv}", file=sys.stderr)
+    return 1 if failed or missing else 0
+
+
+def csv_rows(rows: list) -> list:
+    """Long-format rows: suite offline_build, implementation = kernel, shape = its constexprs and warps / stages,
+    layout = the target (sm_<N>), metrics regs / stack_bytes / shared_bytes."""
+    out = []
+    for r in rows:
+        shape = " ".join([f"{k}={v}" for k, v in r["constexprs"].items()] + [f"warps={r['num_warps']}",
+                                                                              f"stages={r['num_stages']}"])
+        for metric, key, unit in (("regs", "regs", "registers/thread"), ("stack_bytes", "stack", "B"),
+                                  ("shared_bytes", "smem", "B")):
+            out.append({"suite": "offline_build", "implementation": r["kernel"], "shape": shape, "dtype": "",
+                        "layout": f"sm_{r['sm']}", "metric": metric, "value": r[key], "unit": unit})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Every launch of glm5lab's kernel host functions built for real GPUs on this CPU machine (scripts/launch_build.py):
+the interpreter the other tests run accepts code that ptxas or Triton's compiler refuse, and a tile that no ~100 KB
+GPU can hold. The script runs in its own process (the interpreter off there); see tests/offline_build.py."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from glm5lab.kernels import sparse_mla
+from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK, shared_memory_per_block
+from tests.offline_build import ROOT, build_env, run_offline
+
+SCRIPT = str(ROOT / "scripts" / "launch_build.py")
+
+
+def _rows(stdout: str) -> tuple[list, dict]:
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if not r.get("summary")], next(r for r in rows if r.get("summary"))
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """The script's every case for Hopper (sm_90) and Blackwell (sm_120) side by side (two processes: two cores),
+    then the fp8 and attention cases for sm_86 (no e4m3 conversion, ~100 KB of shared memory)."""
+    runs = [subprocess.Popen([sys.executable, SCRIPT, "--sm", sm, "--json"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=build_env()) for sm in ("90", "120")]
+    outs = [p.communicate(timeout=1200) for p in runs]
+    sm86 = run_offline([sys.executable, SCRIPT, "--sm", "86", "--case", "indexer_logits", "sparse_mla", "--json"],
+                       timeout=1200)
+    results = []
+    for (out, err), rc in zip(outs + [(sm86.stdout, sm86.stderr)], [p.returncode for p in runs] + [sm86.returncode]):
+        rows, summary = _rows(out)
+        results.append((rc, rows, summary, err))
+    return results
+
+
+def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
+    """Each case's launches build (no compiler error, no host refusal), every *_kernel of the driven modules is
+    among them, and none needs more shared memory than its GPU has."""
+    for rc, rows, summary, err in builds:
+        assert summary["failed"] == 0 and summary["never_launched"] == [], (summary, err[-2000:])
+        assert rc == 0 and rows, err[-2000:]
+        assert not [r for r in rows if r["over_smem_limit"]]
+    by_sm = {rows[0]["sm"]: rows for _, rows, _, _ in builds}
+    assert set(by_sm) == {90, 120, 86}
+    for sm in (90, 120):
+        kernels = {r["kernel"] for r in by_sm[sm]}
+        assert {"_split_hist_kernel", "_split_write_kernel", "_topk_hist_row_kernel", "_topk_hist_kernel",
+                "_topk_kernel", "_decode_logits_kernel", "_prefill_logits_kernel", "_paged_mla_decode_kernel",
+                "_sparse_mla_fwd_kernel", "_merge_unrolled_kernel", "_merge_columns_kernel"} <= kernels
+        # the split write kernel at every block the op or the GPU test takes (v52 call 3: only 1024 compiled)
+        assert {r["constexprs"]["BLOCK"] for r in by_sm[sm] if r["kernel"] == "_split_write_kernel"} == {256, 512,
+                                                                                                         1024}
+    soft = {r["constexprs"]["SOFT_FP8"] for r in by_sm[86] if r["kernel"] == "_decode_logits_kernel"
+            and r["constexprs"]["FP8"]}
+    assert soft == {True}        # sm_86 has no e4m3 conversion: only the integer decode is asked for, and builds
+
+
+def test_the_64_head_bf16_tile_fits_the_100_kb_gpus(builds):
+    """Blackwell SM120 and Ampere SM86 give a block 99 KB of shared memory: the default bf16/fp16 tile for > 32
+    heads there is 64 heads x 16 rows (94 KB); Hopper keeps 64 x 64 (152 KB)."""
+    for _, rows, _, _ in builds:
+        sm = rows[0]["sm"]
+        wide = {(r["constexprs"]["BLOCK_N"], r["smem"]) for r in rows if r["kernel"] == "_sparse_mla_fwd_kernel"
+                and r["constexprs"]["BLOCK_H"] == 64 and not r["constexprs"]["FP8"]}
+        assert {n for n, _ in wide} == ({64} if sm == 90 else {16}), (sm, wide)
+        assert max(s for _, s in wide) <= SHARED_MEMORY_PER_BLOCK[divmod(sm, 10)]
+
+
+def test_default_config_follows_the_gpus_shared_memory(monkeypatch):
+    """default_config(device) on a compiled NVIDIA device reads its capability: ~100 KB GPUs step 16 rows at > 32
+    heads in bf16/fp16, every other tile is the same everywhere; a CPU device (the interpreter) keeps Hopper's."""
+    cuda = torch.device("cuda")
+    for capability, rows in (((9, 0), 64), ((8, 0), 64), ((10, 0), 64), ((12, 0), 16), ((8, 9), 16), ((8, 6), 16)):
+        monkeypatch.setattr(sparse_mla, "_compiled_capability", lambda device, c=capability: c)
+        for heads in (33, 64, 128):
+            cfg = sparse_mla.default_config(heads, False, cuda)
+            assert (cfg["block_h"], cfg["block_n"]) == (64, rows), capability
+            need = sparse_mla.WIDE_BF16_TILE_SHARED_MEMORY[cfg["block_n"]]
+            assert need <= shared_memory_per_block(capability)
+        for heads, fp8 in ((8, False), (16, True), (32, False), (64, True)):
+            assert sparse_mla.default_config(heads, fp8, cuda) == sparse_mla.default_config(heads, fp8)
+    monkeypatch.setattr(sparse_mla, "_compiled_capability", lambda device: None)
+    assert sparse_mla.default_config(64, False, torch.device("cpu"))["block_n"] == 64
+    assert shared_memory_per_block(None) is None and shared_memory_per_block((7, 5)) is None
+
+
+BAD_KERNEL = textwrap.dedent('''
+    import torch
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def _rebound_kernel(X, Y, n, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs = tl.arange(0, BLOCK)                    # one shape before the loop ...
+        tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+        for start in range(BLOCK, n, BLOCK_K):
+            offs = start + tl.arange(0, BLOCK_K)      # ... another inside it: a loop-carried value changes type
+            tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+
+
+    def copy(x, block, block_k):
+        y = torch.empty_like(x)
+        _rebound_kernel[(1,)](x, y, x.numel(), BLOCK=block, BLOCK_K=block_k)
+        return y
+
+
+    def both(sm):
+        x = torch.randn(3000)
+        copy(x, 1024, 1024)
+        copy(x, 256, 1024)
+
+
+    def too_wide(sm):
+        from glm5lab.kernels.sparse_mla import sparse_mla_attention
+        import launch_build
+        q = torch.randn(2, 64, 576, dtype=torch.bfloat16)
+        kv = torch.randn(4, 64, 576, dtype=torch.bfloat16)
+        slots = torch.randint(-1, 256, (2, 64), dtype=torch.int32)
+        cfg = {"impl": "triton", "block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+        with launch_build.sparse_mla_sees(sm):
+            launch_build.attempt(sm, "64x64", sparse_mla_attention, q, kv, slots, 0.04, num_splits=1, _config=cfg)
+
+
+    CASES = {"both": both, "too_wide": too_wide}
+''')
+
+
+def test_a_kernel_the_interpreter_runs_and_the_compiler_refuses_is_reported(tmp_path):
+    """The v52 bug's shape: a variable re-bound inside a loop at another block size. The interpreter copies right at
+    both sizes; the build of (256, 1024) fails with the compiler's message, (1024, 1024) builds, and the script
+    exits 1."""
+    path = tmp_path / "rebound_cases.py"
+    path.write_text(BAD_KERNEL)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import rebound_cases
+        x = torch.randn(3000)
+        for block in (1024, 256):
+            assert torch.equal(rebound_cases.copy(x, block, 1024), x)       # TRITON_INTERPRET=1 (tests/conftest.py)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("rebound_cases", None)
+    done = run_offline([sys.executable, SCRIPT, "--sm", "90", "--cases-from", str(path), "--case", "both", "--json"])
+    rows, summary = _rows(done.stdout)
+    assert done.returncode == 1 and summary["failed"] == 1, done.stderr[-2000:]
+    by_block = {r["constexprs"]["BLOCK"]: r for r in rows}
+    assert "error" not in by_block[1024] and by_block[1024]["regs"] > 0
+    assert "Loop-carried variable offs" in by_block[256]["error"], by_block[256]
+
+
+def test_a_tile_over_the_gpus_shared_memory_is_refused_as_on_the_device(tmp_path):
+    """A build needing more shared memory than the GPU has raises OutOfResources at its launch, as on the device: the
+    sparse-MLA host retries one stage less, then refuses with its own message, which the script reports as a row.
+    On sm_90 the same call builds."""
+    path = tmp_path / "wide_cases.py"
+    path.write_text(BAD_KERNEL)
+    done = run_offline([sys.executable, SCRIPT, "--sm", "120", "90", "--cases-from", str(path), "--case", "too_wide",
+                        "--json"])
+    rows, summary = _rows(done.stdout)
+    assert done.returncode == 1 and summary["failed"] == 1, done.stderr[-2000:]
+    (refusal,) = [r for r in rows if "host_error" in r]
+    assert refusal["sm"] == 120 and "does not fit this GPU's shared memory" in refusal["host_error"]
+    sm120 = [r for r in rows if r.get("sm") == 120 and "kernel" in r]
+    assert sorted(r["num_stages"] for r in sm120) == [1, 2] and all(r["over_smem_limit"] for r in sm120)
+    assert [r["over_smem_limit"] for r in rows if r.get("sm") == 90 and "kernel" in r] == [False]
