@@ -38,6 +38,7 @@ from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
@@ -84,7 +85,8 @@ def launches_built_for(sm: int, builds: dict):
                  "num_warps": options.num_warps, "num_stages": options.num_stages}
         start = time.perf_counter()
         try:
-            compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
+            source = GluonASTSource if self.is_gluon() else ASTSource
+            compiled = triton_compile(source(self, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
             entry.update(resource_usage(compiled.asm["cubin"]), smem=compiled.metadata.shared,
                          over_smem_limit=compiled.metadata.shared > SMEM_LIMIT[sm])
@@ -190,7 +192,7 @@ def sparse_mla_sees(sm: int, sms: int = 132):
 def sparse_mla(sm: int):
     """The portable Triton sparse-MLA kernel (the one Blackwell and every non-Hopper GPU runs) at its default tile
     for 8 / 16 / 32 / 64 / 128 heads, bf16 / fp16 / fp8_ds_mla caches, one split and several, both merges (fused;
-    separate: unrolled up to 16 splits, by columns beyond). The Hopper-only Gluon kernels: scripts/sass_report.py."""
+    separate: unrolled up to 16 splits, by columns beyond). The Hopper-only Gluon kernels: sparse_mla_hopper."""
     from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import default_config, sparse_mla_attention
 
@@ -212,8 +214,32 @@ def sparse_mla(sm: int):
                                 merge=merge, _config=cfg)
 
 
+def sparse_mla_hopper(sm: int):
+    """On sm_90 only: sparse_mla_attention as an H100 / H200 runs it by default, so its Hopper Gluon kernels (rows-as-M
+    kernels at 1-16 tokens, the dual and paired fp8 tiles, the 64-head warp-specialized and converter kernels) and
+    their merges, by head count (8 / 16 / 64 / 128), batch (1 / 8 / 64 / 300 tokens: past one wave of 132 SMs) and
+    layout (bf16, fp8_ds_mla). Their other variants (private _config) are built by scripts/sass_report.py's tests."""
+    if sm != 90:
+        return
+    from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
+    from glm5lab.kernels.sparse_mla import sparse_mla_attention
+
+    torch.manual_seed(0)
+    topk, blocks, page = 2048, 40, 64
+    kv = torch.randn(blocks, page, 576, dtype=torch.bfloat16)
+    fp8 = quantize_fp8_ds_mla(kv.float())
+    with sparse_mla_sees(sm):
+        for tokens in (1, 8, 64, 300):
+            slots = torch.randint(-1, blocks * page, (tokens, topk), dtype=torch.int32)
+            for heads in (8, 16, 64, 128):
+                q = torch.randn(tokens, heads, 576, dtype=torch.bfloat16)
+                for cache, layout in ((kv, "bf16"), (fp8, "fp8_ds_mla")):
+                    attempt(sm, f"sparse_mla (Hopper default) {tokens} tokens {heads} heads {layout}",
+                            sparse_mla_attention, q, cache, slots, 576 ** -0.5)
+
+
 CASES = {"indexer_topk": indexer_topk, "indexer_logits": indexer_logits, "paged_decode": paged_decode,
-         "sparse_mla": sparse_mla}
+         "sparse_mla": sparse_mla, "sparse_mla_hopper": sparse_mla_hopper}
 # the modules whose every *_kernel the cases must launch (a kernel left out would be a kernel never built)
 MODULES = {"indexer_topk": "glm5lab.kernels.dsa_indexer", "indexer_logits": "glm5lab.kernels.dsa_indexer",
            "paged_decode": "glm5lab.kernels.paged_mla_decode", "sparse_mla": "glm5lab.kernels.sparse_mla"}

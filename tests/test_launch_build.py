@@ -39,7 +39,8 @@ def builds():
 
 def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
     """Each case's launches build (no compiler error, no host refusal), every *_kernel of the driven modules is
-    among them, and none needs more shared memory than its GPU has."""
+    among them, none needs more shared memory than its GPU has, and on sm_90 the attention runs its Hopper (Gluon)
+    kernels as an H100 / H200 does by default."""
     for rc, rows, summary, err in builds:
         assert summary["failed"] == 0 and summary["never_launched"] == [], (summary, err[-2000:])
         assert rc == 0 and rows, err[-2000:]
@@ -54,6 +55,10 @@ def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
         # the split write kernel at every block the op or the GPU test takes (v52 call 3: only 1024 compiled)
         assert {r["constexprs"]["BLOCK"] for r in by_sm[sm] if r["kernel"] == "_split_write_kernel"} == {256, 512,
                                                                                                          1024}
+    gluon = {r["kernel"] for r in by_sm[90] if r["module"] == "glm5lab.kernels.sparse_mla_sm90"}
+    assert {"_sparse_mla_rows_fp8_paired_sm90_kernel", "_sparse_mla_rows_fp8_dual_sm90_kernel",
+            "_sparse_mla_wgmma_ws_sm90_kernel", "_sparse_mla_wgmma_cv_sm90_kernel"} <= gluon, gluon
+    assert not [r for r in by_sm[120] + by_sm[86] if r["module"] == "glm5lab.kernels.sparse_mla_sm90"]
     soft = {r["constexprs"]["SOFT_FP8"] for r in by_sm[86] if r["kernel"] == "_decode_logits_kernel"
             and r["constexprs"]["FP8"]}
     assert soft == {True}        # sm_86 has no e4m3 conversion: only the integer decode is asked for, and builds
