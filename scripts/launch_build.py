@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,10 @@ def launches_built_for(sm: int, builds: dict):
                                       options=options.__dict__)
             entry.update(resource_usage(compiled.asm["cubin"]), smem=compiled.metadata.shared,
                          over_smem_limit=compiled.metadata.shared > SMEM_LIMIT[sm])
+            if re.search(r"^\s*trap;", compiled.asm["ptx"], re.M):
+                # glm5lab's kernels assert nothing on the device: a trap is the compiler giving up on the kernel
+                entry["error"] = ("compiled to a trap: the PTX holds `trap;` (Triton lowers a kernel it cannot "
+                                  "place, e.g. tensor memory beyond the SM's, to a trap), so every launch would fault")
         except Exception as err:   # the compiler's own message is the result
             entry["error"] = f"{type(err).__name__}: {err}"[-1500:]
         entry["build_s"] = round(time.perf_counter() - start, 2)

@@ -21,20 +21,20 @@ def _rows(stdout: str) -> tuple[list, dict]:
     return [r for r in rows if not r.get("summary")], next(r for r in rows if r.get("summary"))
 
 
+def _side_by_side(*commands) -> list:
+    """Run the script with each argument list at once (one process a core); (rc, rows, summary, stderr) each."""
+    runs = [subprocess.Popen([sys.executable, SCRIPT, *args, "--json"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=build_env()) for args in commands]
+    outs = [p.communicate(timeout=1200) for p in runs]
+    return [(p.returncode, *_rows(out), err) for p, (out, err) in zip(runs, outs)]
+
+
 @pytest.fixture(scope="module")
 def builds():
-    """The script's every case for Hopper (sm_90) and Blackwell (sm_120) side by side (two processes: two cores),
-    then the fp8 and attention cases for sm_86 (no e4m3 conversion, ~100 KB of shared memory)."""
-    runs = [subprocess.Popen([sys.executable, SCRIPT, "--sm", sm, "--json"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=build_env()) for sm in ("90", "120")]
-    outs = [p.communicate(timeout=1200) for p in runs]
-    sm86 = run_offline([sys.executable, SCRIPT, "--sm", "86", "--case", "indexer_logits", "sparse_mla", "--json"],
-                       timeout=1200)
-    results = []
-    for (out, err), rc in zip(outs + [(sm86.stdout, sm86.stderr)], [p.returncode for p in runs] + [sm86.returncode]):
-        rows, summary = _rows(out)
-        results.append((rc, rows, summary, err))
-    return results
+    """Every case for Hopper (sm_90) and Blackwell (sm_120) side by side, then every case for datacenter Blackwell
+    (sm_100) beside the fp8 and attention cases for sm_86 (no e4m3 conversion, ~100 KB of shared memory)."""
+    return (_side_by_side(["--sm", "90"], ["--sm", "120"])
+            + _side_by_side(["--sm", "100"], ["--sm", "86", "--case", "indexer_logits", "sparse_mla"]))
 
 
 def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
@@ -46,8 +46,8 @@ def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
         assert rc == 0 and rows, err[-2000:]
         assert not [r for r in rows if r["over_smem_limit"]]
     by_sm = {rows[0]["sm"]: rows for _, rows, _, _ in builds}
-    assert set(by_sm) == {90, 120, 86}
-    for sm in (90, 120):
+    assert set(by_sm) == {90, 120, 100, 86}
+    for sm in (90, 120, 100):
         kernels = {r["kernel"] for r in by_sm[sm]}
         assert {"_split_hist_kernel", "_split_write_kernel", "_topk_hist_row_kernel", "_topk_hist_kernel",
                 "_topk_kernel", "_decode_logits_kernel", "_prefill_logits_kernel", "_paged_mla_decode_kernel",
@@ -58,34 +58,37 @@ def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
     gluon = {r["kernel"] for r in by_sm[90] if r["module"] == "glm5lab.kernels.sparse_mla_sm90"}
     assert {"_sparse_mla_rows_fp8_paired_sm90_kernel", "_sparse_mla_rows_fp8_dual_sm90_kernel",
             "_sparse_mla_wgmma_ws_sm90_kernel", "_sparse_mla_wgmma_cv_sm90_kernel"} <= gluon, gluon
-    assert not [r for r in by_sm[120] + by_sm[86] if r["module"] == "glm5lab.kernels.sparse_mla_sm90"]
+    assert not [r for r in by_sm[120] + by_sm[100] + by_sm[86] if r["module"] == "glm5lab.kernels.sparse_mla_sm90"]
     soft = {r["constexprs"]["SOFT_FP8"] for r in by_sm[86] if r["kernel"] == "_decode_logits_kernel"
             and r["constexprs"]["FP8"]}
     assert soft == {True}        # sm_86 has no e4m3 conversion: only the integer decode is asked for, and builds
 
 
-def test_the_64_head_bf16_tile_fits_the_100_kb_gpus(builds):
+def test_the_wide_bf16_tiles_fit_each_gpu(builds):
     """Blackwell SM120 and Ampere SM86 give a block 99 KB of shared memory: the default bf16/fp16 tile for > 32
-    heads there is 64 heads x 16 rows (94 KB); Hopper keeps 64 x 64 (152 KB)."""
+    heads there is 64 heads x 16 rows (94 KB); Hopper keeps 64 x 64 (216 KB with its wgmma operands); SM100, where
+    the 64-head tiles build into a trap, runs 32-head tiles."""
     for _, rows, _, _ in builds:
         sm = rows[0]["sm"]
-        wide = {(r["constexprs"]["BLOCK_N"], r["smem"]) for r in rows if r["kernel"] == "_sparse_mla_fwd_kernel"
-                and r["constexprs"]["BLOCK_H"] == 64 and not r["constexprs"]["FP8"]}
-        assert {n for n, _ in wide} == ({64} if sm == 90 else {16}), (sm, wide)
-        assert max(s for _, s in wide) <= SHARED_MEMORY_PER_BLOCK[divmod(sm, 10)]
+        plain = [r for r in rows if r["kernel"] == "_sparse_mla_fwd_kernel" and not r["constexprs"]["FP8"]]
+        wide = {(r["constexprs"]["BLOCK_N"], r["smem"]) for r in plain if r["constexprs"]["BLOCK_H"] == 64}
+        assert {n for n, _ in wide} == {90: {64}, 100: set()}.get(sm, {16}), (sm, wide)
+        assert max(r["smem"] for r in plain) <= SHARED_MEMORY_PER_BLOCK[divmod(sm, 10)]
 
 
 def test_default_config_follows_the_gpus_shared_memory(monkeypatch):
-    """default_config(device) on a compiled NVIDIA device reads its capability: ~100 KB GPUs step 16 rows at > 32
-    heads in bf16/fp16, every other tile is the same everywhere; a CPU device (the interpreter) keeps Hopper's."""
+    """default_config(device) on a compiled NVIDIA device reads its capability: at > 32 heads in bf16/fp16 ~100 KB
+    GPUs step 16 rows and SM100/103 take 32-head tiles; every other tile is the same everywhere; a CPU device (the
+    interpreter) keeps Hopper's."""
     cuda = torch.device("cuda")
-    for capability, rows in (((9, 0), 64), ((8, 0), 64), ((10, 0), 64), ((12, 0), 16), ((8, 9), 16), ((8, 6), 16)):
+    for capability, tile in (((9, 0), (64, 64)), ((8, 0), (64, 64)), ((12, 0), (64, 16)), ((8, 9), (64, 16)),
+                             ((8, 6), (64, 16)), ((10, 0), (32, 32)), ((10, 3), (32, 32))):
         monkeypatch.setattr(sparse_mla, "_compiled_capability", lambda device, c=capability: c)
         for heads in (33, 64, 128):
             cfg = sparse_mla.default_config(heads, False, cuda)
-            assert (cfg["block_h"], cfg["block_n"]) == (64, rows), capability
-            need = sparse_mla.WIDE_BF16_TILE_SHARED_MEMORY[cfg["block_n"]]
-            assert need <= shared_memory_per_block(capability)
+            assert (cfg["block_h"], cfg["block_n"]) == tile, capability
+            if tile[0] == 64:
+                assert sparse_mla.WIDE_BF16_TILE_SHARED_MEMORY[tile[1]] <= shared_memory_per_block(capability)
         for heads, fp8 in ((8, False), (16, True), (32, False), (64, True)):
             assert sparse_mla.default_config(heads, fp8, cuda) == sparse_mla.default_config(heads, fp8)
     monkeypatch.setattr(sparse_mla, "_compiled_capability", lambda device: None)
@@ -173,3 +176,18 @@ def test_a_tile_over_the_gpus_shared_memory_is_refused_as_on_the_device(tmp_path
     sm120 = [r for r in rows if r.get("sm") == 120 and "kernel" in r]
     assert sorted(r["num_stages"] for r in sm120) == [1, 2] and all(r["over_smem_limit"] for r in sm120)
     assert [r["over_smem_limit"] for r in rows if r.get("sm") == 90 and "kernel" in r] == [False]
+
+
+def test_a_kernel_the_compiler_turns_into_a_trap_is_a_failed_build(tmp_path):
+    """Triton 3.6 builds the 64-head bf16 sparse-MLA tile for sm_100 into a bare `trap;` (it cannot place the tile's
+    tensor-memory accumulators): ptxas accepts it, every launch would fault. The script reports such a build as
+    failed; the same tile builds for sm_90."""
+    path = tmp_path / "trap_cases.py"
+    path.write_text(BAD_KERNEL)
+    done = run_offline([sys.executable, SCRIPT, "--sm", "100", "90", "--cases-from", str(path), "--case", "too_wide",
+                        "--json"])
+    rows, summary = _rows(done.stdout)
+    sm100 = [r for r in rows if r["sm"] == 100]
+    assert done.returncode == 1 and sm100 and summary["failed"] == len(sm100), done.stderr[-2000:]
+    assert all("compiled to a trap" in r["error"] for r in sm100)
+    assert [("error" in r) for r in rows if r["sm"] == 90] == [False]
