@@ -12,7 +12,7 @@ Exit status 1 when a build fails, a host call raises or a kernel of a driven mod
 
     PYTHONPATH=. python scripts/launch_build.py --sm 90 120            # every case, a table
     PYTHONPATH=. python scripts/launch_build.py --case indexer_topk --json
-    PYTHONPATH=. python scripts/launch_build.py --sm 90 120 86 --csv results/kernels/offline_builds.csv
+    PYTHONPATH=. python scripts/launch_build.py --sm 90 120 100 86 --csv results/kernels/offline_builds.csv
     PYTHONPATH=. python scripts/launch_build.py --cases-from my_cases.py   # its CASES {name: fn(sm)}, MODULES
 
 Run it as a script: it turns the interpreter off for its own process before any kernel module is imported.
