@@ -35,17 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from sass_report import resource_usage  # noqa: E402
-from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK  # noqa: E402
+from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK, shared_memory_per_block  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
-
-
-# what a launch is checked against on the device, by sm number (86 = capability 8.6)
-SMEM_LIMIT = {major * 10 + minor: limit for (major, minor), limit in SHARED_MEMORY_PER_BLOCK.items()}
 
 
 def plain(value):
@@ -60,16 +56,20 @@ def launches_built_for(sm: int, builds: dict):
     shared memory than sm_<sm> gives a block raises OutOfResources, as its launch would on the device, so host code
     that falls back to a smaller pipeline does so here too. Outputs stay unwritten, so host code between launches
     sees uninitialised memory (fine for host code that only reads shapes)."""
-    if sm not in SMEM_LIMIT:
-        raise SystemExit(f"sm_{sm}: no shared-memory limit known (known: {sorted(SMEM_LIMIT)})")
+    smem_limit = shared_memory_per_block(divmod(sm, 10))     # what a launch is checked against on the device
+    if smem_limit is None:
+        known = sorted(major * 10 + minor for major, minor in SHARED_MEMORY_PER_BLOCK)
+        raise SystemExit(f"sm_{sm}: no shared-memory limit known (known: {known})")
     target = GPUTarget("cuda", sm, 32)
     backend = make_backend(target)
     original = JITFunction.run
+    binders = {}     # a kernel's argument binder, made once (as Triton's own run does, per device)
 
     def build(self, *args, grid, warmup, **kwargs):
         kwargs.setdefault("debug", False)
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
+        if self not in binders:
+            binders[self] = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binders[self](*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
         names = list(self.arg_names)
         consts = {names[path[0]]: plain(value) for path, value in constexprs.items() if len(path) == 1}
@@ -78,7 +78,7 @@ def launches_built_for(sm: int, builds: dict):
         if key not in builds:
             builds[key] = _build(self, signature, constexprs, attrs, options, consts)
         if builds[key].get("over_smem_limit"):
-            raise OutOfResources(builds[key]["smem"], SMEM_LIMIT[sm], "shared memory")
+            raise OutOfResources(builds[key]["smem"], smem_limit, "shared memory")
         return None
 
     def _build(self, signature, constexprs, attrs, options, consts):
@@ -90,7 +90,7 @@ def launches_built_for(sm: int, builds: dict):
             compiled = triton_compile(source(self, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
             entry.update(resource_usage(compiled.asm["cubin"]), smem=compiled.metadata.shared,
-                         over_smem_limit=compiled.metadata.shared > SMEM_LIMIT[sm])
+                         over_smem_limit=compiled.metadata.shared > smem_limit)
             if re.search(r"^\s*trap;", compiled.asm["ptx"], re.M):
                 # glm5lab's kernels assert nothing on the device: a trap is the compiler giving up on the kernel
                 entry["error"] = ("compiled to a trap: the PTX holds `trap;` (Triton lowers a kernel it cannot "
@@ -183,9 +183,10 @@ def sparse_mla_sees(sm: int, sms: int = 132):
     is told sm_<sm> with `sms` SMs, so its choices are that GPU's."""
     from glm5lab.kernels import sparse_mla
 
+    told = divmod(sm, 10)
     saved = {n: getattr(sparse_mla, n) for n in ("_nvidia_sm_at_least", "_capability", "_num_sms")}
-    sparse_mla._nvidia_sm_at_least = lambda device, capability: (sm // 10, sm % 10) >= tuple(capability)
-    sparse_mla._capability = lambda device: (sm // 10, sm % 10)
+    sparse_mla._nvidia_sm_at_least = lambda device, capability: told >= tuple(capability)
+    sparse_mla._capability = lambda device: told
     sparse_mla._num_sms = lambda device: sms
     try:
         yield
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sm", type=int, nargs="+", default=[90], help="compute capabilities to build for")
     ap.add_argument("--case", nargs="+", help=f"cases to run (default all: {', '.join(CASES)})")
-    ap.add_argument("--cases-from", help="a Python file with CASES {name: fn} (and MODULES {name: module})")
+    ap.add_argument("--cases-from", help="a Python file with CASES {name: fn(sm)} (and MODULES {name: module})")
     ap.add_argument("--json", action="store_true", help="one JSON object a line")
     ap.add_argument("--csv", help="append the builds' registers / stack / shared memory as long-format rows "
                                   "(glm5lab.bench.records, with provenance) to this CSV; only when every build passed")
@@ -285,15 +286,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown case(s) {sorted(unknown)}; known: {sorted(cases)}")
     chosen = args.case or list(cases)
     builds: dict = {}
-    host_errors = []
     for sm in args.sm:
         for name in chosen:
             with launches_built_for(sm, builds):
-                try:
-                    cases[name](sm)
-                except Exception as err:     # a host refusal (e.g. a tile that fits nowhere) is a result too
-                    host_errors.append({"sm": sm, "case": name, "host_error": f"{type(err).__name__}: {err}"})
-    rows = list(builds.values()) + host_errors + REFUSALS
+                attempt(sm, name, cases[name], sm)   # a case that raises (a host refusal) is a row too
+    rows = list(builds.values()) + REFUSALS
     # a module's kernels are all expected only when every case that drives it ran
     complete = {m for m in modules.values() if all(c in chosen for c, mod in modules.items() if mod == m)}
     missing = never_launched(complete, rows)
