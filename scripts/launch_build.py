@@ -200,7 +200,7 @@ def sparse_mla(sm: int):
     for 8 / 16 / 32 / 64 / 128 heads, bf16 / fp16 / fp8_ds_mla caches, one split and several, both merges (fused;
     separate: unrolled up to 16 splits, by columns beyond). The Hopper-only Gluon kernels: sparse_mla_hopper."""
     from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import default_config, sparse_mla_attention
+    from glm5lab.kernels.sparse_mla import default_config_for, sparse_mla_attention
 
     torch.manual_seed(0)
     T, topk, blocks, page = 3, 2048, 40, 64
@@ -212,7 +212,7 @@ def sparse_mla(sm: int):
             for heads in (8, 16, 32, 64, 128):
                 q = torch.randn(T, heads, 576, dtype=dtype)
                 for cache, is_fp8 in ((kv, False), (fp8, True)):
-                    cfg = {**default_config(heads, is_fp8, torch.device("cuda")), "impl": "triton"}
+                    cfg = {**default_config_for(heads, is_fp8, divmod(sm, 10)), "impl": "triton"}
                     for splits, merge in ((1, "auto"), (2, "fused"), (2, "separate"), (32, "separate")):
                         what = (f"sparse_mla {heads} heads {'fp8_ds_mla' if is_fp8 else 'plain'} {dtype} "
                                 f"{splits} splits {merge}")

@@ -269,3 +269,14 @@ def test_captured_graph_and_its_timer_keep_the_calls_alive(monkeypatch):
     gc.collect()
     assert Call.runs == 2                                  # run once beside the graph, once captured
     assert held() is not None and timer.graph.calls == [held()]
+
+
+def test_other_gpu_tiles_time_the_tiles_that_differ_from_this_devices(tmp_path):
+    """other_gpu_tiles: a row for each other GPU's bf16 tile where it differs from this device's (40 heads: SM120's 64 x
+    16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row), each checked against the reference."""
+    csv = tmp_path / "bench.csv"
+    df = kernel_bench.run(csv, "cpu", heads=(8, 40), tokens=(2,), verbose=False, layouts="bf16", other_gpu_tiles=True,
+                          variants=False, skip=("torch-gather", "virtual-block-table"))
+    other = df[df.impl.str.endswith("-tile")]
+    assert set(zip(other.impl, other.H)) == {(f"glm5lab-triton-{gpu}-tile", 40) for gpu in kernel_bench.OTHER_GPU_TILES}
+    assert (other.rel_err < 1.6e-2).all()

@@ -19,10 +19,11 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings, strategies as st, HealthCheck
 
+from glm5lab.bench.kernel_bench import OTHER_GPU_TILES
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
 from glm5lab.kernels.host import next_pow2
-from glm5lab.kernels.sparse_mla import sparse_mla_attention, stored_column
+from glm5lab.kernels.sparse_mla import default_config_for, sparse_mla_attention, stored_column
 from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -96,6 +97,22 @@ def test_matches_reference(device, dtype, layout, splits, merge):
     lay = "fp8_ds_mla" if layout == "fp8_ds_mla" else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     out, lse = run_poisoned(q, cache, slots, layout=lay, num_splits=splits, merge=merge)
     check(out, lse, ref, dtype)
+
+
+# OTHER_GPU_TILES: the bf16/fp16 tiles of GPUs this project has none of (NOTES.md v53): ~100 KB of shared memory a
+# block (SM86 / SM89 / SM120: 64 heads x 16 rows), SM100/103 (32-head tiles); the same Triton kernel, so it runs here
+
+@pytest.mark.parametrize("gpu", OTHER_GPU_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_gpus_wide_tiles_match_reference(device, gpu, dtype):
+    """The > 32-head tile another GPU gets by default (default_config_for its capability) gives the reference's result:
+    40 heads (a partly empty 64-head tile), several splits through both merges and one."""
+    cfg = default_config_for(40, False, OTHER_GPU_TILES[gpu])
+    assert (cfg["block_h"], cfg["block_n"]) == {"sm120": (64, 16), "sm100": (32, 32)}[gpu]
+    q, cache, slots, ref = make_case(3, 40, 3 * cfg["block_n"] - 5, 300, dtype, "native", device)
+    for splits, merge in ((1, "auto"), (3, "fused"), (3, "separate")):
+        out, lse = run_poisoned(q, cache, slots, num_splits=splits, merge=merge, _config={**cfg, "impl": "triton"})
+        check(out, lse, ref, dtype)
 
 
 @pytest.mark.parametrize("H,splits", [(40, 37), (12, 37), (3, 64)])
@@ -519,6 +536,20 @@ def test_gpu_real_shapes(H, T, layout):
     for merge in ("fused", "separate"):
         out, lse = run_poisoned(q, cache, slots, merge=merge, _config={"impl": "triton"})
         check(out, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu", OTHER_GPU_TILES)
+@pytest.mark.parametrize("H,T", [(64, 1), (64, 37), (128, 8), (40, 130)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_other_gpus_wide_tiles_real_shapes(gpu, H, T, dtype):
+    """The > 32-head bf16/fp16 tiles of SM86/89/120 and SM100/103 built and run on this GPU at real shapes (top-k 2048,
+    65,536 slots, default splits, both merges): what those GPUs would run, checked on the only GPU here."""
+    cfg = default_config_for(H, False, OTHER_GPU_TILES[gpu])
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, dtype, "native", "cuda", block_size=64)
+    for merge in ("fused", "separate"):
+        out, lse = run_poisoned(q, cache, slots, merge=merge, _config={**cfg, "impl": "triton"})
+        check(out, lse, ref, dtype)
 
 
 @pytest.mark.gpu

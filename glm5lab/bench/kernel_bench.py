@@ -488,12 +488,15 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
 
 
 LAYOUTS = ("bf16", "fp8_ds_mla")
+# GPUs whose default tiles differ from Hopper's (NOTES.md v53), by the capability default_config_for is told:
+# "sm120" stands for every ~100 KB-shared-memory GPU (SM86 / SM89 / SM120 take the same tile), "sm100" for SM100/103
+OTHER_GPU_TILES = {"sm120": (12, 0), "sm100": (10, 0)}
 
 
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
         fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None,
-        layouts: tuple = LAYOUTS):
+        layouts: tuple = LAYOUTS, other_gpu_tiles: bool = False):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
@@ -502,7 +505,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     again in that many interleaved rounds (`interleaved_rows`: metrics
     time_graph_interleaved, roofline_fraction_interleaved, speedup_vs_flashmla_interleaved); interleave_impls names
     the implementations taken into the rounds (default: every CUDA-graph-timed one). layouts: the cache layouts
-    timed (default both; an A/B of fp8_ds_mla kernels compiles half as much with ("fp8_ds_mla",))."""
+    timed (default both; an A/B of fp8_ds_mla kernels compiles half as much with ("fp8_ds_mla",)). other_gpu_tiles:
+    also the Triton kernel at the bf16 tiles other GPUs take by default where they differ from this one's
+    (OTHER_GPU_TILES, "glm5lab-triton-<gpu>-tile" rows): that tile's cost on THIS GPU, not a measurement of that GPU."""
     import os
 
     import pandas as pd
@@ -513,8 +518,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_samples, pick_profile
     from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config, resident_ctas,
-                                            sparse_mla_attention, sparse_mla_flops, sparse_mla_min_bytes)
+    from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config,
+                                            default_config_for, resident_ctas, sparse_mla_attention, sparse_mla_flops,
+                                            sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
 
     prof, dev = pick_profile(PROFILES, profile)
@@ -594,6 +600,11 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                 if cuda and _gluon_by_default(q, lay == "fp8_ds_mla", H, "auto", None):
                     # "glm5lab" runs the Gluon kernel here: the Triton kernel beside it (NOTES.md v7)
                     impls.append(("glm5lab-triton", lay, functools.partial(make, _config={"impl": "triton"}), True))
+                for gpu, capability in OTHER_GPU_TILES.items() if other_gpu_tiles else ():
+                    tile = default_config_for(H, lay == "fp8_ds_mla", capability)
+                    if tile != default_config(H, lay == "fp8_ds_mla", q.device):
+                        impls.append((f"glm5lab-triton-{gpu}-tile", lay,
+                                      functools.partial(make, _config={**tile, "impl": "triton"}), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 for g_name, g_cfg in gluon_tiles:   # NOTES.md v7, v8
@@ -803,6 +814,8 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="cache layouts to time")
     p.add_argument("--fused-merge", action="store_true", help="also time merge='fused' beside the default merge")
     p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS)")
+    p.add_argument("--other-gpu-tiles", action="store_true",
+                   help="also time the Triton kernel at the tiles other GPUs take (OTHER_GPU_TILES), on this GPU")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="GPU: also time each shape's CUDA graphs in ROUNDS interleaved rounds (metric "
                         "time_graph_interleaved), for A/B differences of a few percent")
@@ -816,7 +829,7 @@ def main(argv=None) -> int:
     df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
              fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
-             layouts=tuple(args.layouts))
+             layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles)
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")

@@ -787,12 +787,19 @@ WIDE_BF16_TILE_SHARED_MEMORY = {64: 155904, 32: 114816, 16: 94272}
 
 
 def default_config(num_heads: int, fp8: bool, device=None) -> dict:
+    """The Triton kernel's tile for this device (`default_config_for` its compute capability; None: CPU, the
+    interpreter, ROCm)."""
+    return default_config_for(num_heads, fp8, _compiled_capability(device) if device is not None else None)
+
+
+def default_config_for(num_heads: int, fp8: bool, capability: tuple[int, int] | None) -> dict:
     """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
     per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
     bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 at <= 16 heads runs the
     fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM). On a GPU with
-    ~100 KB of shared memory a block (SM86/89/120; `device` tells) bf16/fp16 at > 32 heads steps 16 rows; on SM100/103
-    it takes 32-head tiles (the 64-head ones build into a trap there)."""
+    ~100 KB of shared memory a block (SM86/89/120) bf16/fp16 at > 32 heads steps 16 rows; on SM100/103 it takes
+    32-head tiles (the 64-head ones build into a trap there). capability: (major, minor) of a compiled NVIDIA
+    launch, None for none -- so a GPU's tile can be asked for, and run, on another (the benchmark's other-GPU tiles)."""
     if num_heads <= 16:
         if fp8:
             # v5 (H200 run of 2026-11-29 12:35 UTC, results/kernels/kernel_bench_h200_v5.csv.gz): "f16" on 16x32
@@ -805,7 +812,6 @@ def default_config(num_heads: int, fp8: bool, device=None) -> dict:
     if fp8:
         # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
         return {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
-    capability = _compiled_capability(device) if device is not None else None
     if capability is not None and capability[0] == 10:
         # datacenter Blackwell: Triton 3.6 builds every 64-head bf16/fp16 tile into a bare trap (its tensor-memory
         # accumulators do not fit the SM's; NOTES.md v53), so the 32-head tile, each KV row read once per 32 heads
