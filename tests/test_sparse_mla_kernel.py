@@ -856,3 +856,20 @@ def test_fp8_without_native_e4m3_runs_the_f16_path_with_bit_conversion(device, m
         check(out, lse, ref, torch.bfloat16)
     with pytest.raises(Glm5labError, match="needs Triton's float8e4nv"):
         sparse_mla_attention(q, cache, slots, SCALE, _config={"fp8_path": "reload"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T", [(8, 1), (16, 37), (64, 8), (128, 130)])
+def test_gpu_fp8_without_native_e4m3_real_shapes(monkeypatch, H, T):
+    """What SM80/86 run for fp8_ds_mla (no float8e4nv: the "f16" path with the bit-level e4m3 conversion), compiled
+    and run on this GPU at real shapes through both merges, and on every byte pattern."""
+    from glm5lab.kernels import sparse_mla
+
+    monkeypatch.setattr(sparse_mla, "_native_e4m3", lambda dev: False)
+    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, "fp8_ds_mla", "cuda", block_size=64)
+    for merge in ("fused", "separate"):
+        out, lse = run_poisoned(q, cache, slots, merge=merge, _config={"impl": "triton"})
+        check(out, lse, ref, torch.bfloat16)
+    q, cache, slots, ref = _raw_fp8_case("cuda", H=H)
+    out, lse = run_poisoned(q, cache, slots, _config={"impl": "triton"})
+    check(out, lse, ref, torch.bfloat16)
