@@ -271,12 +271,24 @@ def test_captured_graph_and_its_timer_keep_the_calls_alive(monkeypatch):
     assert held() is not None and timer.graph.calls == [held()]
 
 
-def test_other_gpu_tiles_time_the_tiles_that_differ_from_this_devices(tmp_path):
+def test_other_gpu_tiles_and_named_tiles_are_timed_beside_the_default(tmp_path):
     """other_gpu_tiles: a row for each other GPU's bf16 tile where it differs from this device's (40 heads: SM120's 64 x
     16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row), each checked against the reference."""
     csv = tmp_path / "bench.csv"
     df = kernel_bench.run(csv, "cpu", heads=(8, 40), tokens=(2,), verbose=False, layouts="bf16", other_gpu_tiles=True,
-                          variants=False, skip=("torch-gather", "virtual-block-table"))
+                          variants=False, skip=("torch-gather", "virtual-block-table"), tiles=("16x32w4",))
     other = df[df.impl.str.endswith("-tile")]
     assert set(zip(other.impl, other.H)) == {(f"glm5lab-triton-{gpu}-tile", 40) for gpu in kernel_bench.OTHER_GPU_TILES}
-    assert (other.rel_err < 1.6e-2).all()
+    assert set(df[df.impl == "glm5lab-triton-16x32w4"].H) == {8, 40}          # a tile asked for: at every head count
+    assert (df[df.impl.str.startswith("glm5lab-triton")].rel_err < 1.6e-2).all()
+
+
+def test_a_tile_is_named_heads_x_rows_w_warps():
+    import pytest
+
+    from glm5lab.errors import Glm5labError
+
+    assert kernel_bench.parse_tile("64x16w8") == {"impl": "triton", "block_h": 64, "block_n": 16, "num_warps": 8,
+                                                  "num_stages": 2}
+    with pytest.raises(Glm5labError, match="'64x16': expected <block_h>x<block_n>w<warps>"):
+        kernel_bench.parse_tile("64x16")

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 
-from glm5lab.errors import one_line_errors
+from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_kernel"
 FP8_V4_ENV = "GLM5LAB_BENCH_FP8_V4"
@@ -488,6 +489,17 @@ def gluon_variant_runs(name: str, num_heads: int, layout: str) -> bool:
 
 
 LAYOUTS = ("bf16", "fp8_ds_mla")
+
+
+def parse_tile(name: str) -> dict:
+    """ "64x16w8" -> the Triton kernel's _config at 64 heads x 16 rows a step on 8 warps (2 pipeline stages)."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)", name)
+    if not m:
+        raise Glm5labError(f"tile {name!r}: expected <block_h>x<block_n>w<warps>, e.g. 64x16w8")
+    block_h, block_n, warps = map(int, m.groups())
+    return {"impl": "triton", "block_h": block_h, "block_n": block_n, "num_warps": warps, "num_stages": 2}
+
+
 # GPUs whose default tiles differ from Hopper's (NOTES.md v53), by the capability default_config_for is told:
 # "sm120" stands for every ~100 KB-shared-memory GPU (SM86 / SM89 / SM120 take the same tile), "sm100" for SM100/103
 OTHER_GPU_TILES = {"sm120": (12, 0), "sm100": (10, 0)}
@@ -496,7 +508,7 @@ OTHER_GPU_TILES = {"sm120": (12, 0), "sm100": (10, 0)}
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
         fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None,
-        layouts: tuple = LAYOUTS, other_gpu_tiles: bool = False):
+        layouts: tuple = LAYOUTS, other_gpu_tiles: bool = False, tiles: tuple = ()):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
@@ -507,7 +519,9 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     the implementations taken into the rounds (default: every CUDA-graph-timed one). layouts: the cache layouts
     timed (default both; an A/B of fp8_ds_mla kernels compiles half as much with ("fp8_ds_mla",)). other_gpu_tiles:
     also the Triton kernel at the bf16 tiles other GPUs take by default where they differ from this one's
-    (OTHER_GPU_TILES, "glm5lab-triton-<gpu>-tile" rows): that tile's cost on THIS GPU, not a measurement of that GPU."""
+    (OTHER_GPU_TILES, "glm5lab-triton-<gpu>-tile" rows): that tile's cost on THIS GPU, not a measurement of that GPU.
+    tiles: Triton tiles to time beside the default, as "<block_h>x<block_n>w<warps>" (`parse_tile`; rows
+    "glm5lab-triton-<tile>")."""
     import os
 
     import pandas as pd
@@ -538,6 +552,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     if unknown or not layouts:
         raise Glm5labError(f"layouts {sorted(unknown) or '(none)'}: expected some of {LAYOUTS}")
     gluon_tiles = gluon_variants(os.environ.get(GLUON_ENV, "")) if gluon else []
+    tiles = [(name, parse_tile(name)) for name in tiles]
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -605,6 +620,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     if tile != default_config(H, lay == "fp8_ds_mla", q.device):
                         impls.append((f"glm5lab-triton-{gpu}-tile", lay,
                                       functools.partial(make, _config={**tile, "impl": "triton"}), True))
+                for name, tile in tiles:
+                    impls.append((f"glm5lab-triton-{name}", lay, functools.partial(make, _config=tile), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 for g_name, g_cfg in gluon_tiles:   # NOTES.md v7, v8
@@ -816,6 +833,8 @@ def main(argv=None) -> int:
     p.add_argument("--gluon", action="store_true", help="also time the Gluon kernels (GLUON_VARIANTS)")
     p.add_argument("--other-gpu-tiles", action="store_true",
                    help="also time the Triton kernel at the tiles other GPUs take (OTHER_GPU_TILES), on this GPU")
+    p.add_argument("--tiles", nargs="+", default=(), metavar="HxNwW",
+                   help="also time the Triton kernel at these tiles, e.g. 64x16w8 32x32w4 (heads x rows a step, warps)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="GPU: also time each shape's CUDA graphs in ROUNDS interleaved rounds (metric "
                         "time_graph_interleaved), for A/B differences of a few percent")
@@ -829,7 +848,7 @@ def main(argv=None) -> int:
     df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
              fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
-             layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles)
+             layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles, tiles=tuple(args.tiles))
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")
