@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import re
 import sys
@@ -500,6 +501,18 @@ def parse_tile(name: str) -> dict:
     return {"impl": "triton", "block_h": block_h, "block_n": block_n, "num_warps": warps, "num_stages": 2}
 
 
+def parse_named_config(text: str) -> tuple[str, dict]:
+    """ "kept={"impl": "triton", "kept_max": true}" -> ("kept", that _config)."""
+    name, sep, body = text.partition("=")
+    try:
+        cfg = json.loads(body) if sep and name else None
+    except json.JSONDecodeError as exc:
+        raise Glm5labError(f"config {text!r}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise Glm5labError(f"config {text!r}: expected NAME={{...}}, a name and a JSON object")
+    return name, cfg
+
+
 # GPUs whose default tiles differ from Hopper's (NOTES.md v53), by the capability default_config_for is told:
 # "sm120" stands for every ~100 KB-shared-memory GPU (SM86 / SM89 / SM120 take the same tile), "sm100" for SM100/103
 OTHER_GPU_TILES = {"sm120": (12, 0), "sm100": (10, 0)}
@@ -508,7 +521,7 @@ OTHER_GPU_TILES = {"sm120": (12, 0), "sm100": (10, 0)}
 def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str = "", verbose: bool = True,
         fp8_v4: bool | None = None, v5: bool | None = None, variants: bool | None = None, skip=(),
         fused_merge: bool = False, gluon: bool = False, interleave: int = 0, interleave_impls: tuple | None = None,
-        layouts: tuple = LAYOUTS, other_gpu_tiles: bool = False, tiles: tuple = ()):
+        layouts: tuple = LAYOUTS, other_gpu_tiles: bool = False, tiles: tuple = (), configs: dict | None = None):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
     pandas DataFrame (one row per implementation x shape). fp8_v4 (default: env GLM5LAB_BENCH_FP8_V4=1) adds
     the v4 fp8 paths at FP8_V4_SHAPES. gluon adds the Gluon kernels (sparse_mla_sm90) in the GLUON_VARIANTS tiles
@@ -521,7 +534,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     also the Triton kernel at the bf16 tiles other GPUs take by default where they differ from this one's
     (OTHER_GPU_TILES, "glm5lab-triton-<gpu>-tile" rows): that tile's cost on THIS GPU, not a measurement of that GPU.
     tiles: Triton tiles to time beside the default, as "<block_h>x<block_n>w<warps>" (`parse_tile`; rows
-    "glm5lab-triton-<tile>")."""
+    "glm5lab-triton-<tile>"). configs: {name: _config} timed beside the default (rows "glm5lab-<name>")."""
     import os
 
     import pandas as pd
@@ -552,7 +565,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     if unknown or not layouts:
         raise Glm5labError(f"layouts {sorted(unknown) or '(none)'}: expected some of {LAYOUTS}")
     gluon_tiles = gluon_variants(os.environ.get(GLUON_ENV, "")) if gluon else []
-    tiles = [(name, parse_tile(name)) for name in tiles]
+    tiles = [(f"triton-{name}", parse_tile(name)) for name in tiles] + list((configs or {}).items())
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -620,8 +633,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     if tile != default_config(H, lay == "fp8_ds_mla", q.device):
                         impls.append((f"glm5lab-triton-{gpu}-tile", lay,
                                       functools.partial(make, _config={**tile, "impl": "triton"}), True))
-                for name, tile in tiles:
-                    impls.append((f"glm5lab-triton-{name}", lay, functools.partial(make, _config=tile), True))
+                for name, cfg in tiles:
+                    impls.append((f"glm5lab-{name}", lay, functools.partial(make, _config=cfg), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
                 for g_name, g_cfg in gluon_tiles:   # NOTES.md v7, v8
@@ -835,6 +848,9 @@ def main(argv=None) -> int:
                    help="also time the Triton kernel at the tiles other GPUs take (OTHER_GPU_TILES), on this GPU")
     p.add_argument("--tiles", nargs="+", default=(), metavar="HxNwW",
                    help="also time the Triton kernel at these tiles, e.g. 64x16w8 32x32w4 (heads x rows a step, warps)")
+    p.add_argument("--config", nargs="+", default=(), metavar="NAME=JSON", type=parse_named_config,
+                   help="also time sparse_mla_attention with this _config, e.g. 'kept={\"impl\": \"triton\", "
+                        "\"kept_max\": true}' (rows glm5lab-NAME)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="GPU: also time each shape's CUDA graphs in ROUNDS interleaved rounds (metric "
                         "time_graph_interleaved), for A/B differences of a few percent")
@@ -848,7 +864,8 @@ def main(argv=None) -> int:
     df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
              fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
-             layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles, tiles=tuple(args.tiles))
+             layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles, tiles=tuple(args.tiles),
+             configs=dict(args.config))
     if args.summary:
         df.to_csv(args.summary, index=False)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")
