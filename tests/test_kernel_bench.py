@@ -273,14 +273,16 @@ def test_captured_graph_and_its_timer_keep_the_calls_alive(monkeypatch):
 
 def test_other_gpu_tiles_and_named_tiles_are_timed_beside_the_default(tmp_path):
     """other_gpu_tiles: a row for each other GPU's bf16 tile where it differs from this device's (40 heads: SM120's 64 x
-    16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row), each checked against the reference."""
+    16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row); a tile or a _config asked for by name: a row
+    at every head count. Each is checked against the reference."""
     csv = tmp_path / "bench.csv"
     df = kernel_bench.run(csv, "cpu", heads=(8, 40), tokens=(2,), verbose=False, layouts="bf16", other_gpu_tiles=True,
-                          variants=False, skip=("torch-gather", "virtual-block-table"), tiles=("16x32w4",))
+                          variants=False, skip=("torch-gather", "virtual-block-table"), tiles=("16x32w4",),
+                          configs={"n16": {"impl": "triton", "block_n": 16}})
     other = df[df.impl.str.endswith("-tile")]
     assert set(zip(other.impl, other.H)) == {(f"glm5lab-triton-{gpu}-tile", 40) for gpu in kernel_bench.OTHER_GPU_TILES}
-    assert set(df[df.impl == "glm5lab-triton-16x32w4"].H) == {8, 40}          # a tile asked for: at every head count
-    assert (df[df.impl.str.startswith("glm5lab-triton")].rel_err < 1.6e-2).all()
+    assert set(df[df.impl == "glm5lab-triton-16x32w4"].H) == set(df[df.impl == "glm5lab-n16"].H) == {8, 40}
+    assert (df[df.impl.str.startswith("glm5lab-")].rel_err < 1.6e-2).all()
 
 
 def test_a_tile_is_named_heads_x_rows_w_warps():
@@ -292,3 +294,15 @@ def test_a_tile_is_named_heads_x_rows_w_warps():
                                                   "num_stages": 2}
     with pytest.raises(Glm5labError, match="'64x16': expected <block_h>x<block_n>w<warps>"):
         kernel_bench.parse_tile("64x16")
+
+
+def test_a_named_config_is_a_name_and_a_json_object():
+    import pytest
+
+    from glm5lab.errors import Glm5labError
+
+    assert kernel_bench.parse_named_config('n16={"impl": "triton", "block_n": 16}') == (
+        "n16", {"impl": "triton", "block_n": 16})
+    for bad in ("n16", '={"a": 1}', "n16=[16]", "n16={block_n: 16}"):
+        with pytest.raises(Glm5labError, match="config 'n16|config '="):
+            kernel_bench.parse_named_config(bad)

@@ -115,34 +115,6 @@ def test_other_gpus_wide_tiles_match_reference(device, gpu, dtype):
         check(out, lse, ref, dtype)
 
 
-@pytest.mark.parametrize("H,layout,dtype", [(8, "fp8_ds_mla", torch.bfloat16), (16, "native", torch.float16),
-                                             (40, "native", torch.bfloat16), (64, "fp8_ds_mla", torch.bfloat16)])
-def test_kept_max_matches_reference_when_the_max_jumps_late(device, H, layout, dtype):
-    """_config={"kept_max": True}: a head's running max moves only past a factor 2^8, so most steps skip O's rescale.
-    The last rows of each token are scaled up so that their scores pass every kept max long after the first step (the
-    rescale then runs after steps that skipped it); one split and several, both merges, the fp8 "f16" path (8 heads:
-    its chunk scales grow too) and the 64-head fp8 "default" path."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    T, topk, num_slots = 3, 160, 640
-    q = (torch.randn(T, H, 576, generator=g) * 1.5).to(dtype)
-    kv = torch.randn(num_slots, 576, generator=g)
-    slots = torch.randperm(num_slots, generator=g)[:T * topk].reshape(T, topk).to(torch.int32)
-    slots[:, 5::7] = -1
-    kv[slots[:, -24:].reshape(-1)] *= 6.0                                   # late rows: scores ~6x the others
-    kv = kv.reshape(-1, 16, 576)
-    if layout == "fp8_ds_mla":
-        cache = quantize_fp8_ds_mla(kv.to(torch.bfloat16))
-        ref_kv = dequantize_fp8_ds_mla(cache)
-    else:
-        cache = ref_kv = kv.to(dtype)
-    ref = sparse_mla_reference(q, ref_kv, slots, SCALE)
-    q, cache, slots = q.to(device), cache.to(device), slots.to(device)
-    for splits, merge in ((1, "auto"), (3, "fused"), (3, "separate")):
-        out, lse = run_poisoned(q, cache, slots, num_splits=splits, merge=merge,
-                                _config={"impl": "triton", "kept_max": True, "block_n": 16})
-        check(out, lse, ref, dtype, lse_rel=1e-6)
-
-
 @pytest.mark.parametrize("H,splits", [(40, 37), (12, 37), (3, 64)])
 def test_column_merge_many_splits(device, H, splits):
     """The separate (column-parallel) merge with more splits than one load round holds (40 heads -> the wide 16-head
@@ -902,16 +874,3 @@ def test_gpu_fp8_without_native_e4m3_real_shapes(monkeypatch, H, T):
     out, lse = run_poisoned(q, cache, slots, _config={"impl": "triton"})
     check(out, lse, ref, torch.bfloat16)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H,T", [(8, 1), (16, 37), (64, 8), (128, 130)])
-@pytest.mark.parametrize("layout", ["native", "fp8_ds_mla"])
-def test_gpu_kept_max_real_shapes(H, T, layout):
-    """The Triton kernel's kept max (_config {"kept_max": True}) at real shapes, its default tile and the ~100 KB GPUs'
-    64 x 16 one, both merges."""
-    q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
-    tiles = [{}] + ([default_config_for(H, False, OTHER_GPU_TILES["sm120"])] if H > 32 and layout == "native" else [])
-    for tile in tiles:
-        for merge in ("fused", "separate"):
-            out, lse = run_poisoned(q, cache, slots, merge=merge, _config={**tile, "impl": "triton", "kept_max": True})
-            check(out, lse, ref, torch.bfloat16)

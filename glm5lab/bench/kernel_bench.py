@@ -502,7 +502,7 @@ def parse_tile(name: str) -> dict:
 
 
 def parse_named_config(text: str) -> tuple[str, dict]:
-    """ "kept={"impl": "triton", "kept_max": true}" -> ("kept", that _config)."""
+    """ 'n16={"impl": "triton", "block_n": 16}' -> ("n16", that _config)."""
     name, sep, body = text.partition("=")
     try:
         cfg = json.loads(body) if sep and name else None
@@ -849,8 +849,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", nargs="+", default=(), metavar="HxNwW",
                    help="also time the Triton kernel at these tiles, e.g. 64x16w8 32x32w4 (heads x rows a step, warps)")
     p.add_argument("--config", nargs="+", default=(), metavar="NAME=JSON", type=parse_named_config,
-                   help="also time sparse_mla_attention with this _config, e.g. 'kept={\"impl\": \"triton\", "
-                        "\"kept_max\": true}' (rows glm5lab-NAME)")
+                   help="also time sparse_mla_attention with this _config, e.g. 'n16={\"impl\": \"triton\", "
+                        "\"block_n\": 16}' (rows glm5lab-NAME)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                    help="GPU: also time each shape's CUDA graphs in ROUNDS interleaved rounds (metric "
                         "time_graph_interleaved), for A/B differences of a few percent")

@@ -201,16 +201,14 @@ def stored_column(c):
     return (c // 16) * 16 + ((c % 8) // 2) * 4 + ((c // 8) % 2) * 2 + c % 2
 
 
-# the Triton kernel's kept max (KEPT): a head's running max (log2 units) moves only when a score passes it by more than
-# this, so most steps skip O's rescale; P <= 2^8 then, as in the Gluon kernels since NOTES.md v30. Default: KEPT_MAX
-KEPT_MAX_LOG2: tl.constexpr = tl.constexpr(8.0)
-KEPT_MAX = False   # _config={"kept_max": True | False} decides a call
-
-
 @triton.jit
-def _scale_rows(acc0, acc1, acc2, acc3, f0, f1, f2, f3):
-    """The online softmax's rescale of O's four 128-column chunks, row (head) by row."""
-    return acc0 * f0[:, None], acc1 * f1[:, None], acc2 * f2[:, None], acc3 * f3[:, None]
+def _pv_f16(p, s, v, acc, alpha, r_old):
+    """(acc * alpha + (p * s) @ v) / r_new for the "f16" fp8 paths, r_new = max(r_old, this step's largest
+    scale): the accumulator is kept in units of the running largest scale (like the running max of the
+    online softmax), so p * s / r_new lies in [0, 1] for the fp16 dot and the rescale folds into alpha."""
+    r_new = tl.maximum(r_old, tl.max(s, 0))
+    pv = (p * (s / r_new)[None, :]).to(tl.float16)
+    return tl.dot(pv, v, acc * (alpha * (r_old / r_new))[:, None]), r_new
 
 
 @triton.jit
@@ -232,7 +230,6 @@ def _sparse_mla_fwd_kernel(
     FUSED_MERGE: tl.constexpr, UPCAST: tl.constexpr, RELOAD: tl.constexpr = False,
     FP8_DIAG: tl.constexpr = 0, WORDS: tl.constexpr = False, F16: tl.constexpr = False,
     CVT: tl.constexpr = 1, S_PAD: tl.constexpr = 1, PDL: tl.constexpr = False, PART_F16: tl.constexpr = False,
-    KEPT: tl.constexpr = False,
 ):
     if PDL:
         # programmatic dependent launch (sm90+): the merge kernel may start its launch now; it waits in
@@ -326,59 +323,34 @@ def _sparse_mla_fwd_kernel(
             qk = _mm(q3, tl.trans(k3), qk, UPCAST)
             qk = _mm(qr, tl.trans(kr), qk, UPCAST)
         qk = tl.where(valid[None, :], qk * qk_scale_log2, float("-inf"))
-        m_blk = tl.max(qk, 1)
-        if KEPT:
-            # kept max: a head's running max moves only when a score exceeds it by more than a factor 2^KEPT_MAX_LOG2
-            # (then to this step's max), so P <= 2^KEPT_MAX_LOG2 and most steps leave every head's max (and O) alone
-            m_new = tl.where(m_blk > m_i + KEPT_MAX_LOG2, m_blk, m_i)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # all-masked so far: keep exp2 finite
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # whether O must be rescaled this step (always without KEPT); a block-wide scalar, so a branch
-        moved = tl.max((m_new != m_i).to(tl.int32), 0) > 0
         if FP8 and RELOAD:
             # fp8 "reload": read the chunks again for P.V instead of keeping 4 converted tiles live across
             # the softmax; the bytes come from L1/L2, DRAM traffic is unchanged. With one use per load the
             # pipeliner makes all eight chunk loads cp.async stages (sm90 build, NOTES.md v4).
             k0, k1, k2, k3 = _latent_chunks(KV, kv_row_stride, rows, valid, FP8, DTYPE, F16, CVT, True, WORDS, FP8_DIAG)
         if FP8 and F16:
-            # P.V in fp16: p * s / r is in [0, 2^KEPT_MAX_LOG2] (fp16 keeps 11 bits, bf16 8); r, the largest scale
+            # P.V in fp16: p * s / r is in [0, 1] (fp16 keeps 11 bits there, bf16 8); r, the largest scale
             # of the chunk seen so far, comes back as a factor on the accumulator after the loop
-            n0 = tl.maximum(r0, tl.max(s0, 0))
-            n1 = tl.maximum(r1, tl.max(s1, 0))
-            n2 = tl.maximum(r2, tl.max(s2, 0))
-            n3 = tl.maximum(r3, tl.max(s3, 0))
-            f0, f1, f2, f3 = alpha * (r0 / n0), alpha * (r1 / n1), alpha * (r2 / n2), alpha * (r3 / n3)
-            if KEPT:
-                if moved | (n0 != r0) | (n1 != r1) | (n2 != r2) | (n3 != r3):
-                    acc0, acc1, acc2, acc3 = _scale_rows(acc0, acc1, acc2, acc3, f0, f1, f2, f3)
-            else:
-                acc0, acc1, acc2, acc3 = _scale_rows(acc0, acc1, acc2, acc3, f0, f1, f2, f3)
-            acc0 = tl.dot((p * (s0 / n0)[None, :]).to(tl.float16), k0, acc0)
-            acc1 = tl.dot((p * (s1 / n1)[None, :]).to(tl.float16), k1, acc1)
-            acc2 = tl.dot((p * (s2 / n2)[None, :]).to(tl.float16), k2, acc2)
-            acc3 = tl.dot((p * (s3 / n3)[None, :]).to(tl.float16), k3, acc3)
-            r0, r1, r2, r3 = n0, n1, n2, n3
+            acc0, r0 = _pv_f16(p, s0, k0, acc0, alpha, r0)
+            acc1, r1 = _pv_f16(p, s1, k1, acc1, alpha, r1)
+            acc2, r2 = _pv_f16(p, s2, k2, acc2, alpha, r2)
+            acc3, r3 = _pv_f16(p, s3, k3, acc3, alpha, r3)
+        elif FP8 and FP8_DIAG == 0:
+            acc0 = _mm((p * s0[None, :]).to(DTYPE), k0, acc0 * alpha[:, None], UPCAST)
+            acc1 = _mm((p * s1[None, :]).to(DTYPE), k1, acc1 * alpha[:, None], UPCAST)
+            acc2 = _mm((p * s2[None, :]).to(DTYPE), k2, acc2 * alpha[:, None], UPCAST)
+            acc3 = _mm((p * s3[None, :]).to(DTYPE), k3, acc3 * alpha[:, None], UPCAST)
         else:
-            if KEPT:
-                if moved:
-                    acc0, acc1, acc2, acc3 = _scale_rows(acc0, acc1, acc2, acc3, alpha, alpha, alpha, alpha)
-            else:
-                acc0, acc1, acc2, acc3 = _scale_rows(acc0, acc1, acc2, acc3, alpha, alpha, alpha, alpha)
-            if FP8 and FP8_DIAG == 0:
-                acc0 = _mm((p * s0[None, :]).to(DTYPE), k0, acc0, UPCAST)
-                acc1 = _mm((p * s1[None, :]).to(DTYPE), k1, acc1, UPCAST)
-                acc2 = _mm((p * s2[None, :]).to(DTYPE), k2, acc2, UPCAST)
-                acc3 = _mm((p * s3[None, :]).to(DTYPE), k3, acc3, UPCAST)
-            else:
-                pb = p.to(DTYPE)
-                acc0 = _mm(pb, k0, acc0, UPCAST)
-                acc1 = _mm(pb, k1, acc1, UPCAST)
-                acc2 = _mm(pb, k2, acc2, UPCAST)
-                acc3 = _mm(pb, k3, acc3, UPCAST)
+            pb = p.to(DTYPE)
+            acc0 = _mm(pb, k0, acc0 * alpha[:, None], UPCAST)
+            acc1 = _mm(pb, k1, acc1 * alpha[:, None], UPCAST)
+            acc2 = _mm(pb, k2, acc2 * alpha[:, None], UPCAST)
+            acc3 = _mm(pb, k3, acc3 * alpha[:, None], UPCAST)
         m_i = m_new
 
     if FP8 and F16:
@@ -1132,7 +1104,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, _num_sms(q.device), pdl)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
-               words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16, bool(cfg.get("kept_max", KEPT_MAX)))
+               words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16)
         _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q.dtype, reload, fp8_diag, words,
                        f16, cvt, num_splits, pdl, part_f16)
     if split and merge == "separate":
@@ -1161,8 +1133,7 @@ def _launch_triton(grid, args, key, cfg, block_h, block_n, fp8, split, merge, q_
                 *args, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, SPLIT=split, FUSED_MERGE=(merge == "fused"),
                 UPCAST=(_interpreting() and q_dtype == torch.bfloat16), RELOAD=reload, FP8_DIAG=fp8_diag,
                 WORDS=words, F16=f16, CVT=cvt, S_PAD=next_pow2(num_splits), PDL=pdl,
-                PART_F16=part_f16, KEPT=bool(cfg.get("kept_max", KEPT_MAX)), num_warps=cfg["num_warps"],
-                num_stages=stages, **_register_cap(cfg))
+                PART_F16=part_f16, num_warps=cfg["num_warps"], num_stages=stages, **_register_cap(cfg))
             _STAGES[key] = stages
             return
         except OutOfResources:
