@@ -244,7 +244,6 @@ def gluon_variants(names: str = "", source: str = GLUON_ENV) -> list:
     """The GLUON_VARIANTS named in `names` (comma-separated, as in env GLM5LAB_BENCH_GLUON; `source` names where they
     came from in the error); when empty, all but the timing diagnostics (wrong results on purpose), which run only by
     name."""
-    from glm5lab.errors import Glm5labError
 
     known = dict(GLUON_VARIANTS)
     pick = [x.strip() for x in names.split(",") if x.strip()]
@@ -543,7 +542,6 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench import flashmla_anchor
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_samples, pick_profile
-    from glm5lab.errors import Glm5labError
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
     from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config,
                                             default_config_for, resident_ctas, sparse_mla_attention, sparse_mla_flops,
@@ -565,7 +563,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     if unknown or not layouts:
         raise Glm5labError(f"layouts {sorted(unknown) or '(none)'}: expected some of {LAYOUTS}")
     gluon_tiles = gluon_variants(os.environ.get(GLUON_ENV, "")) if gluon else []
-    tiles = [(f"triton-{name}", parse_tile(name)) for name in tiles] + list((configs or {}).items())
+    named_configs = [(f"triton-{name}", parse_tile(name)) for name in tiles] + list((configs or {}).items())
     log = (lambda *a: print(*a, flush=True)) if verbose else (lambda *a: None)
 
     gen = torch.Generator(device=dev).manual_seed(1234)
@@ -633,7 +631,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     if tile != default_config(H, lay == "fp8_ds_mla", q.device):
                         impls.append((f"glm5lab-triton-{gpu}-tile", lay,
                                       functools.partial(make, _config={**tile, "impl": "triton"}), True))
-                for name, cfg in tiles:
+                for name, cfg in named_configs:
                     impls.append((f"glm5lab-{name}", lay, functools.partial(make, _config=cfg), True))
                 if fused_merge and not variants:   # the one-launch merge beside the default (NOTES.md v6)
                     impls.append(("glm5lab-fused-merge", lay, functools.partial(make, merge="fused"), True))
