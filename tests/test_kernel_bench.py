@@ -273,8 +273,8 @@ def test_captured_graph_and_its_timer_keep_the_calls_alive(monkeypatch):
 
 def test_other_gpu_tiles_and_named_tiles_are_timed_beside_the_default(tmp_path):
     """other_gpu_tiles: a row for each other GPU's bf16 tile where it differs from this device's (40 heads: SM120's 64 x
-    16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row); a tile or a _config asked for by name: a row
-    at every head count. Each is checked against the reference."""
+    16, SM100's 32-head tile; 8 heads: the same tile everywhere, so no row); a tile or a _config asked for by name: a
+    row at every head count. Each is checked against the reference."""
     csv = tmp_path / "bench.csv"
     df = kernel_bench.run(csv, "cpu", heads=(8, 40), tokens=(2,), verbose=False, layouts="bf16", other_gpu_tiles=True,
                           variants=False, skip=("torch-gather", "virtual-block-table"), tiles=("16x32w4",),
