@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -48,6 +49,22 @@ def gpu_info() -> dict:
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
     return {"gpu": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}",
             "gpu_uuid": f"GPU-{uuid}" if uuid is not None else None}
+
+
+# words of a CUDA device name that say nothing about the chip (maker, brand, memory, form factor, edition)
+_NAME_NOISE = re.compile(r"^(nvidia|geforce|tesla|\d+gb|hbm\d*e?|pcie|sxm\d*|nvl|server|workstation|edition|"
+                         r"max-q|blackwell|hopper|ada|generation|laptop|gpu)$")
+
+
+def gpu_slug(name: str) -> str:
+    """A short file-name word for a GPU model: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200',
+    'NVIDIA RTX PRO 6000 Blackwell Server Edition' -> 'rtxpro6000', 'no GPU' -> 'cpu'. Names the per-GPU results
+    (results/<slug>/, the kernel experiments' `*_<slug>.csv`) so that an H100's rows never read as an H200's."""
+    if not name or name == "no GPU":
+        return "cpu"
+    words = [w for w in re.split(r"[\s_/-]+", name.lower()) if w and not _NAME_NOISE.match(w)]
+    slug = re.sub(r"[^a-z0-9]", "", "".join(words))
+    return slug or "gpu"
 
 
 def git_sha(root: Path | None = None) -> str | None:

@@ -5,8 +5,11 @@ import json
 
 
 def _run(args) -> int:
-    from glm5lab.env import collect, format_report
+    from glm5lab.env import collect, format_report, gpu_info, gpu_slug
 
+    if args.slug:
+        print(gpu_slug(gpu_info()["gpu"]))
+        return 0
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
@@ -15,4 +18,6 @@ def _run(args) -> int:
 def add_command(sub) -> None:
     p = sub.add_parser("env", help="print torch/triton/vllm/gguf versions, GPU and interpreter mode")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--slug", action="store_true",
+                   help="print only the GPU model's file-name word (h200, h100, rtxpro6000; cpu without a GPU)")
     p.set_defaults(func=_run)

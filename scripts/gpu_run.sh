@@ -44,6 +44,9 @@ part() {  # part NAME SECONDS CMD...: run one part (if asked for) with a time li
 pack() { tar -C "$(dirname "$stage")" -czf "$out/gpu_results_${parts// /_}.tar.gz" gpu; cp "$stage/gpu_run.log" "$out/" 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$stage/nvidia-smi.csv"
 python3 -m glm5lab env --json > "$stage/env.json" 2>&1; cat "$stage/env.json"
+# the GPU model's word (h200, h100, ...): the kernel experiments' file names carry it, so an H100's rows (given for
+# an H200 call) are never named as the H200's; commit them under results/$gpu/ when that is not the H200
+gpu=$(python3 -m glm5lab env --slug 2>/dev/null || echo gpu)
 echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
 # a notebooks-only run reads the GPU measurements already committed under results/
 # (results of an EARLIER call are seen only once they are committed: the tree travels, gpu-out does not;
@@ -78,12 +81,12 @@ gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_sparse_mla_sm9
 part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
   --junitxml="$stage/gpu_tests.xml" $gpu_tests
 # 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)
-# (GLM5LAB_BENCH_FP8_V4=1 adds the fp8_ds_mla 'reload' kernel paths beside the default, same inputs)
-export GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1}
+# (GLM5LAB_BENCH_FP8_V4=1, the suite's default here, adds the fp8_ds_mla 'reload' kernel paths beside the default,
+#  same inputs; set only for this part, so the kernel experiments time only what they are asked to)
 # (the suite's kernels part compiles most of its time on a fresh H200: v32 call 4 killed it at 285 s two-thirds
 #  through, call 5 ran it in 67 s on the warm machine. On a fresh machine run it alone, BENCH_PARTS="kernels plots"
 #  BENCH_BUDGET_S=460 BENCH_S=520; the defaults keep the bench part inside a 600 s call)
-part bench ${BENCH_S:-560} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-520} \
+part bench ${BENCH_S:-560} env GLM5LAB_BENCH_FP8_V4=${GLM5LAB_BENCH_FP8_V4:-1} python3 -m glm5lab bench --suite full --budget ${BENCH_BUDGET_S:-520} \
   --results "$stage/results" --no-progress ${BENCH_PARTS:+--parts $BENCH_PARTS}
 # 2b. kernel experiments only (not in the default parts): the GPU tests of the Gluon kernel (kgluon) and of the
 # Triton kernel (ktests), then the kernel
@@ -95,31 +98,31 @@ part kgluon ${KGLUON_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --j
 part ktests ${GPU_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$stage/gpu_ktests.xml" \
   tests/test_sparse_mla_kernel.py ${KTESTS_K:+-k "$KTESTS_K"}
 mkdir -p "$stage/results/kernels"
-part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}.csv" \
+part kbench ${KBENCH_S:-420} python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_${gpu}_${KBENCH_TAG:-exp}.csv" \
   --summary "$stage/results/kernels/summary_${KBENCH_TAG:-exp}.csv" ${KERNEL_BENCH_ARGS:-}
-part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_h200.csv" ${KCEILING_ARGS:-}
-part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_h200.csv"
-part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_h200.csv" ${KSWEEP_ARGS:-}
-part kphases ${KPHASES_S:-120} python3 -m glm5lab.bench.latency_anatomy --phases --out "$stage/results/kernels/phase_stamps_h200.csv" ${KPHASES_ARGS:-}
-part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_h200.csv" ${KMERGE_ARGS:-}
+part kceiling ${KCEILING_S:-90} python3 -m glm5lab.bench.gather_ceiling --out "$stage/results/kernels/gather_ceiling_${gpu}.csv" ${KCEILING_ARGS:-}
+part kanatomy ${KANATOMY_S:-120} python3 -m glm5lab.bench.latency_anatomy --out "$stage/results/kernels/latency_anatomy_${gpu}.csv"
+part ksweep ${KSWEEP_S:-200} python3 -m glm5lab.bench.latency_anatomy --sweep --out "$stage/results/kernels/small_batch_sweep_${gpu}.csv" ${KSWEEP_ARGS:-}
+part kphases ${KPHASES_S:-120} python3 -m glm5lab.bench.latency_anatomy --phases --out "$stage/results/kernels/phase_stamps_${gpu}.csv" ${KPHASES_ARGS:-}
+part kmerge ${KMERGE_S:-120} python3 scripts/merge_probe.py --out "$stage/results/kernels/merge_probe_${gpu}.csv" ${KMERGE_ARGS:-}
 # the kernel benchmark once as built and once a PTX edit (scripts/ptx_variant.py: PTX_EDITS, e.g. "l2_256")
 part kptx ${KPTX_S:-540} python3 scripts/ptx_variant.py --work /tmp/ptx_variant --edits ${PTX_EDITS:-l2_256} -- \
-  python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_h200_${KBENCH_TAG:-exp}_{edit}.csv" \
+  python3 -m glm5lab.bench.kernel_bench --out "$stage/results/kernels/kernel_bench_${gpu}_${KBENCH_TAG:-exp}_{edit}.csv" \
   ${KERNEL_BENCH_ARGS:-}
-part kpower ${KPOWER_S:-120} python3 -m glm5lab.bench.power_probe --out "$stage/results/kernels/power_probe_h200.csv" ${KPOWER_ARGS:-}
+part kpower ${KPOWER_S:-120} python3 -m glm5lab.bench.power_probe --out "$stage/results/kernels/power_probe_${gpu}.csv" ${KPOWER_ARGS:-}
 # the TMA gather probe: its GPU test (the rows it gathers), then its rounds and sustained blocks beside the paired
 # kernel's gathers alone
 part ktma ${KTMA_S:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gather_probe.py && \
-  python3 -m glm5lab.bench.tma_gather_probe --out $stage/results/kernels/tma_gather_probe_h200.csv ${KTMA_ARGS:-}"
+  python3 -m glm5lab.bench.tma_gather_probe --out $stage/results/kernels/tma_gather_probe_${gpu}.csv ${KTMA_ARGS:-}"
 # when each program of a grid starts and ends, and on which SM (the dual and paired kernels' wave stamps): the GPU
 # tests of the stamps, then the default cases (one wave at 128 tokens, ~two waves at 512) and the plot
 part kwave ${KWAVE_S:-300} bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_wave_spread.py && \
-  python3 -m glm5lab.bench.wave_spread --out $stage/results/kernels/wave_spread_h200.csv \
-  --programs $stage/results/kernels/wave_spread_programs_h200.csv.gz --png $stage/results/kernels/wave_spread_h200.png \
+  python3 -m glm5lab.bench.wave_spread --out $stage/results/kernels/wave_spread_${gpu}.csv \
+  --programs $stage/results/kernels/wave_spread_programs_${gpu}.csv.gz --png $stage/results/kernels/wave_spread_${gpu}.png \
   ${KWAVE_ARGS:-}"
 # the tail-split prototype (glm5lab.bench.tail_split): its GPU tests, then its plans beside the default in rounds
 part ktail ${KTAIL_S:-300} bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tail_split.py && \
-  python3 -m glm5lab.bench.tail_split --out $stage/results/kernels/tail_split_h200.csv ${KTAIL_ARGS:-}"
+  python3 -m glm5lab.bench.tail_split --out $stage/results/kernels/tail_split_${gpu}.csv ${KTAIL_ARGS:-}"
 # the top-k before/after (NOTES v51): this tree's top-k kernels against .ab/dsa_indexer_before.py (carry ".ab")
 part ktopk ${KTOPK_S:-240} python3 scripts/topk_ab.py --before ${TOPK_BEFORE:-.ab/dsa_indexer_before.py} \
   --out "$stage/results/indexer/topk_ab.csv" ${KTOPK_ARGS:-}

@@ -74,6 +74,26 @@ def test_gpu_info_names_the_device_by_its_uuid(monkeypatch):
     assert gpu_info() == {"gpu": "NVIDIA H200", "capability": "9.0", "gpu_uuid": f"GPU-{dev_uuid}"}
 
 
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtxpro6000"), ("NVIDIA GeForce RTX 5090", "rtx5090"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GH200 480GB", "gh200"), ("no GPU", "cpu")])
+def test_gpu_slug_names_the_model_not_its_memory_or_form(name, slug):
+    """The word gpu_run.sh names per-GPU result files with (results/h100/, kernel_bench_h100_<tag>.csv): one word
+    a model, the same for its memory sizes and form factors, never the H200's for an H100."""
+    from glm5lab.env import gpu_slug
+
+    assert gpu_slug(name) == slug
+
+
+def test_env_slug_cli_names_this_machine():
+    from glm5lab.env import gpu_info, gpu_slug
+
+    out = _cli("env", "--slug")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == gpu_slug(gpu_info()["gpu"]) and out.stdout.strip().isalnum()
+
+
 def test_unknown_subcommand_fails_cleanly():
     out = _cli("no-such-command")
     assert out.returncode != 0 and "Traceback" not in out.stderr
