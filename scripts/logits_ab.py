@@ -1,9 +1,11 @@
-"""The indexer's decode logits kernel at several tilings (keys a tile, warps, tiles a program, pipeline stages), in one
-process on the same paged caches, timed in CUDA graphs as the indexer bench times them (rotating disjoint row sets, so
-the keys come from memory), each tiling's logits checked against the first one's. Rows (metric logits_time_graph and
-fraction_of_copy_ceiling_graph, implementation glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>) are appended to --out.
+"""The indexer's decode logits kernel at several tilings (keys a tile, warps, tiles a program, pipeline stages) and dot
+dtypes, in one process on the same paged caches, timed in CUDA graphs as the indexer bench times them (rotating disjoint
+row sets, so the keys come from memory) in --rounds interleaved rounds (the median is the row), each config's logits
+checked against the first one's. Rows (metric logits_time_graph and fraction_of_copy_ceiling_graph, implementation
+glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot]) are appended to --out.
 
     PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv --configs 128x4 64x4 64x4x4x3
+    PYTHONPATH=. python scripts/logits_ab.py --out ... --configs 64x4:bf16 64x4:f16 --dtypes fp8   # fp8 keys' dot
 """
 import argparse
 import sys
@@ -20,17 +22,28 @@ from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_cache
 
 
+DOTS = {"": None, "f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_decode's f16_dot
+
+
 def parse_config(text: str) -> tuple:
-    """"128x4" or "64x4x4x3" -> (keys a tile, warps, tiles a program, stages)."""
+    """"128x4", "64x4x4x3" or "64x4:bf16" -> (keys a tile, warps, tiles a program, stages, f16_dot): ":f16" runs fp8
+    keys' dot in fp16, ":bf16" in q's dtype (bf16 here), no suffix the kernel's default."""
+    tiling, _, dot = text.partition(":")
     try:
-        parts = [int(v) for v in text.split("x")]
+        parts = [int(v) for v in tiling.split("x")]
     except ValueError:
         parts = []
     if len(parts) == 2:
         parts += [1, 1]
-    if len(parts) != 4 or min(parts) < 1:
-        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>], e.g. 128x4 or 64x4x4x3; got {text!r}")
-    return tuple(parts)
+    if len(parts) != 4 or min(parts) < 1 or dot not in DOTS:
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16], e.g. 128x4, 64x4x4x3 or "
+                           f"64x4:bf16; got {text!r}")
+    return (*parts, DOTS[dot])
+
+
+def config_name(n, warps, tiles, stages, f16_dot) -> str:
+    dot = {None: "", True: "-f16dot", False: "-bf16dot"}[f16_dot]
+    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}"
 
 
 @one_line_errors
@@ -43,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 65536])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--rounds", type=int, default=3, help="timings of each config, interleaved (default 3)")
     args = ap.parse_args(argv)
     configs = [parse_config(c) for c in args.configs]
     need_gpu("the logits A/B")
@@ -69,23 +83,34 @@ def main(argv=None) -> int:
         tables = tables * -(-8 // len(tables))
         out = torch.empty(B, L, device="cuda")
         ref = None
-        for n, warps, tiles, stages in configs:
-            def call(t, n=n, warps=warps, tiles=tiles, stages=stages):
+        calls = {}
+        for n, warps, tiles, stages, f16_dot in configs:
+            if f16_dot and dt != "fp8":
+                continue                         # the fp16 dot is fp8 keys' only
+            name = config_name(n, warps, tiles, stages, f16_dot)
+
+            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot if dt == "fp8" else None):
                 return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
-                                             num_warps=warps, tiles=tiles, num_stages=stages)
+                                             num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got
             elif not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
-                raise Glm5labError(f"{dt} B{B} L{L}: {n} keys x {warps} warps x {tiles} tiles gives other logits")
-            us = graph_time_us([lambda t=t: call(t) for t in tables])
-            base = {"suite": "dsa_indexer_logits_ab", "implementation": f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}",
+                raise Glm5labError(f"{dt} B{B} L{L}: {name} gives other logits")
+            calls[name] = call
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name].append(graph_time_us([lambda t=t, call=call: call(t) for t in tables]))
+        for name, got in times.items():
+            us = float(torch.tensor(got).median())
+            base = {"suite": "dsa_indexer_logits_ab", "implementation": name,
                     "shape": f"B{B}_L{L}_H{H}_D{D}", "dtype": dt, "layout": f"paged{page}"}
             rows.append({**base, "metric": "logits_time_graph", "value": us, "unit": "us"})
             frac = logits_bytes_read(B, L, H, D, dt) / (us * 1e-6) / 1e9 / bw
             rows.append({**base, "metric": "fraction_of_copy_ceiling_graph", "value": frac, "unit": "ratio"})
-            tqdm.write(f"{dt:4s} B{B:<4d} L{L:<6d} {n:4d} keys x {warps} warps x {tiles} tiles ({stages} stages) "
-                       f"{us:8.1f} us  {frac:5.3f} of copy")
+            tqdm.write(f"{dt:4s} B{B:<4d} L{L:<6d} {name:34s} {us:8.1f} us  {frac:5.3f} of copy  "
+                       f"(rounds {' '.join(f'{v:.1f}' for v in got)})")
     append_rows(args.out, rows, command=command)
     print(f"{len(rows)} rows -> {args.out}")
     return 0

@@ -79,11 +79,13 @@ def test_decode_logits_match_reference(dtype, fp8, device):
         torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
 
 
-def test_software_fp8_decode_equals_hardware_conversion(device):
-    """GPUs before SM89 have no e4m3: the kernel decodes the bits itself. Same logits, bit for bit."""
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+def test_software_fp8_decode_equals_hardware_conversion(q_dtype, device):
+    """GPUs before SM89 have no e4m3: the kernel decodes the bits itself. Same logits, bit for bit (bf16 q: both
+    through the fp16 dot, whose soft keys are the values times 2^-8 with the 2^8 in the scale)."""
     gen = torch.Generator().manual_seed(17)
     q, w, cache, bt, lengths = _paged_case(gen, T=2, H=8, D=128, page=16, num_blocks=5, max_len=60,
-                                           dtype=torch.float16, fp8=True, device=device)
+                                           dtype=q_dtype, fp8=True, device=device)
     values, _ = fp8_cache_views(cache, 128)
     bits = torch.arange(256, dtype=torch.uint8).repeat(8).view(16, 128)
     bits[bits % 128 == 127] = 0                                   # every bit pattern except NaN
@@ -94,6 +96,32 @@ def test_software_fp8_decode_equals_hardware_conversion(device):
     ref = _decode_reference(q, w, cache, bt, lengths, 60)
     finite = torch.isfinite(ref)
     torch.testing.assert_close(soft[finite].double().cpu(), ref[finite].cpu(), atol=_tol(torch.float16, ref), rtol=0)
+
+
+@pytest.mark.parametrize("q_dtype, magnitude", [(torch.float16, 1.0), (torch.bfloat16, 1.0), (torch.bfloat16, 3e6),
+                                                (torch.bfloat16, 1e-7)])
+def test_fp8_keys_dot_in_fp16_keeps_every_query_range(magnitude, q_dtype, device):
+    """fp8 keys with an fp16/bf16 q run the dot in fp16 (one conversion per two key values): q is scaled per head
+    by a power of two into fp16's range and back. A bf16 q far beyond fp16's (3e6: inf unscaled; 1e-7: subnormal,
+    percents off unscaled), one head of zeros, and the dot kept in q's dtype (f16_dot=False) all give the reference's
+    logits; f16_dot on keys that are not fp8 is refused by name."""
+    gen = torch.Generator().manual_seed(19)
+    q, w, cache, bt, lengths = _paged_case(gen, T=3, H=6, D=128, page=16, num_blocks=6, max_len=70,
+                                           dtype=torch.float32, fp8=True, device=device)
+    q = (q * magnitude * torch.logspace(-3, 3, 6, base=2.0, device=device)[None, :, None]).to(q_dtype)
+    q[1, 2] = 0
+    ref = _decode_reference(q, w, cache, bt, lengths, 70)
+    finite = torch.isfinite(ref)
+    atol = 2e-3 * float(ref[finite].abs().max())       # _tol's, without its floor of 1 (these logits are ~1e-5)
+    for f16_dot in (None, True, False):
+        out = torch.full_like(ref, float("nan"), dtype=torch.float32)
+        indexer_logits_decode(q, w, cache, bt, lengths, max_len=70, out=out, f16_dot=f16_dot)
+        assert torch.equal(torch.isneginf(out), ~finite), f16_dot
+        torch.testing.assert_close(out[finite].double(), ref[finite], atol=atol, rtol=0,
+                                   msg=lambda m: f"f16_dot={f16_dot}: {m}")
+    plain = torch.randn(6, 16, 128, generator=gen).to(device, q_dtype)
+    with pytest.raises(Glm5labError, match="f16_dot needs an fp8 key cache"):
+        indexer_logits_decode(q, w, plain, bt, lengths, f16_dot=True)
 
 
 def test_fp8_cache_layout_matches_vllm_deepgemm_layout():
@@ -354,7 +382,9 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
     ab = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))["main"]
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
-    assert "<keys>x<warps>[x<tiles>x<stages>]" in capsys.readouterr().err
+    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16]" in capsys.readouterr().err
+    assert ab(["--out", str(out), "--configs", "64x4:fp8"]) == 1
+    assert "64x4:fp8" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert ab(["--out", str(out)]) == 1
         assert "GPU" in capsys.readouterr().err
@@ -387,6 +417,12 @@ def test_gpu_decode_glm5_shapes(fp8):
     indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=tiled, block_n=64, tiles=4, num_stages=3)
     assert torch.equal(torch.isneginf(tiled), ~finite)
     torch.testing.assert_close(tiled[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+    if fp8:   # the dot in q's dtype (bf16) instead of fp16, and the soft conversion of GPUs before SM89
+        for kwargs in ({"f16_dot": False}, {"soft_fp8": True}):
+            other = torch.full((T, max_len), float("nan"), device="cuda")
+            indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
+            assert torch.equal(torch.isneginf(other), ~finite), kwargs
+            torch.testing.assert_close(other[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
     top = indexer_topk(out, k, lengths)
     assert torch.equal(top, indexer_topk_reference(out, k, lengths))      # exact on its own logits
     assert topk_sets_agree(top, ref, k, lengths, atol=_tol(torch.bfloat16, ref)) == []

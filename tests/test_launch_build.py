@@ -62,6 +62,9 @@ def test_every_kernel_launch_builds_for_hopper_blackwell_and_ampere(builds):
     soft = {r["constexprs"]["SOFT_FP8"] for r in by_sm[86] if r["kernel"] == "_decode_logits_kernel"
             and r["constexprs"]["FP8"]}
     assert soft == {True}        # sm_86 has no e4m3 conversion: only the integer decode is asked for, and builds
+    for sm in (90, 120, 100, 86):   # fp8 keys' dot in fp16 (the default) and in q's dtype, on every GPU
+        assert {r["constexprs"]["F16"] for r in by_sm[sm] if r["kernel"] == "_decode_logits_kernel"
+                and r["constexprs"]["FP8"] and "error" not in r} == {True, False}, sm
 
 
 def test_the_wide_bf16_tiles_fit_each_gpu(builds):

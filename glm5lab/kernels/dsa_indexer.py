@@ -129,14 +129,40 @@ def _fp8e4m3_bits_to_f32(b):
 
 
 @triton.jit
+def _e4m3_bits_to_f16(bits, SOFT_FP8: tl.constexpr):
+    """float8 e4m3fn bits (uint8) -> fp16, ONE conversion per two values (to bf16 Hopper takes an F2F per value on
+    top). SOFT_FP8 (no hardware e4m3): the sign and the 7 exponent+mantissa bits moved into an fp16 pattern, which
+    is the value times 2^-8 exactly (subnormals onto subnormals); the caller puts the 2^8 into the key's scale."""
+    if SOFT_FP8:     # (one return after the branch: Triton builds the code after an early return too)
+        b = bits.to(tl.uint16)
+        k = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    else:
+        k = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return k
+
+
+@triton.jit
+def _pow2_into_f16_range(amax):
+    """Per head, the power of two m with amax * m in [2^14, 2^15): q * m is then exact in fp16 for every value
+    above amax * 2^-28 (smaller ones round as fp16 subnormals, far below the dot's fp32 accumulation error).
+    Built from the exponent bits, so m is exact."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.minimum(tl.maximum(14 - e, -126), 127)
+    m = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, m, 1.0)
+
+
+@triton.jit
 def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           stride_qt, stride_qh, stride_wt, stride_kb, stride_ko, stride_sb,
                           stride_bt, stride_ot, out_cols,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                          FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr):
+                          FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr, F16: tl.constexpr):
     """TILES tiles of BLOCK_N keys a program, one after another (the loads of the next in flight while one computes,
-    STAGES deep), with the query and weights loaded once."""
+    STAGES deep), with the query and weights loaded once. F16 (fp8 keys, fp16/bf16 q): the dot runs in fp16 -- q
+    scaled per head by a power of two into fp16's range, the inverse folded into the head's weight (relu commutes
+    with a positive factor) -- so the keys take the one-instruction e4m3 -> fp16 conversion."""
     t = tl.program_id(0)
     offs_h = tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
@@ -144,6 +170,11 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
     q = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
     w = tl.load(W + t * stride_wt + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    if F16:
+        q32 = q.to(tl.float32)
+        q_mul = _pow2_into_f16_range(tl.max(tl.abs(q32), axis=1))
+        q = (q32 * q_mul[:, None]).to(tl.float16)
+        w = w / q_mul                       # exact: a power of two
     for i in tl.range(0, TILES, num_stages=STAGES):
         offs_n = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < seq
@@ -154,11 +185,15 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         kmask = valid[:, None] & (offs_d[None, :] < D)
         if FP8:
             bits = tl.load(kptr, mask=kmask, other=0)
-            if SOFT_FP8:
+            scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
+            if F16:
+                k = _e4m3_bits_to_f16(bits, SOFT_FP8)
+                if SOFT_FP8:
+                    scale = scale * 256.0   # the soft conversion's values are the keys times 2^-8
+            elif SOFT_FP8:
                 k = _fp8e4m3_bits_to_f32(bits).to(q.dtype)
             else:
                 k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-            scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
         else:
             k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
@@ -188,7 +223,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
                           soft_fp8: bool | None = None, num_warps: int = 4, tiles: int = 1,
-                          num_stages: int = 2) -> torch.Tensor:
+                          num_stages: int = 2, f16_dot: bool | None = None) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
     q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
@@ -196,7 +231,10 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
     output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
     (default: only on GPUs before SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a
-    program one after another (num_stages: how many tiles' loads in flight), num_warps warps a program.
+    program one after another (num_stages: how many tiles' loads in flight), num_warps warps a program. f16_dot
+    (default: fp8 keys with an fp16/bf16 q) runs the dot in fp16 with q scaled per head by a power of two: the same
+    products, but e4m3 -> fp16 is one instruction per two keys' values where e4m3 -> bf16 costs a slow F2F per value
+    (NOTES.md v55); False keeps the dot in q's dtype.
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -231,6 +269,11 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     if soft_fp8 is None:
         soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
+    if f16_dot is None:
+        f16_dot = fp8 and q.dtype in (torch.float16, torch.bfloat16)
+    elif f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
+        raise Glm5labError(f"f16_dot needs an fp8 key cache and an fp16/bf16 q, got {k_cache.dtype} keys "
+                           f"and {q.dtype} q")
     if block_n is None:  # keys a tile: larger tiles on a GPU amortize the q load, except fp8's in small grids
         block_n = 64 if not q.is_cuda or (fp8 and T * max_len <= FP8_SMALL_TILE_MAX_KEYS) else 128
     grid = (T, cdiv(max_len, block_n * tiles))
@@ -240,7 +283,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         block_table.stride(0), out.stride(0), max_len,
         H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
-        FP8=fp8, IEEE=_dot_in_fp32(q.dtype), SOFT_FP8=bool(soft_fp8 and fp8), num_warps=num_warps)
+        FP8=fp8, IEEE=_dot_in_fp32(q.dtype) and not f16_dot, SOFT_FP8=bool(soft_fp8 and fp8), F16=bool(f16_dot),
+        num_warps=num_warps)
     return out
 
 
