@@ -607,7 +607,7 @@ def test_gpu_fp16_and_topk_512_1024(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", FP8_PATHS_TESTED)
-@pytest.mark.parametrize("H", [8, 16, 64])
+@pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("T", [1, 130])
 def test_gpu_fp8_path_real_shapes(path, H, T):
     """The private fp8 paths at real shapes (top-k 2048, 65,536 slots), default splits, fused merge. Same
