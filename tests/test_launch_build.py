@@ -81,10 +81,25 @@ def test_the_wide_bf16_tiles_fit_each_gpu(builds):
         assert max(r["smem"] for r in plain) <= SHARED_MEMORY_PER_BLOCK[divmod(sm, 10)]
 
 
+def test_the_32_head_fp8_tile_needs_what_default_config_assumes(builds):
+    """fp8 at 17-32 heads takes the "f16" path where two of its CTAs fit an SM: default_config reads its need from
+    F16_32_HEAD_TILE_SHARED_MEMORY, which must be what the sm_90 / sm_100 builds of that tile (e4m3 by cvt) need;
+    sm_120 builds the "default" path there, sm_86 (no e4m3) the bit-level "f16" form."""
+    for _, rows, _, _ in builds:
+        sm = rows[0]["sm"]
+        tile = [r for r in rows if r["kernel"] == "_sparse_mla_fwd_kernel" and r["constexprs"]["FP8"]
+                and r["constexprs"]["BLOCK_H"] == 32 and r["constexprs"]["BLOCK_N"] == 32]
+        forms = {(r["constexprs"]["F16"], r["constexprs"]["CVT"]) for r in tile}
+        assert forms == {90: {(True, 1)}, 100: {(True, 1)}, 120: {(False, 1)}, 86: {(True, 2)}}[sm], (sm, forms)
+        if sm in (90, 100):
+            assert {r["smem"] for r in tile} == {sparse_mla.F16_32_HEAD_TILE_SHARED_MEMORY}, sm
+            assert 2 * sparse_mla.F16_32_HEAD_TILE_SHARED_MEMORY <= SHARED_MEMORY_PER_BLOCK[divmod(sm, 10)]
+
+
 def test_default_config_follows_the_gpus_shared_memory(monkeypatch):
     """default_config(device) on a compiled NVIDIA device reads its capability: at > 32 heads in bf16/fp16 ~100 KB
-    GPUs step 16 rows and SM100/103 take 32-head tiles; every other tile is the same everywhere; a CPU device (the
-    interpreter) keeps Hopper's."""
+    GPUs step 16 rows and SM100/103 take 32-head tiles; fp8 at 17-32 heads takes the "f16" path on SM90/SM100 only;
+    every other tile is the same everywhere; a CPU device (the interpreter) keeps Hopper's bf16 tiles."""
     cuda = torch.device("cuda")
     for capability, tile in (((9, 0), (64, 64)), ((8, 0), (64, 64)), ((12, 0), (64, 16)), ((8, 9), (64, 16)),
                              ((8, 6), (64, 16)), ((10, 0), (32, 32)), ((10, 3), (32, 32))):
@@ -96,6 +111,12 @@ def test_default_config_follows_the_gpus_shared_memory(monkeypatch):
                 assert sparse_mla.WIDE_BF16_TILE_SHARED_MEMORY[tile[1]] <= shared_memory_per_block(capability)
         for heads, fp8 in ((8, False), (16, True), (32, False), (64, True)):
             assert sparse_mla.default_config(heads, fp8, cuda) == sparse_mla.default_config(heads, fp8)
+        # fp8 at 17-32 heads: the "f16" path where two of its CTAs fit an SM (SM90 / SM100), "default" elsewhere
+        for heads in (17, 24, 32):
+            cfg = sparse_mla.default_config(heads, True, cuda)
+            assert (cfg["block_h"], cfg["block_n"]) == (32, 32)
+            assert cfg.get("fp8_path", "default") == ("f16" if capability[0] in (9, 10) else "default"), capability
+    assert sparse_mla.default_config(32, True).get("fp8_path", "default") == "default"     # CPU: unchanged
     monkeypatch.setattr(sparse_mla, "_compiled_capability", lambda device: None)
     assert sparse_mla.default_config(64, False, torch.device("cpu"))["block_n"] == 64
     assert shared_memory_per_block(None) is None and shared_memory_per_block((7, 5)) is None

@@ -784,6 +784,10 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 # q alone is 72 KB. From offline sm_120 builds (Triton 3.6, scripts/launch_build.py; sm_86 alike). On a ~100 KB GPU
 # only 16 rows fit: the 64 x 64 tile made every > 32-head bf16/fp16 call there fail (NOTES.md v53).
 WIDE_BF16_TILE_SHARED_MEMORY = {64: 155904, 32: 114816, 16: 94272}
+# Shared memory (bytes) of the fp8 "f16" path on the 32 x 32 tile (offline sm_90 / sm_120 builds alike), the "default"
+# path's 32 x 32 needing 49,792: fp8 at 17-32 heads takes "f16" where two such CTAs fit an SM, as the 32-head split
+# count assumes (`resident_ctas`).
+F16_32_HEAD_TILE_SHARED_MEMORY = 93312
 
 
 def default_config(num_heads: int, fp8: bool, device=None) -> dict:
@@ -808,6 +812,13 @@ def default_config_for(num_heads: int, fp8: bool, capability: tuple[int, int] | 
             return {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "fp8_path": "f16"}
         return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
     if num_heads <= 32:
+        smem = shared_memory_per_block(capability)
+        if fp8 and smem is not None and smem >= 2 * F16_32_HEAD_TILE_SHARED_MEMORY:
+            # v55 (H100, CUDA graphs, 5 interleaved rounds, 24 / 32 heads): "f16" 1.12-1.17x the "default" path at
+            # 1-8 tokens, 1.42-1.58x at 32-512 (that path converts e4m3 -> bf16 with an F2F a value, reads bytes one
+            # at a time and spills). SM90 / SM100 fit two CTAs of it; on ~100 KB GPUs (SM89 / SM120) it would run
+            # one CTA an SM where "default" runs two: not measured there, so they keep "default".
+            return {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2, "fp8_path": "f16"}
         return {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
     if fp8:
         # the 64-head f16 tile spills (272 B) and measured 0.63-0.83x the "default" path: kept "default"
