@@ -526,12 +526,13 @@ def test_bad_inputs_are_clear_errors(bad, match):
 # ------------------------------------------------------------------------------- H200: real shapes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [8, 16, 64, 128])
+@pytest.mark.parametrize("H", [8, 16, 24, 32, 64, 128])
 @pytest.mark.parametrize("T", [1, 8, 37, 130])
 @pytest.mark.parametrize("layout", ["native", "fp8_ds_mla"])
 def test_gpu_real_shapes(H, T, layout):
     """Top-k 2048 over a 65,536-slot cache (block 64), bf16 q; default splits, fused and separate merge. The Triton
-    kernel by name (on sm_90 the default is a Gluon kernel: tests/test_sparse_mla_sm90.py)."""
+    kernel by name (on sm_90 the default is a Gluon kernel: tests/test_sparse_mla_sm90.py) at its default tile for
+    this GPU (fp8 at 24-32 heads: the "f16" path on SM90/SM100)."""
     q, cache, slots, ref = make_case(T, H, 2048, 65536, torch.bfloat16, layout, "cuda", block_size=64)
     for merge in ("fused", "separate"):
         out, lse = run_poisoned(q, cache, slots, merge=merge, _config={"impl": "triton"})
