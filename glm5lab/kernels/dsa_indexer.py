@@ -217,6 +217,10 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
 # 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows); more
 # tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys
 FP8_SMALL_TILE_MAX_KEYS = 4 * 1024 * 1024
+# fp8 keys with a bf16 q: the dot in fp16 from this many keys a program (v55, H100, 3 interleaved rounds: at 128-key
+# tiles 1.05-1.23x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.94-0.88x, q's per-head scaling a program
+# costing more than the conversions it saves)
+F16_DOT_MIN_KEYS = 128
 
 
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
@@ -232,9 +236,9 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
     (default: only on GPUs before SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a
     program one after another (num_stages: how many tiles' loads in flight), num_warps warps a program. f16_dot
-    (default: fp8 keys with an fp16/bf16 q) runs the dot in fp16 with q scaled per head by a power of two: the same
-    products, but e4m3 -> fp16 is one instruction per two keys' values where e4m3 -> bf16 costs a slow F2F per value
-    (NOTES.md v55); False keeps the dot in q's dtype.
+    runs fp8 keys' dot in fp16 with q scaled per head by a power of two: the same products, but e4m3 -> fp16 is one
+    instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
+    (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -269,13 +273,13 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     if soft_fp8 is None:
         soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
-    if f16_dot is None:
-        f16_dot = fp8 and q.dtype in (torch.float16, torch.bfloat16)
-    elif f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
+    if f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
         raise Glm5labError(f"f16_dot needs an fp8 key cache and an fp16/bf16 q, got {k_cache.dtype} keys "
                            f"and {q.dtype} q")
     if block_n is None:  # keys a tile: larger tiles on a GPU amortize the q load, except fp8's in small grids
         block_n = 64 if not q.is_cuda or (fp8 and T * max_len <= FP8_SMALL_TILE_MAX_KEYS) else 128
+    if f16_dot is None:
+        f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
