@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.host import cdiv, next_pow2
 
 FP8_MAX = 448.0
@@ -134,22 +135,10 @@ def _e4m3_bits_to_f16(bits, SOFT_FP8: tl.constexpr):
     top). SOFT_FP8 (no hardware e4m3): the sign and the 7 exponent+mantissa bits moved into an fp16 pattern, which
     is the value times 2^-8 exactly (subnormals onto subnormals); the caller puts the 2^8 into the key's scale."""
     if SOFT_FP8:     # (one return after the branch: Triton builds the code after an early return too)
-        b = bits.to(tl.uint16)
-        k = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        k = e4m3_bits_to_f16_times_2e_8(bits)
     else:
         k = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return k
-
-
-@triton.jit
-def _pow2_into_f16_range(amax):
-    """Per head, the power of two m with amax * m in [2^14, 2^15): q * m is then exact in fp16 for every value
-    above amax * 2^-28 (smaller ones round as fp16 subnormals, far below the dot's fp32 accumulation error).
-    Built from the exponent bits, so m is exact."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.minimum(tl.maximum(14 - e, -126), 127)
-    m = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(amax > 0, m, 1.0)
 
 
 @triton.jit
@@ -172,7 +161,7 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
     w = tl.load(W + t * stride_wt + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
     if F16:
         q32 = q.to(tl.float32)
-        q_mul = _pow2_into_f16_range(tl.max(tl.abs(q32), axis=1))
+        q_mul = pow2_into_f16_range(tl.max(tl.abs(q32), axis=1))
         q = (q32 * q_mul[:, None]).to(tl.float16)
         w = w / q_mul                       # exact: a power of two
     for i in tl.range(0, TILES, num_stages=STAGES):

@@ -36,6 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
 from glm5lab.kernels.host import cdiv, next_pow2, shared_memory_per_block
 
@@ -145,9 +146,7 @@ def _load_chunk_f16(base, row_stride, rows, valid, c: tl.constexpr, CVT: tl.cons
     if CVT == CVT_ASM:
         return tl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [x], dtype=tl.float16, is_pure=False,
                                          pack=4)
-    # e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000: exponent bias 7 vs 15, subnormals onto subnormals
-    b = x.to(tl.uint16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return e4m3_bits_to_f16_times_2e_8(x)
 
 
 @triton.jit
@@ -171,17 +170,6 @@ def _latent_chunks(KV, row_stride, rows, valid, FP8: tl.constexpr, DTYPE: tl.con
         k2 = _load_latent_chunk(KV, row_stride, rows, valid, 2, FP8, DTYPE, AGAIN, DIAG)
         k3 = _load_latent_chunk(KV, row_stride, rows, valid, 3, FP8, DTYPE, AGAIN, DIAG)
     return k0, k1, k2, k3
-
-
-@triton.jit
-def _pow2_into_f16_range(amax):
-    """Per head, the power of two m with amax * m in [2^14, 2^15): q * m is then exactly representable in
-    fp16 for every value above amax * 2^-28 (smaller ones round as fp16 subnormals -- far below the fp32
-    accumulation error of the dot). Built from the exponent bits, so m is exact."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.minimum(tl.maximum(14 - e, -126), 127)
-    m = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(amax > 0, m, 1.0)
 
 
 @triton.jit
@@ -254,7 +242,7 @@ def _sparse_mla_fwd_kernel(
         # fp16 domain (fp8 path "f16"): q's latent part scaled per head by a power of two into fp16 range
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(q0.to(tl.float32)), 1), tl.max(tl.abs(q1.to(tl.float32)), 1)),
                           tl.maximum(tl.max(tl.abs(q2.to(tl.float32)), 1), tl.max(tl.abs(q3.to(tl.float32)), 1)))
-        q_mul = _pow2_into_f16_range(amax)
+        q_mul = pow2_into_f16_range(amax)
         q_unscale = 1.0 / q_mul                                        # exact: a power of two
         q0 = (q0.to(tl.float32) * q_mul[:, None]).to(tl.float16)
         q1 = (q1.to(tl.float32) * q_mul[:, None]).to(tl.float16)
@@ -368,7 +356,7 @@ def _sparse_mla_fwd_kernel(
         if PART_F16:
             amax = tl.maximum(tl.maximum(tl.max(tl.abs(acc0), 1), tl.max(tl.abs(acc1), 1)),
                               tl.maximum(tl.max(tl.abs(acc2), 1), tl.max(tl.abs(acc3), 1))) * inv_l
-            mul = _pow2_into_f16_range(amax)
+            mul = pow2_into_f16_range(amax)
             inv_l = inv_l * mul
             tl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
                      mask=hmask)

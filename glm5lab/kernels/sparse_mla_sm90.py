@@ -63,8 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from glm5lab.errors import Glm5labError
 # Triton jit helpers; Gluon calls them as they are
-from glm5lab.kernels.sparse_mla import (_E4M3X4_TO_F16X4, STAMP_SLOTS, _pow2_into_f16_range, check_stamps,
-                                        partial_scale_plane)
+from glm5lab.kernels.f16_domain import pow2_into_f16_range
+from glm5lab.kernels.sparse_mla import _E4M3X4_TO_F16X4, STAMP_SLOTS, check_stamps, partial_scale_plane
 
 # an fp8_ds_mla row (glm5lab.kernels.fp8_ds_mla, 656 bytes): 512 e4m3, 4 float32 scales, 64 bf16 rope values
 ROPE_OFFSET = gl.constexpr(528)
@@ -523,7 +523,7 @@ def _q_fp16_domain(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
     q3 = gl.load(q_rows + 384 + d128[None, :], mask=hm_q[:, None], other=0.0).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1)),
                       gl.maximum(gl.max(gl.abs(q2), 1), gl.max(gl.abs(q3), 1)))
-    q_mul = _pow2_into_f16_range(amax)
+    q_mul = pow2_into_f16_range(amax)
     if K_ORDER:
         q_lat.index(0).store(_k_order((q0 * q_mul[:, None]).to(gl.float16)))
         q_lat.index(1).store(_k_order((q1 * q_mul[:, None]).to(gl.float16)))
@@ -758,7 +758,7 @@ def _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
                    LAT16: gl.constexpr, ROPE_L: gl.constexpr):
     """q's latent and rope parts into q_lat [BLOCK_H, 512] and q_rope [BLOCK_H, 64] as they are (`_q_for_wgmma`).
     The fp16 tile (q_lat fp16, q bf16; NOTES.md v28): both parts times a power of two a head that brings the latent
-    part's largest value into [2^14, 2^15) (`_pow2_into_f16_range`, exact), the latent part then in fp16, the rope
+    part's largest value into [2^14, 2^15) (`pow2_into_f16_range`, exact), the latent part then in fp16, the rope
     part still bf16; returns that multiplier [BLOCK_H] (SliceLayout(1, LAT16); the scores are divided by it), else
     1.0."""
     heads_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LAT16))
@@ -772,7 +772,7 @@ def _stage_q_wgmma(Q, t, stride_qt, stride_qh, pid_h, num_heads, q_lat, q_rope, 
     else:
         rope = _q_rope_part(Q, t, stride_qt, stride_qh, pid_h, num_heads, BLOCK_H, ROPE_L)
         lat = lat.to(gl.float32)
-        q_mul = _pow2_into_f16_range(gl.max(gl.abs(lat), 1))
+        q_mul = pow2_into_f16_range(gl.max(gl.abs(lat), 1))
         q_lat.store((lat * q_mul[:, None]).to(q_lat.dtype))
         rope_mul = gl.convert_layout(q_mul, gl.SliceLayout(1, ROPE_L))
         q_rope.store((rope.to(gl.float32) * rope_mul[:, None]).to(q_rope.dtype))
@@ -1028,7 +1028,7 @@ def _store_heads(OUT, LSE, PART_O, PART_LSE, acc, l_i, m_i, t, s, pid_h, num_hea
     if SPLIT:
         part = t * num_splits + s
         if PART_F16:
-            mul = _pow2_into_f16_range(gl.max(gl.abs(acc), 1) * inv_r)
+            mul = pow2_into_f16_range(gl.max(gl.abs(acc), 1) * inv_r)
             gl.store(partial_scale_plane(PART_LSE, num_splits, num_heads) + part * num_heads + heads, 1.0 / mul,
                      mask=heads < num_heads)
             # columns into sparse_mla.stored_column's order: c = 16 b + 8 g + 2 q + e -> 16 b + 4 q + 2 g + e; the
