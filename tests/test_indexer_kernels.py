@@ -418,8 +418,9 @@ def test_gpu_decode_glm5_shapes(fp8):
     indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=tiled, block_n=64, tiles=4, num_stages=3)
     assert torch.equal(torch.isneginf(tiled), ~finite)
     torch.testing.assert_close(tiled[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
-    if fp8:   # the dot in q's dtype (bf16) instead of fp16, and the soft conversion of GPUs before SM89
-        for kwargs in ({"f16_dot": False}, {"soft_fp8": True}):
+    if fp8:   # the fp16 dot at the large grids' 128-key tiles (its default there), the dot in q's dtype (bf16)
+        # forced, and the soft conversion of GPUs before SM89
+        for kwargs in ({"block_n": 128}, {"block_n": 128, "f16_dot": False}, {"f16_dot": True}, {"soft_fp8": True}):
             other = torch.full((T, max_len), float("nan"), device="cuda")
             indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
             assert torch.equal(torch.isneginf(other), ~finite), kwargs
