@@ -202,12 +202,14 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
         raise Glm5labError("q must be contiguous in its last dimension")
 
 
-# fp8 keys: 64-key tiles up to this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
-# 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows); more
-# tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys
-FP8_SMALL_TILE_MAX_KEYS = 4 * 1024 * 1024
+# fp8 keys: 64-key tiles below this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
+# 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows; more
+# tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys). v55, against
+# the 128-key tiles with the fp16 dot (two boards, 3 interleaved rounds): 0.92-1.06x at up to 2M keys a call, 1.11x
+# slower at 4M (128 x 32k) and 8M, so the line moved from "up to 4M" to below 3M
+FP8_SMALL_TILE_MAX_KEYS = 3 * 1024 * 1024
 # fp8 keys with a bf16 q: the dot in fp16 from this many keys a program (v55, H100, 3 interleaved rounds: at 128-key
-# tiles 1.05-1.23x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.94-0.88x, q's per-head scaling a program
+# tiles 1.02-1.24x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.84-0.94x, q's per-head scaling a program
 # costing more than the conversions it saves)
 F16_DOT_MIN_KEYS = 128
 
@@ -266,7 +268,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         raise Glm5labError(f"f16_dot needs an fp8 key cache and an fp16/bf16 q, got {k_cache.dtype} keys "
                            f"and {q.dtype} q")
     if block_n is None:  # keys a tile: larger tiles on a GPU amortize the q load, except fp8's in small grids
-        block_n = 64 if not q.is_cuda or (fp8 and T * max_len <= FP8_SMALL_TILE_MAX_KEYS) else 128
+        block_n = 64 if not q.is_cuda or (fp8 and T * max_len < FP8_SMALL_TILE_MAX_KEYS) else 128
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     grid = (T, cdiv(max_len, block_n * tiles))
