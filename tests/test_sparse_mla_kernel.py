@@ -115,6 +115,20 @@ def test_other_gpus_wide_tiles_match_reference(device, gpu, dtype):
         check(out, lse, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hopper_and_sm100_fp8_32_head_tile_matches_reference(device, dtype):
+    """fp8_ds_mla at 17-32 heads on SM90 / SM100 takes the "f16" path on the 32-head tile (v55): 24 heads (a partly
+    empty tile), both q dtypes, several splits through both merges and one."""
+    for capability in ((9, 0), (10, 0)):
+        cfg = default_config_for(24, True, capability)
+        assert (cfg["block_h"], cfg["block_n"], cfg["fp8_path"]) == (32, 32, "f16"), capability
+    q, cache, slots, ref = make_case(3, 24, 3 * cfg["block_n"] - 5, 300, dtype, "fp8_ds_mla", device)
+    for splits, merge in ((1, "auto"), (3, "fused"), (3, "separate")):
+        out, lse = run_poisoned(q, cache, slots, layout="fp8_ds_mla", num_splits=splits, merge=merge,
+                                _config={**cfg, "impl": "triton"})
+        check(out, lse, ref, dtype)
+
+
 @pytest.mark.parametrize("H,splits", [(40, 37), (12, 37), (3, 64)])
 def test_column_merge_many_splits(device, H, splits):
     """The separate (column-parallel) merge with more splits than one load round holds (40 heads -> the wide 16-head

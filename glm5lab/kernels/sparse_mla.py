@@ -8,9 +8,10 @@ Why this shape of kernel (notebook 05 walks through it):
 - Rows are processed in 128-wide latent chunks (4 x 128 + 64 rope).  That is what makes the fp8_ds_mla
   layout cheap: each chunk has ONE float32 scale per row, so the scale multiplies the chunk's partial
   score (and the probabilities before P.V) instead of every fp8 value -- the fp8 -> bf16/fp16 cast is exact.
-  At <= 16 heads the fp8 latent products run in fp16 whatever q's dtype ("f16" path, NOTES.md v5): e4m3 ->
-  fp16 is one instruction per two values, e4m3 -> bf16 three; q is scaled per head by a power of two into
-  fp16's range and the probabilities are taken relative to the running largest scale, so nothing is lost.
+  At <= 16 heads (17-32 on SM90/SM100, v55) the fp8 latent products run in fp16 whatever q's dtype ("f16" path,
+  NOTES.md v5): e4m3 -> fp16 is one instruction per two values, e4m3 -> bf16 three; q is scaled per head by a
+  power of two into fp16's range and the probabilities are taken relative to the running largest scale, so
+  nothing is lost.
   GPUs whose Triton has no float8e4nv (SM80/86, ROCm) run every fp8 tile that way, with a bit-level conversion.
 - When tokens x head-tiles cannot fill the GPU (decode, small batches), the top-k list is split across
   programs; each writes a partial (normalized out, log2-sum-exp) and the partials are merged with the
@@ -772,9 +773,9 @@ def _counter(device: torch.device, n: int) -> torch.Tensor:
 # q alone is 72 KB. From offline sm_120 builds (Triton 3.6, scripts/launch_build.py; sm_86 alike). On a ~100 KB GPU
 # only 16 rows fit: the 64 x 64 tile made every > 32-head bf16/fp16 call there fail (NOTES.md v53).
 WIDE_BF16_TILE_SHARED_MEMORY = {64: 155904, 32: 114816, 16: 94272}
-# Shared memory (bytes) of the fp8 "f16" path on the 32 x 32 tile (offline sm_90 / sm_120 builds alike), the "default"
-# path's 32 x 32 needing 49,792: fp8 at 17-32 heads takes "f16" where two such CTAs fit an SM, as the 32-head split
-# count assumes (`resident_ctas`).
+# Shared memory (bytes) of the fp8 "f16" path on the 32 x 32 tile (offline sm_90 / sm_100 / sm_120 builds alike), the
+# "default" path's 32 x 32 needing 49,792: fp8 at 17-32 heads takes "f16" where two such CTAs fit an SM, as the
+# 32-head split count assumes (`resident_ctas`).
 F16_32_HEAD_TILE_SHARED_MEMORY = 93312
 
 
@@ -788,7 +789,8 @@ def default_config_for(num_heads: int, fp8: bool, capability: tuple[int, int] | 
     """Tiles by head count and layout: BLOCK_H is the head tile (tl.dot needs >= 16 rows), BLOCK_N rows
     per step. Chosen from sm90 builds (register/spill/shared-memory report) and the H200 runs (NOTES.md):
     bf16 at > 32 heads takes BLOCK_N 64 (wgmma N=64; 221 KB shared, no spills); fp8 at <= 16 heads runs the
-    fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM). On a GPU with
+    fp16-domain path on 16x32 tiles (74 KB of shared memory; ~250 registers a thread: two CTAs a SM), and at 17-32
+    heads on 32x32 tiles where two of those (93 KB each) fit an SM. On a GPU with
     ~100 KB of shared memory a block (SM86/89/120) bf16/fp16 at > 32 heads steps 16 rows; on SM100/103 it takes
     32-head tiles (the 64-head ones build into a trap there). capability: (major, minor) of a compiled NVIDIA
     launch, None for none -- so a GPU's tile can be asked for, and run, on another (the benchmark's other-GPU tiles)."""
