@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                 continue                         # the fp16 dot is fp8 keys' only
             name = config_name(n, warps, tiles, stages, f16_dot)
 
-            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot if dt == "fp8" else None):
+            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot):
                 return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
                                              num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot)
             got = call(tables[0]).clone()

@@ -120,28 +120,6 @@ def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fp8e4m3_bits_to_f32(b):
-    """float8 e4m3fn bits (uint8) -> float32 without hardware fp8 (GPUs before SM89: A100, ...)."""
-    b = b.to(tl.int32)
-    e = (b >> 3) & 0xF
-    m = (b & 0x7).to(tl.float32) * 0.125
-    mag = tl.where(e == 0, m * 0.015625, (1.0 + m) * tl.exp2((e - 7).to(tl.float32)))
-    return tl.where((b & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def _e4m3_bits_to_f16(bits, SOFT_FP8: tl.constexpr):
-    """float8 e4m3fn bits (uint8) -> fp16, ONE conversion per two values (to bf16 Hopper takes an F2F per value on
-    top). SOFT_FP8 (no hardware e4m3): the sign and the 7 exponent+mantissa bits moved into an fp16 pattern, which
-    is the value times 2^-8 exactly (subnormals onto subnormals); the caller puts the 2^8 into the key's scale."""
-    if SOFT_FP8:     # (one return after the branch: Triton builds the code after an early return too)
-        k = e4m3_bits_to_f16_times_2e_8(bits)
-    else:
-        k = bits.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return k
-
-
-@triton.jit
 def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           stride_qt, stride_qh, stride_wt, stride_kb, stride_ko, stride_sb,
                           stride_bt, stride_ot, out_cols,
@@ -175,12 +153,10 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         if FP8:
             bits = tl.load(kptr, mask=kmask, other=0)
             scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
-            if F16:
-                k = _e4m3_bits_to_f16(bits, SOFT_FP8)
-                if SOFT_FP8:
-                    scale = scale * 256.0   # the soft conversion's values are the keys times 2^-8
-            elif SOFT_FP8:
-                k = _fp8e4m3_bits_to_f32(bits).to(q.dtype)
+            # (with F16 q is fp16 by now: e4m3 -> fp16 is one conversion per two values, -> bf16 an F2F more each)
+            if SOFT_FP8:   # no e4m3 in hardware (before SM89): the bits moved into fp16 are the keys times 2^-8
+                k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
+                scale = scale * 256.0
             else:
                 k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         else:
