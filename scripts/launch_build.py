@@ -136,7 +136,7 @@ def indexer_topk(sm: int):
 
 def indexer_logits(sm: int):
     """Decode logits on a plain (fp16 / bf16 / fp32) and an fp8 index-key cache at the tilings a GPU run takes
-    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles; fp8 keys by the hardware conversion from SM89 on and
+    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders; fp8 keys by the hardware conversion from SM89 on and
     by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the prefill
     logits."""
     from glm5lab.kernels import dsa_indexer as d
@@ -150,7 +150,9 @@ def indexer_logits(sm: int):
         q = torch.randn(T, H, D, dtype=dtype)
         plain_keys = torch.randn(T * blocks, page, D, dtype=dtype)
         for block_n, warps in ((64, 4), (128, 4), (128, 8)):
-            d.indexer_logits_decode(q, w, plain_keys, table, lens, block_n=block_n, num_warps=warps)
+            for keys_as_m in (False, True):
+                d.indexer_logits_decode(q, w, plain_keys, table, lens, block_n=block_n, num_warps=warps,
+                                        keys_as_m=keys_as_m)
         d.indexer_logits_prefill(q, w, torch.randn(600, D, dtype=dtype), torch.zeros(T, dtype=torch.int32),
                                  lens.clamp(max=600))
     fp8 = torch.zeros(T * blocks, page, D + 4, dtype=torch.uint8)
@@ -158,8 +160,10 @@ def indexer_logits(sm: int):
     q = torch.randn(T, H, D, dtype=torch.bfloat16)
     for block_n in (64, 128):
         for soft in (True,) if sm < 89 else (False, True):
-            d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft)
-            d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, f16_dot=False)
+            for keys_as_m in (False, True):
+                d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, keys_as_m=keys_as_m)
+                d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, f16_dot=False,
+                                        keys_as_m=keys_as_m)
             d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3)
 
 

@@ -6,6 +6,7 @@ glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot]) are appended to --ou
 
     PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv --configs 128x4 64x4 64x4x4x3
     PYTHONPATH=. python scripts/logits_ab.py --out ... --configs 64x4:bf16 64x4:f16 --dtypes fp8   # fp8 keys' dot
+    PYTHONPATH=. python scripts/logits_ab.py --out ... --configs 128x4:qk 128x4:kq 128x4:f16:kq    # the dot's order
 """
 import argparse
 import sys
@@ -22,28 +23,34 @@ from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_cache
 
 
-DOTS = {"": None, "f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_decode's f16_dot
+DOTS = {"f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_decode's f16_dot
+ORDERS = {"kq": True, "qk": False}     # a config's ":<order>" -> keys_as_m (kq: keys . q^T, the keys as M)
 
 
 def parse_config(text: str) -> tuple:
-    """"128x4", "64x4x4x3" or "64x4:bf16" -> (keys a tile, warps, tiles a program, stages, f16_dot): ":f16" runs fp8
-    keys' dot in fp16, ":bf16" in q's dtype (bf16 here), no suffix the kernel's default."""
-    tiling, _, dot = text.partition(":")
+    """"128x4", "64x4x4x3", "64x4:bf16" or "128x4:f16:kq" -> (keys a tile, warps, tiles a program, stages, f16_dot,
+    keys_as_m): ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as keys . q^T,
+    ":qk" as q . keys^T; left out, the kernel's default."""
+    tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
     except ValueError:
         parts = []
     if len(parts) == 2:
         parts += [1, 1]
-    if len(parts) != 4 or min(parts) < 1 or dot not in DOTS:
-        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16], e.g. 128x4, 64x4x4x3 or "
-                           f"64x4:bf16; got {text!r}")
-    return (*parts, DOTS[dot])
+    known = {**DOTS, **ORDERS}
+    dots = [f for f in flags if f in DOTS]
+    orders = [f for f in flags if f in ORDERS]
+    if len(parts) != 4 or min(parts) < 1 or any(f not in known for f in flags) or len(dots) > 1 or len(orders) > 1:
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk], e.g. 128x4, "
+                           f"64x4x4x3, 64x4:bf16 or 128x4:f16:kq; got {text!r}")
+    return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None)
 
 
-def config_name(n, warps, tiles, stages, f16_dot) -> str:
+def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None) -> str:
     dot = {None: "", True: "-f16dot", False: "-bf16dot"}[f16_dot]
-    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}"
+    order = {None: "", True: "-kq", False: "-qk"}[keys_as_m]
+    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}"
 
 
 @one_line_errors
@@ -84,14 +91,15 @@ def main(argv=None) -> int:
         out = torch.empty(B, L, device="cuda")
         ref = None
         calls = {}
-        for n, warps, tiles, stages, f16_dot in configs:
+        for n, warps, tiles, stages, f16_dot, keys_as_m in configs:
             if f16_dot and dt != "fp8":
                 continue                         # the fp16 dot is fp8 keys' only
-            name = config_name(n, warps, tiles, stages, f16_dot)
+            name = config_name(n, warps, tiles, stages, f16_dot, keys_as_m)
 
-            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot):
+            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot, keys_as_m=keys_as_m):
                 return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
-                                             num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot)
+                                             num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot,
+                                             keys_as_m=keys_as_m)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got

@@ -69,8 +69,8 @@ def test_decode_logits_match_reference(dtype, fp8, device):
                                            dtype=dtype, fp8=fp8, device=device)
     ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
     finite = torch.isfinite(ref)
-    # the default tiling, and 16-key tiles three a program (a program's last tiles past every row's end)
-    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}):
+    # the default tiling, 16-key tiles three a program (a program's last tiles past every row's end), both dot orders
+    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}, {"keys_as_m": True}, {"keys_as_m": False}):
         out = torch.full((T, max_len), float("nan"), device=device)   # poisoned: every entry must be written
         indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out, **tiling)
         out = out.cpu()
@@ -91,9 +91,10 @@ def test_software_fp8_decode_equals_hardware_conversion(q_dtype, device):
     bits[bits % 128 == 127] = 0                                   # every bit pattern except NaN
     values[bt[0, 0].long()] = bits.to(device)
     for f16_dot in (True, False) if q_dtype != torch.float32 else (False,):
-        hard = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=False, f16_dot=f16_dot)
-        soft = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=True, f16_dot=f16_dot)
-        assert torch.equal(hard, soft), f16_dot
+        for keys_as_m in (False, True):
+            hard = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=False, f16_dot=f16_dot, keys_as_m=keys_as_m)
+            soft = indexer_logits_decode(q, w, cache, bt, lengths, soft_fp8=True, f16_dot=f16_dot, keys_as_m=keys_as_m)
+            assert torch.equal(hard, soft), (f16_dot, keys_as_m)
     ref = _decode_reference(q, w, cache, bt, lengths, 60)
     finite = torch.isfinite(ref)
     torch.testing.assert_close(soft[finite].double().cpu(), ref[finite].cpu(), atol=_tol(torch.float16, ref), rtol=0)
@@ -380,12 +381,17 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
     malformed --configs and on a machine without a GPU."""
     import runpy
 
-    ab = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))["main"]
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))
+    ab, parse = script["main"], script["parse_config"]
+    assert parse("128x4:kq:f16") == parse("128x4:f16:kq") == (128, 4, 1, 1, True, True)
+    assert parse("64x4x4x3:qk") == (64, 4, 4, 3, None, False)
+    assert parse("64x8") == (64, 8, 1, 1, None, None)
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
-    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16]" in capsys.readouterr().err
-    assert ab(["--out", str(out), "--configs", "64x4:fp8"]) == 1
-    assert "64x4:fp8" in capsys.readouterr().err
+    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk]" in capsys.readouterr().err
+    for bad in ("64x4:fp8", "64x4:kq:qk", "64x4:f16:bf16"):
+        assert ab(["--out", str(out), "--configs", bad]) == 1
+        assert bad in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert ab(["--out", str(out)]) == 1
         assert "GPU" in capsys.readouterr().err
@@ -418,13 +424,18 @@ def test_gpu_decode_glm5_shapes(fp8):
     indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=tiled, block_n=64, tiles=4, num_stages=3)
     assert torch.equal(torch.isneginf(tiled), ~finite)
     torch.testing.assert_close(tiled[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
-    if fp8:   # the fp16 dot at the large grids' 128-key tiles (its default there), the dot in q's dtype (bf16)
-        # forced, and the soft conversion of GPUs before SM89
-        for kwargs in ({"block_n": 128}, {"block_n": 128, "f16_dot": False}, {"f16_dot": True}, {"soft_fp8": True}):
-            other = torch.full((T, max_len), float("nan"), device="cuda")
-            indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
-            assert torch.equal(torch.isneginf(other), ~finite), kwargs
-            torch.testing.assert_close(other[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+    # both dot orders (keys . q^T: a wgmma on Hopper) at both tiles; for fp8 also the fp16 dot at the large grids'
+    # 128-key tiles (its default there), the dot in q's dtype (bf16) forced, and the soft conversion of GPUs before SM89
+    variants = [{"block_n": n, "keys_as_m": m} for n in (64, 128) for m in (False, True)]
+    if fp8:
+        variants += [{"block_n": 128, "f16_dot": False}, {"block_n": 128, "f16_dot": False, "keys_as_m": True},
+                     {"f16_dot": True}, {"f16_dot": True, "keys_as_m": True}, {"soft_fp8": True},
+                     {"soft_fp8": True, "block_n": 128, "keys_as_m": True}]
+    for kwargs in variants:
+        other = torch.full((T, max_len), float("nan"), device="cuda")
+        indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
+        assert torch.equal(torch.isneginf(other), ~finite), kwargs
+        torch.testing.assert_close(other[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
     top = indexer_topk(out, k, lengths)
     assert torch.equal(top, indexer_topk_reference(out, k, lengths))      # exact on its own logits
     assert topk_sets_agree(top, ref, k, lengths, atol=_tol(torch.bfloat16, ref)) == []

@@ -109,14 +109,23 @@ def dequantize_index_key_cache(cache: torch.Tensor, head_dim: int) -> torch.Tens
 
 # ----------------------------------------------------------------------------------------------- logits
 @triton.jit
-def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr):
-    """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 -> [N] = sum_h w_h relu(q_h.k_n * scale_n)."""
+def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
+    """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 (> 0) -> [N] = sum_h w_h relu(q_h.k_n * scale_n), the scale
+    applied once a key after the sum (relu commutes with a positive factor). KEYS_AS_M takes the dot as k . q^T, the
+    keys as the MMA's M dimension: on Hopper a wgmma (M = 64 a warpgroup) with the converted keys in registers and q
+    in shared memory, where q . k^T at HP = 16-32 rows is an mma.sync whose q fragments are copied into place anew
+    for every key tile (sm_90 build, fp8 keys, 128 keys: 1,000 -> 768 instructions, NOTES.md v56)."""
+    if KEYS_AS_M:
+        if IEEE:
+            s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(k, tl.trans(q))
+        return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.maximum(s * scale[None, :], 0.0)
-    return tl.sum(s * w[:, None], axis=0)
+    return tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
 
 
 @triton.jit
@@ -125,7 +134,8 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           stride_bt, stride_ot, out_cols,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                          FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr, F16: tl.constexpr):
+                          FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr, F16: tl.constexpr,
+                          KEYS_AS_M: tl.constexpr):
     """TILES tiles of BLOCK_N keys a program, one after another (the loads of the next in flight while one computes,
     STAGES deep), with the query and weights loaded once. F16 (fp8 keys, fp16/bf16 q): the dot runs in fp16 -- q
     scaled per head by a power of two into fp16's range, the inverse folded into the head's weight (relu commutes
@@ -162,7 +172,7 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         else:
             k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
-        logit = _weighted_relu_scores(q, k, w, scale, IEEE)
+        logit = _weighted_relu_scores(q, k, w, scale, IEEE, KEYS_AS_M)
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
 
@@ -188,13 +198,16 @@ FP8_SMALL_TILE_MAX_KEYS = 3 * 1024 * 1024
 # tiles 1.02-1.24x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.84-0.94x, q's per-head scaling a program
 # costing more than the conversions it saves)
 F16_DOT_MIN_KEYS = 128
+# the dot as keys . q^T (see _weighted_relu_scores): not measured yet
+KEYS_AS_M_DEFAULT = False
 
 
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
                           soft_fp8: bool | None = None, num_warps: int = 4, tiles: int = 1,
-                          num_stages: int = 2, f16_dot: bool | None = None) -> torch.Tensor:
+                          num_stages: int = 2, f16_dot: bool | None = None,
+                          keys_as_m: bool | None = None) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
     q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
@@ -206,6 +219,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     runs fp8 keys' dot in fp16 with q scaled per head by a power of two: the same products, but e4m3 -> fp16 is one
     instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
     (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
+    keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a wgmma on Hopper) rather than q . keys^T
+    (default: KEYS_AS_M_DEFAULT).
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -247,6 +262,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         block_n = 64 if not q.is_cuda or (fp8 and T * max_len < FP8_SMALL_TILE_MAX_KEYS) else 128
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
+    if keys_as_m is None:
+        keys_as_m = KEYS_AS_M_DEFAULT
     grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
@@ -255,7 +272,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
         FP8=fp8, IEEE=_dot_in_fp32(q.dtype) and not f16_dot, SOFT_FP8=bool(soft_fp8 and fp8), F16=bool(f16_dot),
-        num_warps=num_warps)
+        KEYS_AS_M=bool(keys_as_m), num_warps=num_warps)
     return out
 
 
