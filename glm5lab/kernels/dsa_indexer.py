@@ -191,15 +191,23 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
 # fp8 keys: 64-key tiles below this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
 # 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows; more
 # tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys). v55, against
-# the 128-key tiles with the fp16 dot (two boards, 3 interleaved rounds): 0.92-1.06x at up to 2M keys a call, 1.11x
-# slower at 4M (128 x 32k) and 8M, so the line moved from "up to 4M" to below 3M
-FP8_SMALL_TILE_MAX_KEYS = 3 * 1024 * 1024
+# the 128-key tiles with the fp16 dot: the line moved from "up to 4M" to below 3M. v56, with the keys . q^T dot on
+# Hopper (H100, 3 interleaved rounds, 4k-64k x 1-128 rows): 64 keys 1.01-1.10x faster at 8-128 rows below 2M keys a
+# call, 128 keys 1.02-1.09x at 2M (32 x 64k, 128 x 16k) and beyond, so the line is below 2M (single rows of 32k-64k:
+# 128 keys by 0.3-0.5 us, not taken)
+FP8_SMALL_TILE_MAX_KEYS = 2 * 1024 * 1024
 # fp8 keys with a bf16 q: the dot in fp16 from this many keys a program (v55, H100, 3 interleaved rounds: at 128-key
 # tiles 1.02-1.24x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.84-0.94x, q's per-head scaling a program
 # costing more than the conversions it saves)
 F16_DOT_MIN_KEYS = 128
-# the dot as keys . q^T (see _weighted_relu_scores): not measured yet
-KEYS_AS_M_DEFAULT = False
+
+
+def keys_as_m_default(fp8: bool, device: torch.device) -> bool:
+    """Whether the logits dot runs as keys . q^T (see _weighted_relu_scores): for fp8 keys on Hopper (v56, H100, CUDA
+    graphs, 3 interleaved rounds: 1.01-1.14x faster at 64-key tiles, 1.05-1.12x at 128 at 4k-64k x 1-128 rows); bf16
+    keys there read at 0.93-0.94 of the copy roofline against q . keys^T's 0.96-0.98 at 32-128 x 64k, and other GPUs
+    (mma.sync, no wgmma) are not measured."""
+    return fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
@@ -220,7 +228,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
     (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
     keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a wgmma on Hopper) rather than q . keys^T
-    (default: KEYS_AS_M_DEFAULT).
+    (default: keys_as_m_default, fp8 keys on Hopper).
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -263,7 +271,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     if keys_as_m is None:
-        keys_as_m = KEYS_AS_M_DEFAULT
+        keys_as_m = keys_as_m_default(fp8, q.device)
     grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
