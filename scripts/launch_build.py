@@ -136,9 +136,9 @@ def indexer_topk(sm: int):
 
 def indexer_logits(sm: int):
     """Decode logits on a plain (fp16 / bf16 / fp32) and an fp8 index-key cache at the tilings a GPU run takes
-    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders; fp8 keys by the hardware conversion from SM89 on and
-    by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the prefill
-    logits."""
+    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders; fp8 keys by the hardware conversion from
+    SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
+    prefill logits."""
     from glm5lab.kernels import dsa_indexer as d
 
     torch.manual_seed(0)
