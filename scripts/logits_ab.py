@@ -1,8 +1,9 @@
 """The indexer's decode logits kernel at several tilings (keys a tile, warps, tiles a program, pipeline stages), dot
 dtypes and orders, in one process on the same paged caches, timed in CUDA graphs as the indexer bench times them
 (rotating disjoint row sets, so the keys come from memory) in --rounds interleaved rounds (the median is the row),
-each config's logits checked against the first one's. Rows (metric logits_time_graph and fraction_of_copy_ceiling_graph, implementation
-glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot][-kq|-qk]) are appended to --out.
+each config's logits checked against the first one's. Rows (metric logits_time_graph and
+fraction_of_copy_ceiling_graph, implementation glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot][-kq|-qk])
+are appended to --out.
 
     PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv --configs 128x4 64x4 64x4x4x3
     PYTHONPATH=. python scripts/logits_ab.py --out ... --configs 64x4:bf16 64x4:f16 --dtypes fp8   # fp8 keys' dot
