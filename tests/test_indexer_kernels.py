@@ -355,6 +355,31 @@ def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
     assert shapes >= 12, "no committed graph-timed top-k rows to check the rule against"
 
 
+def test_the_dot_order_follows_the_measurements(monkeypatch):
+    """keys . q^T (a wgmma with the keys as M) is the default for fp8 keys on Hopper only, where the committed H100
+    rows time it faster than q . keys^T at every shape both were timed at (NOTES.md v56); bf16 keys, other GPUs and
+    the CPU keep q . keys^T."""
+    import pandas as pd
+
+    from glm5lab.kernels.dsa_indexer import keys_as_m_default
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    cuda = torch.device("cuda", 0)
+    assert keys_as_m_default(True, cuda) and not keys_as_m_default(False, cuda)
+    for other in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        capability["value"] = other
+        assert not keys_as_m_default(True, cuda), other
+    assert not keys_as_m_default(True, torch.device("cpu"))
+    runs = Path(__file__).resolve().parents[1] / "results" / "h100" / "indexer"
+    d = pd.concat([pd.read_csv(runs / "logits_ab.csv"), pd.read_csv(runs / "logits_ab_history.csv.gz")])
+    d = d[(d.metric == "logits_time_graph") & (d.dtype == "fp8") & d.implementation.str.endswith(("-kq", "-qk"))]
+    d = d.assign(tile=d.implementation.str[:-3], order=d.implementation.str[-2:])
+    both = d.pivot_table(index=["shape", "tile"], columns="order", values="value").dropna()    # (runs averaged)
+    assert len(both) >= 12, "no committed rows timing both orders"
+    assert (both.kq <= both.qk).all(), both[both.kq > both.qk]
+
+
 def test_topk_ab_script_names_a_bad_before_copy_and_refuses_without_a_gpu(tmp_path, capsys):
     """scripts/topk_ab.py (the before/after of a top-k change, run on the device) fails in one line, writing
     nothing, on a missing or wrong --before file, and on a machine without a GPU."""
