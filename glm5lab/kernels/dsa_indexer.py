@@ -205,7 +205,7 @@ F16_DOT_MIN_KEYS = 128
 def keys_as_m_default(fp8: bool, device: torch.device) -> bool:
     """Whether the logits dot runs as keys . q^T (see _weighted_relu_scores): for fp8 keys on Hopper (v56, H100, CUDA
     graphs, 3 interleaved rounds: 1.01-1.14x faster at 64-key tiles, 1.05-1.12x at 128 at 4k-64k x 1-128 rows); bf16
-    keys there read at 0.93-0.94 of the copy roofline against q . keys^T's 0.96-0.98 at 32-128 x 64k, and other GPUs
+    keys there read at 0.92-0.94 of the copy roofline against q . keys^T's 0.96-0.98 at 32-128 x 64k, and other GPUs
     (mma.sync, no wgmma) are not measured."""
     return fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
