@@ -164,7 +164,9 @@ def indexer_logits(sm: int):
                 d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, keys_as_m=keys_as_m)
                 d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, f16_dot=False,
                                         keys_as_m=keys_as_m)
-            d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3)
+            for keys_as_m in (False, True):
+                d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3,
+                                        keys_as_m=keys_as_m)
 
 
 def paged_decode(sm: int):
