@@ -357,8 +357,8 @@ def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
 
 def test_the_dot_order_follows_the_measurements(monkeypatch):
     """keys . q^T (a wgmma with the keys as M) is the default for fp8 keys on Hopper only, where the committed H100
-    rows time it faster than q . keys^T at every shape both were timed at (NOTES.md v56); bf16 keys, other GPUs and
-    the CPU keep q . keys^T."""
+    rows time it no slower than q . keys^T at every shape and tile both were timed at (NOTES.md v56: 1.01-1.14x faster);
+    bf16 keys, other GPUs and the CPU keep q . keys^T."""
     import pandas as pd
 
     from glm5lab.kernels.dsa_indexer import keys_as_m_default
@@ -377,7 +377,8 @@ def test_the_dot_order_follows_the_measurements(monkeypatch):
     d = d.assign(tile=d.implementation.str[:-3], order=d.implementation.str[-2:])
     both = d.pivot_table(index=["shape", "tile"], columns="order", values="value").dropna()    # (runs averaged)
     assert len(both) >= 12, "no committed rows timing both orders"
-    assert (both.kq <= both.qk).all(), both[both.kq > both.qk]
+    slower = both[both.kq > 1.02 * both.qk]        # (2%: the rounds' spread; the closest cell has kq 0.8% faster)
+    assert slower.empty, slower
 
 
 def test_topk_ab_script_names_a_bad_before_copy_and_refuses_without_a_gpu(tmp_path, capsys):
