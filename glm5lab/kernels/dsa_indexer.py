@@ -116,16 +116,18 @@ def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.cons
     in shared memory, where q . k^T at HP = 16-32 rows is an mma.sync whose q fragments are copied into place anew
     for every key tile (sm_90 build, fp8 keys, 128 keys: 1,000 -> 768 instructions, NOTES.md v56)."""
     if KEYS_AS_M:
-        if IEEE:
-            s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(k, tl.trans(q))
-        return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        a, b = k, q
     else:
-        s = tl.dot(q, tl.trans(k))
-    return tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
+        a, b = q, k
+    if IEEE:
+        s = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(a, tl.trans(b))
+    if KEYS_AS_M:     # (no early return: Triton builds the code after one too)
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+    else:
+        logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+    return logit * scale
 
 
 @triton.jit
@@ -202,12 +204,12 @@ FP8_SMALL_TILE_MAX_KEYS = 2 * 1024 * 1024
 F16_DOT_MIN_KEYS = 128
 
 
-def keys_as_m_default(fp8: bool, device: torch.device) -> bool:
-    """Whether the logits dot runs as keys . q^T (see _weighted_relu_scores): for fp8 keys on Hopper (v56, H100, CUDA
-    graphs, 3 interleaved rounds: 1.01-1.14x faster at 64-key tiles, 1.05-1.12x at 128 at 4k-64k x 1-128 rows); bf16
-    keys there read at 0.92-0.94 of the copy roofline against q . keys^T's 0.96-0.98 at 32-128 x 64k, and other GPUs
-    (mma.sync, no wgmma) are not measured."""
-    return fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+def keys_as_m_default(fp8: bool, capability: tuple[int, int] | None) -> bool:
+    """Whether the logits dot runs as keys . q^T (see _weighted_relu_scores) on a GPU of this compute capability (None:
+    not a GPU): for fp8 keys on Hopper (v56, H100, CUDA graphs, 3 interleaved rounds: 1.01-1.14x faster at 64-key
+    tiles, 1.05-1.12x at 128 at 4k-64k x 1-128 rows); bf16 keys there read at 0.92-0.94 of the copy roofline against
+    q . keys^T's 0.96-0.98 at 32-128 x 64k, and other GPUs (mma.sync, no wgmma) are not measured."""
+    return fp8 and capability is not None and capability[0] == 9
 
 
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
@@ -261,8 +263,9 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         return out
     if kt.dtype != q.dtype and not fp8:
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     if soft_fp8 is None:
-        soft_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9)
+        soft_fp8 = capability is not None and capability < (8, 9)
     if f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
         raise Glm5labError(f"f16_dot needs an fp8 key cache and an fp16/bf16 q, got {k_cache.dtype} keys "
                            f"and {q.dtype} q")
@@ -271,7 +274,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     if keys_as_m is None:
-        keys_as_m = keys_as_m_default(fp8, q.device)
+        keys_as_m = keys_as_m_default(fp8, capability)
     grid = (T, cdiv(max_len, block_n * tiles))
     _decode_logits_kernel[grid](
         q, weights, kt, kscale, block_table, seq_lens, out,
