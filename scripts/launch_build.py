@@ -192,10 +192,10 @@ def sparse_mla_sees(sm: int, sms: int = 132):
     from glm5lab.kernels import sparse_mla
 
     told = divmod(sm, 10)
-    saved = {n: getattr(sparse_mla, n) for n in ("_nvidia_sm_at_least", "_capability", "_num_sms")}
+    saved = {n: getattr(sparse_mla, n) for n in ("_nvidia_sm_at_least", "cuda_capability", "sm_count")}
     sparse_mla._nvidia_sm_at_least = lambda device, capability: told >= tuple(capability)
-    sparse_mla._capability = lambda device: told
-    sparse_mla._num_sms = lambda device: sms
+    sparse_mla.cuda_capability = lambda device: told
+    sparse_mla.sm_count = lambda device: sms
     try:
         yield
     finally:

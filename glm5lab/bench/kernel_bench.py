@@ -543,7 +543,8 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
     from glm5lab.bench.records import append_rows
     from glm5lab.bench.timing import bench, copy_bandwidth_gbps, interleaved_samples, pick_profile
     from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_mla
-    from glm5lab.kernels.sparse_mla import (_gluon_by_default, _num_sms, choose_num_splits, default_config,
+    from glm5lab.kernels.host import sm_count
+    from glm5lab.kernels.sparse_mla import (_gluon_by_default, choose_num_splits, default_config,
                                             default_config_for, resident_ctas, sparse_mla_attention, sparse_mla_flops,
                                             sparse_mla_min_bytes)
     from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
@@ -647,7 +648,7 @@ def run(csv_path, profile: str = "gpu", *, heads=None, tokens=None, command: str
                     fp8 = lay == "fp8_ds_mla"
                     cfg = default_config(H, fp8, q.device)
                     tiles = math.ceil(H / cfg["block_h"])
-                    splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], _num_sms(q.device),
+                    splits = choose_num_splits(T, tiles, prof.topk, cfg["block_n"], sm_count(q.device),
                                                resident_ctas(cfg["block_h"]))
                     impls.append(("glm5lab-v1-tiles", lay, functools.partial(make, _config=V1_CONFIG(H)), True))
                     if fp8:   # sm90 SASS: the pipelined fp8 tiles are read from shared memory a byte at a time

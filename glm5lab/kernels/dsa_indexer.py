@@ -26,7 +26,7 @@ import triton.language as tl
 
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
-from glm5lab.kernels.host import cdiv, next_pow2
+from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2
 
 FP8_MAX = 448.0
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -263,7 +263,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         return out
     if kt.dtype != q.dtype and not fp8:
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
-    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    capability = cuda_capability(q.device) if q.is_cuda else None
     if soft_fp8 is None:
         soft_fp8 = capability is not None and capability < (8, 9)
     if f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):

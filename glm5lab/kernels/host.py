@@ -3,6 +3,8 @@ functions: called from Python each goes through Triton's JIT dispatch (~3-4 us, 
 made ten of them before its launches."""
 from __future__ import annotations
 
+import torch
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling of a / b for non-negative a and positive b."""
@@ -24,3 +26,30 @@ SHARED_MEMORY_PER_BLOCK = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9
 def shared_memory_per_block(capability: tuple[int, int] | None) -> int | None:
     """Bytes of shared memory a block may use on a GPU of this compute capability; None when not known."""
     return SHARED_MEMORY_PER_BLOCK.get(tuple(capability)) if capability is not None else None
+
+
+_CAPABILITY: dict = {}
+_SM_COUNT: dict = {}
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device: a kernel call picks its tiles and paths by it
+    on every launch, and torch's query is a host round trip each time."""
+    idx = _cuda_index(device)
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPABILITY[idx]
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, asked once per device (8 off CUDA: the interpreter's small grids)."""
+    if device.type != "cuda":
+        return 8
+    idx = _cuda_index(device)
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.host import cdiv, next_pow2
+from glm5lab.kernels.host import cdiv, next_pow2, sm_count
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -119,12 +119,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _default_splits(rows: int, head_blocks: int, max_len_hint: int) -> int:
-    """Enough programs to fill a GPU when there are few rows; 1 on the CPU interpreter."""
-    if not torch.cuda.is_available():
+def _default_splits(rows: int, head_blocks: int, max_len_hint: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU the call runs on when there are few rows; 1 off CUDA (the interpreter)."""
+    if device.type != "cuda":
         return 1
     programs = rows * head_blocks
-    want = max(1, (2 * torch.cuda.get_device_properties(0).multi_processor_count) // max(1, programs))
+    want = max(1, (2 * sm_count(device)) // max(1, programs))
     by_len = max(1, max_len_hint // 256)
     return int(min(want, by_len, 64))
 
@@ -199,7 +199,7 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if block_n is None:
         block_n = 32 if q.is_cuda else 64
     head_blocks = cdiv(heads, block_h)
-    splits = int(num_splits) if num_splits else _default_splits(rows, head_blocks, max_len)
+    splits = int(num_splits) if num_splits else _default_splits(rows, head_blocks, max_len, q.device)
     if splits < 1:
         raise Glm5labError(f"num_splits must be >= 1, got {num_splits}")
 

@@ -39,7 +39,7 @@ from triton.runtime.errors import OutOfResources
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
-from glm5lab.kernels.host import cdiv, next_pow2, shared_memory_per_block
+from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2, shared_memory_per_block, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -705,8 +705,6 @@ def _stage_ladder(key, stages: int):
     if key in _STAGES:
         return [_STAGES[key]]
     return list(range(stages, 0, -1))
-_SM_COUNT: dict = {}
-_CAPABILITY: dict = {}
 
 
 def _register_cap(cfg: dict) -> dict:
@@ -719,7 +717,7 @@ def _nvidia_sm_at_least(device: torch.device, capability: tuple[int, int]) -> bo
     """A compiled (not interpreted) launch on an NVIDIA GPU of at least this compute capability."""
     if _interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(device) >= capability
+    return cuda_capability(device) >= capability
 
 
 def _native_e4m3(device: torch.device) -> bool:
@@ -735,25 +733,8 @@ def _has_pdl(device: torch.device) -> bool:
     return _nvidia_sm_at_least(device, (9, 0))
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The device's compute capability, asked once per device."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
@@ -900,7 +881,7 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
 
 def _compiled_capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of a compiled NVIDIA launch on this device; None otherwise (CPU, interpreter, ROCm)."""
-    return _capability(device) if _nvidia_sm_at_least(device, (0, 0)) else None
+    return cuda_capability(device) if _nvidia_sm_at_least(device, (0, 0)) else None
 
 
 def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None,
@@ -1039,7 +1020,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         from glm5lab.kernels import sparse_mla_sm90
 
         cfg = sparse_mla_sm90.resolve_paired(
-            {**sparse_mla_sm90.default_config(H, fp8, T, _num_sms(q.device)), **(_config or {})}, _config or {})
+            {**sparse_mla_sm90.default_config(H, fp8, T, sm_count(q.device)), **(_config or {})}, _config or {})
     if any(b is not None for b in cfg.get("_stamps") or ()) and not gluon:
         raise Glm5labError("phase stamps (_config '_stamps') come from the fp8_ds_mla Gluon kernels (the 1-3 token "
                            "kernel and its separate merge; the dual and paired kernels' wave stamps): add 'impl': "
@@ -1064,7 +1045,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     head_tiles = cdiv(H, block_h)
     if num_splits is None:
         resident = cfg.get("resident", resident_ctas(block_h) if not gluon or cfg["stages"] <= 2 else 1)
-        num_splits = choose_num_splits(T, head_tiles, topk, block_n, _num_sms(q.device), resident)
+        num_splits = choose_num_splits(T, head_tiles, topk, block_n, sm_count(q.device), resident)
     num_splits = int(max(1, min(num_splits, max(1, cdiv(topk, block_n)))))
     rows_per_split = cdiv(cdiv(max(topk, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max(topk, 1), rows_per_split))
@@ -1087,7 +1068,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     # `sparse_mla_sm90.pdl_pays` (fp8_ds_mla grids of at most half the SMs, whose kernel lets the merge launch from
     # its start: v25, 0.5-0.7 us less at 1-2 tokens; elsewhere it cost up to 2.4x, v14 run 8); _config={"pdl": ...}
     # decides
-    pdl_default = gluon and sparse_mla_sm90.pdl_pays(cfg, fp8, head_tiles * T * num_splits, _num_sms(q.device))
+    pdl_default = gluon and sparse_mla_sm90.pdl_pays(cfg, fp8, head_tiles * T * num_splits, sm_count(q.device))
     pdl = split and merge == "separate" and cfg.get("pdl", pdl_default) and _has_pdl(q.device)
 
     if split:
@@ -1102,7 +1083,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
             float(softmax_scale) * LOG2E, num_slots, H, topk, rows_per_split, num_splits,
             q.stride(0), q.stride(1), kv_row_stride, slots.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if gluon:
-        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, _num_sms(q.device), pdl)
+        sparse_mla_sm90.launch(grid, args[:7] + args[8:], cfg, split, fp8, part_f16, H, sm_count(q.device), pdl)
     else:
         key = (str(q.device), block_h, block_n, cfg["num_warps"], fp8, q.dtype, split, merge, reload, fp8_diag,
                words, f16, cvt, cfg.get("maxnreg"), pdl, part_f16)
