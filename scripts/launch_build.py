@@ -136,7 +136,8 @@ def indexer_topk(sm: int):
 
 def indexer_logits(sm: int):
     """Decode logits on a plain (fp16 / bf16 / fp32) and an fp8 index-key cache at the tilings a GPU run takes
-    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders; fp8 keys by the hardware conversion from
+    (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders, fp8 keys' sum over D in both
+    orders of D; fp8 keys by the hardware conversion from
     SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
     prefill logits."""
     from glm5lab.kernels import dsa_indexer as d
@@ -161,9 +162,11 @@ def indexer_logits(sm: int):
     for block_n in (64, 128):
         for soft in (True,) if sm < 89 else (False, True):
             for keys_as_m in (False, True):
-                d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, keys_as_m=keys_as_m)
-                d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, f16_dot=False,
-                                        keys_as_m=keys_as_m)
+                for permute_d in (False, True):
+                    d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft,
+                                            keys_as_m=keys_as_m, permute_d=permute_d)
+                    d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, f16_dot=False,
+                                            keys_as_m=keys_as_m, permute_d=permute_d)
             for keys_as_m in (False, True):
                 d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3,
                                         keys_as_m=keys_as_m)

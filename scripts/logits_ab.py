@@ -26,12 +26,13 @@ from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_c
 
 DOTS = {"f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_decode's f16_dot
 ORDERS = {"kq": True, "qk": False}     # a config's ":<order>" -> keys_as_m (kq: keys . q^T, the keys as M)
+PERMUTED = "pd"                        # a config's ":pd" -> permute_d (the dot's sum in the fragments' order)
 
 
 def parse_config(text: str) -> tuple:
-    """"128x4", "64x4x4x3", "64x4:bf16" or "128x4:f16:kq" -> (keys a tile, warps, tiles a program, stages, f16_dot,
-    keys_as_m): ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as keys . q^T,
-    ":qk" as q . keys^T; left out, the kernel's default."""
+    """"128x4", "64x4x4x3", "64x4:bf16" or "128x4:f16:kq:pd" -> (keys a tile, warps, tiles a program, stages, f16_dot,
+    keys_as_m, permute_d): ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as
+    keys . q^T, ":qk" as q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order."""
     tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
@@ -39,19 +40,20 @@ def parse_config(text: str) -> tuple:
         parts = []
     if len(parts) == 2:
         parts += [1, 1]
-    known = {**DOTS, **ORDERS}
+    known = {**DOTS, **ORDERS, PERMUTED: True}
     dots = [f for f in flags if f in DOTS]
     orders = [f for f in flags if f in ORDERS]
-    if len(parts) != 4 or min(parts) < 1 or any(f not in known for f in flags) or len(dots) > 1 or len(orders) > 1:
-        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk], e.g. 128x4, "
-                           f"64x4x4x3, 64x4:bf16 or 128x4:f16:kq; got {text!r}")
-    return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None)
+    if (len(parts) != 4 or min(parts) < 1 or any(f not in known for f in flags) or len(dots) > 1 or len(orders) > 1
+            or flags.count(PERMUTED) > 1):
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd], e.g. 128x4, "
+                           f"64x4x4x3, 64x4:bf16 or 128x4:f16:kq:pd; got {text!r}")
+    return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None, PERMUTED in flags)
 
 
-def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None) -> str:
+def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None, permute_d=False) -> str:
     dot = {None: "", True: "-f16dot", False: "-bf16dot"}[f16_dot]
     order = {None: "", True: "-kq", False: "-qk"}[keys_as_m]
-    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}"
+    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}{'-pd' if permute_d else ''}"
 
 
 @one_line_errors
@@ -92,15 +94,16 @@ def main(argv=None) -> int:
         out = torch.empty(B, L, device="cuda")
         ref = None
         calls = {}
-        for n, warps, tiles, stages, f16_dot, keys_as_m in configs:
+        for n, warps, tiles, stages, f16_dot, keys_as_m, permute_d in configs:
             if f16_dot and dt != "fp8":
                 continue                         # the fp16 dot is fp8 keys' only
-            name = config_name(n, warps, tiles, stages, f16_dot, keys_as_m)
+            name = config_name(n, warps, tiles, stages, f16_dot, keys_as_m, permute_d)
 
-            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot, keys_as_m=keys_as_m):
+            def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot, keys_as_m=keys_as_m,
+                     permute_d=permute_d):
                 return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
                                              num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot,
-                                             keys_as_m=keys_as_m)
+                                             keys_as_m=keys_as_m, permute_d=permute_d)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got

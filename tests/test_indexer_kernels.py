@@ -69,14 +69,34 @@ def test_decode_logits_match_reference(dtype, fp8, device):
                                            dtype=dtype, fp8=fp8, device=device)
     ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
     finite = torch.isfinite(ref)
-    # the default tiling, 16-key tiles three a program (a program's last tiles past every row's end), both dot orders
-    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}, {"keys_as_m": True}, {"keys_as_m": False}):
+    # the default tiling, 16-key tiles three a program (a program's last tiles past every row's end), both dot orders,
+    # the sum over D in the fragments' order
+    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}, {"keys_as_m": True}, {"keys_as_m": False},
+                   {"keys_as_m": True, "permute_d": True}, {"block_n": 16, "tiles": 3, "permute_d": True}):
         out = torch.full((T, max_len), float("nan"), device=device)   # poisoned: every entry must be written
         indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out, **tiling)
         out = out.cpu()
         assert not torch.isnan(out).any(), tiling
         assert torch.equal(torch.isneginf(out), ~finite), tiling
         torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+
+
+@pytest.mark.parametrize("D", [40, 128])
+def test_the_sum_over_d_in_fragment_order_is_the_same_sum(D, device):
+    """permute_d reorders q's and the keys' last dimension alike (padded to a power of two: D = 40 sums 64 columns,
+    24 of them zero on both sides), so the logits are the reference's; fp8 and bf16 keys, both dot orders."""
+    gen = torch.Generator().manual_seed(23 + D)
+    for fp8 in (False, True):
+        q, w, cache, bt, lengths = _paged_case(gen, T=2, H=3, D=D, page=16, num_blocks=6, max_len=70,
+                                               dtype=torch.bfloat16, fp8=fp8, device=device)
+        ref = _decode_reference(q, w, cache, bt, lengths, 70).cpu()
+        finite = torch.isfinite(ref)
+        for keys_as_m in (False, True):
+            out = torch.full((2, 70), float("nan"), device=device)
+            indexer_logits_decode(q, w, cache, bt, lengths, max_len=70, out=out, keys_as_m=keys_as_m, permute_d=True)
+            out = out.cpu()
+            assert torch.equal(torch.isneginf(out), ~finite), (fp8, keys_as_m)
+            torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
@@ -405,13 +425,13 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
 
     script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))
     ab, parse = script["main"], script["parse_config"]
-    assert parse("128x4:kq:f16") == parse("128x4:f16:kq") == (128, 4, 1, 1, True, True)
-    assert parse("64x4x4x3:qk") == (64, 4, 4, 3, None, False)
-    assert parse("64x8") == (64, 8, 1, 1, None, None)
+    assert parse("128x4:kq:f16") == parse("128x4:f16:kq") == (128, 4, 1, 1, True, True, False)
+    assert parse("64x4x4x3:qk:pd") == parse("64x4x4x3:pd:qk") == (64, 4, 4, 3, None, False, True)
+    assert parse("64x8") == (64, 8, 1, 1, None, None, False)
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
-    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk]" in capsys.readouterr().err
-    for bad in ("64x4:fp8", "64x4:kq:qk", "64x4:f16:bf16"):
+    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd]" in capsys.readouterr().err
+    for bad in ("64x4:fp8", "64x4:kq:qk", "64x4:f16:bf16", "64x4:pd:pd"):
         assert ab(["--out", str(out), "--configs", bad]) == 1
         assert bad in capsys.readouterr().err
     if not torch.cuda.is_available():
@@ -453,6 +473,7 @@ def test_gpu_decode_glm5_shapes(fp8):
         variants += [{"block_n": 128, "f16_dot": False}, {"block_n": 128, "f16_dot": False, "keys_as_m": True},
                      {"f16_dot": True}, {"f16_dot": True, "keys_as_m": True}, {"soft_fp8": True},
                      {"soft_fp8": True, "block_n": 128, "keys_as_m": True}]
+    variants += [{"block_n": n, "keys_as_m": m, "permute_d": True} for n in (64, 128) for m in (False, True)]
     for kwargs in variants:
         other = torch.full((T, max_len), float("nan"), device="cuda")
         indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)

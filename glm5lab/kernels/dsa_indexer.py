@@ -109,6 +109,16 @@ def dequantize_index_key_cache(cache: torch.Tensor, head_dim: int) -> torch.Tens
 
 # ----------------------------------------------------------------------------------------------- logits
 @triton.jit
+def _fragment_order(x, ROWS: tl.constexpr, DP: tl.constexpr):
+    """x [ROWS, DP] with its last dimension permuted (the dot's sum over it does not change): column 16j + 8h + 2t + e
+    takes x[:, (DP / 4) t + 4j + 2h + e]. An MMA fragment's thread t (of four a row) holds columns 16j + {2t, 2t + 1,
+    2t + 8, 2t + 9}: after the permutation those are one contiguous quarter of the row, so keys loaded as 16-byte
+    vectors reach their fragments by 16-byte shared-memory reads rather than 2-byte ones (sm_90 build, fp8 keys,
+    keys . q^T, 128 keys: 64 LDS.U16 a thread -> 8 LDS.128, NOTES.md v57)."""
+    return tl.reshape(tl.permute(tl.reshape(x, [ROWS, 4, DP // 16, 2, 2]), [0, 2, 3, 1, 4]), [ROWS, DP])
+
+
+@triton.jit
 def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
     """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 (> 0) -> [N] = sum_h w_h relu(q_h.k_n * scale_n), the scale
     applied once a key after the sum (relu commutes with a positive factor). KEYS_AS_M takes the dot as k . q^T, the
@@ -137,7 +147,7 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
                           FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr, F16: tl.constexpr,
-                          KEYS_AS_M: tl.constexpr):
+                          KEYS_AS_M: tl.constexpr, PERMUTE_D: tl.constexpr):
     """TILES tiles of BLOCK_N keys a program, one after another (the loads of the next in flight while one computes,
     STAGES deep), with the query and weights loaded once. F16 (fp8 keys, fp16/bf16 q): the dot runs in fp16 -- q
     scaled per head by a power of two into fp16's range, the inverse folded into the head's weight (relu commutes
@@ -154,6 +164,8 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         q_mul = pow2_into_f16_range(tl.max(tl.abs(q32), axis=1))
         q = (q32 * q_mul[:, None]).to(tl.float16)
         w = w / q_mul                       # exact: a power of two
+    if PERMUTE_D:
+        q = _fragment_order(q, HP, DP)
     for i in tl.range(0, TILES, num_stages=STAGES):
         offs_n = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n < seq
@@ -174,6 +186,8 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         else:
             k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        if PERMUTE_D:
+            k = _fragment_order(k, BLOCK_N, DP)
         logit = _weighted_relu_scores(q, k, w, scale, IEEE, KEYS_AS_M)
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
@@ -217,7 +231,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                           out: torch.Tensor | None = None, block_n: int | None = None,
                           soft_fp8: bool | None = None, num_warps: int = 4, tiles: int = 1,
                           num_stages: int = 2, f16_dot: bool | None = None,
-                          keys_as_m: bool | None = None) -> torch.Tensor:
+                          keys_as_m: bool | None = None, permute_d: bool = False) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
     q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
@@ -230,7 +244,9 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
     (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
     keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a wgmma on Hopper) rather than q . keys^T
-    (default: keys_as_m_default, fp8 keys on Hopper).
+    (default: keys_as_m_default, fp8 keys on Hopper). permute_d sums q and the keys over their last dimension in an
+    order that keeps each MMA fragment's values contiguous in memory (_fragment_order); the logits are the same up
+    to fp32 rounding.
     """
     _check_qw(q, weights)
     T, H, D = q.shape
@@ -283,7 +299,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
         FP8=fp8, IEEE=_dot_in_fp32(q.dtype) and not f16_dot, SOFT_FP8=bool(soft_fp8 and fp8), F16=bool(f16_dot),
-        KEYS_AS_M=bool(keys_as_m), num_warps=num_warps)
+        KEYS_AS_M=bool(keys_as_m), PERMUTE_D=bool(permute_d), num_warps=num_warps)
     return out
 
 
