@@ -137,7 +137,7 @@ def indexer_topk(sm: int):
 def indexer_logits(sm: int):
     """Decode logits on a plain (fp16 / bf16 / fp32) and an fp8 index-key cache at the tilings a GPU run takes
     (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders, fp8 keys' sum over D in both
-    orders of D; fp8 keys by the hardware conversion from
+    orders of D, an e4m3 q; fp8 keys by the hardware conversion from
     SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
     prefill logits."""
     from glm5lab.kernels import dsa_indexer as d
@@ -170,6 +170,9 @@ def indexer_logits(sm: int):
             for keys_as_m in (False, True):
                 d.indexer_logits_decode(q, w, fp8, table, lens, block_n=block_n, soft_fp8=soft, tiles=4, num_stages=3,
                                         keys_as_m=keys_as_m)
+                # an e4m3 q (vLLM's): the fp8 x fp8 dot from SM89 on, widened to bf16 before
+                d.indexer_logits_decode(q.to(torch.float8_e4m3fn), w, fp8, table, lens, block_n=block_n,
+                                        soft_fp8=soft, keys_as_m=keys_as_m)
 
 
 def paged_decode(sm: int):

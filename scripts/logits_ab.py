@@ -27,12 +27,14 @@ from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_c
 DOTS = {"f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_decode's f16_dot
 ORDERS = {"kq": True, "qk": False}     # a config's ":<order>" -> keys_as_m (kq: keys . q^T, the keys as M)
 PERMUTED = "pd"                        # a config's ":pd" -> permute_d (the dot's sum in the fragments' order)
+FP8_Q = "q8"                           # a config's ":q8" -> q passed as e4m3 (vLLM's): the fp8 x fp8 dot
 
 
 def parse_config(text: str) -> tuple:
     """"128x4", "64x4x4x3", "64x4:bf16" or "128x4:f16:kq:pd" -> (keys a tile, warps, tiles a program, stages, f16_dot,
     keys_as_m, permute_d): ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as
-    keys . q^T, ":qk" as q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order."""
+    keys . q^T, ":qk" as q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order; ":q8"
+    passes q as e4m3 (every config's q is e4m3-representable, so all compute the same products)."""
     tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
@@ -40,20 +42,23 @@ def parse_config(text: str) -> tuple:
         parts = []
     if len(parts) == 2:
         parts += [1, 1]
-    known = {**DOTS, **ORDERS, PERMUTED: True}
+    known = {**DOTS, **ORDERS, PERMUTED: True, FP8_Q: True}
     dots = [f for f in flags if f in DOTS]
     orders = [f for f in flags if f in ORDERS]
     if (len(parts) != 4 or min(parts) < 1 or any(f not in known for f in flags) or len(dots) > 1 or len(orders) > 1
-            or flags.count(PERMUTED) > 1):
-        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd], e.g. 128x4, "
-                           f"64x4x4x3, 64x4:bf16 or 128x4:f16:kq:pd; got {text!r}")
-    return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None, PERMUTED in flags)
+            or flags.count(PERMUTED) > 1 or flags.count(FP8_Q) > 1 or (FP8_Q in flags and dots)):
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd][:q8] (:q8 "
+                           f"without a dot flag), e.g. 128x4, 64x4x4x3, 64x4:bf16, 128x4:f16:kq:pd or 64x4:kq:q8; "
+                           f"got {text!r}")
+    return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None, PERMUTED in flags,
+            FP8_Q in flags)
 
 
-def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None, permute_d=False) -> str:
+def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None, permute_d=False, fp8_q=False) -> str:
     dot = {None: "", True: "-f16dot", False: "-bf16dot"}[f16_dot]
     order = {None: "", True: "-kq", False: "-qk"}[keys_as_m]
-    return f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}{'-pd' if permute_d else ''}"
+    return (f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}{'-pd' if permute_d else ''}"
+            f"{'-q8' if fp8_q else ''}")
 
 
 @one_line_errors
@@ -85,7 +90,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_gbps()
     rows = []
     for dt, L, B in tqdm([(d, L, B) for d in args.dtypes for L in args.contexts for B in args.batches], desc="logits"):
-        q = torch.randn(B, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+        q = torch.randn(B, H, D, device="cuda", generator=gen).to(torch.float8_e4m3fn).to(torch.bfloat16)
+        q8 = q.to(torch.float8_e4m3fn)                                    # exact
         w = torch.randn(B, H, device="cuda", generator=gen) / H
         lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
         blocks = -(-L // page)
@@ -94,20 +100,23 @@ def main(argv=None) -> int:
         out = torch.empty(B, L, device="cuda")
         ref = None
         calls = {}
-        for n, warps, tiles, stages, f16_dot, keys_as_m, permute_d in configs:
-            if f16_dot and dt != "fp8":
-                continue                         # the fp16 dot is fp8 keys' only
-            name = config_name(n, warps, tiles, stages, f16_dot, keys_as_m, permute_d)
+        for n, warps, tiles, stages, f16_dot, keys_as_m, permute_d, fp8_q in configs:
+            if (f16_dot or fp8_q) and dt != "fp8":
+                continue                         # the fp16 dot and the fp8 x fp8 dot are fp8 keys' only
+            name = config_name(n, warps, tiles, stages, f16_dot, keys_as_m, permute_d, fp8_q)
 
             def call(t, n=n, warps=warps, tiles=tiles, stages=stages, f16_dot=f16_dot, keys_as_m=keys_as_m,
-                     permute_d=permute_d):
-                return indexer_logits_decode(q, w, caches[dt], t, lengths, max_len=L, out=out, block_n=n,
-                                             num_warps=warps, tiles=tiles, num_stages=stages, f16_dot=f16_dot,
+                     permute_d=permute_d, fp8_q=fp8_q):
+                return indexer_logits_decode(q8 if fp8_q else q, w, caches[dt], t, lengths, max_len=L, out=out,
+                                             block_n=n, num_warps=warps, tiles=tiles, num_stages=stages,
+                                             f16_dot=f16_dot,
                                              keys_as_m=keys_as_m, permute_d=permute_d)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got
-            elif not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
+            elif not torch.allclose(got, ref, rtol=1e-5, atol=1e-3 * float(ref.abs().max()) if fp8_q else 1e-5):
+                # (the fp8 x fp8 dot's products are the same, its fp32 sums not: Hopper's fp8 MMA adds with fewer
+                # mantissa bits)
                 raise Glm5labError(f"{dt} B{B} L{L}: {name} gives other logits")
             calls[name] = call
         times = {name: [] for name in calls}

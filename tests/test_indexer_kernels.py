@@ -99,6 +99,33 @@ def test_the_sum_over_d_in_fragment_order_is_the_same_sum(D, device):
             torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
 
 
+def test_an_e4m3_q_meets_fp8_keys_in_an_fp8_dot(device):
+    """vLLM's indexer hands over q in e4m3 (its scale folded into the weights): with fp8 keys the dot takes both as
+    they are, in both orders and tilings, and equals the reference on the e4m3 values; with bf16 keys, or the soft
+    conversion of GPUs before SM89, q is widened to bf16 (exact), bit for bit the bf16 q's logits."""
+    gen = torch.Generator().manual_seed(29)
+    for fp8 in (True, False):
+        q, w, cache, bt, lengths = _paged_case(gen, T=3, H=5, D=128, page=16, num_blocks=7, max_len=45,
+                                               dtype=torch.bfloat16, fp8=fp8, device=device)
+        q8 = q.to(torch.float8_e4m3fn)
+        wide = q8.to(torch.bfloat16)
+        ref = _decode_reference(wide, w, cache, bt, lengths, 45).cpu()
+        finite = torch.isfinite(ref)
+        tilings = ({}, {"keys_as_m": True}, {"keys_as_m": False, "block_n": 16, "tiles": 3},
+                   {"keys_as_m": True, "permute_d": True}) if fp8 else ({},)
+        for kw in tilings:
+            out = torch.full((3, 45), float("nan"), device=device)
+            indexer_logits_decode(q8, w, cache, bt, lengths, max_len=45, out=out, **kw)
+            out = out.cpu()
+            assert torch.equal(torch.isneginf(out), ~finite), kw
+            torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+        for kw in ({"soft_fp8": True},) if fp8 else ({},):
+            assert torch.equal(indexer_logits_decode(q8, w, cache, bt, lengths, **kw),
+                               indexer_logits_decode(wide, w, cache, bt, lengths, **kw)), fp8
+    with pytest.raises(Glm5labError, match="float8_e4m3fn, got torch.int8"):
+        indexer_logits_decode(q.to(torch.int8), w, cache, bt, lengths)
+
+
 @pytest.mark.parametrize("q_dtype", DTYPES)
 def test_software_fp8_decode_equals_hardware_conversion(q_dtype, device):
     """GPUs before SM89 have no e4m3: the kernel moves the bits into fp16 (the keys times 2^-8, the 2^8 put into the
@@ -425,13 +452,14 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
 
     script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "logits_ab.py"))
     ab, parse = script["main"], script["parse_config"]
-    assert parse("128x4:kq:f16") == parse("128x4:f16:kq") == (128, 4, 1, 1, True, True, False)
-    assert parse("64x4x4x3:qk:pd") == parse("64x4x4x3:pd:qk") == (64, 4, 4, 3, None, False, True)
-    assert parse("64x8") == (64, 8, 1, 1, None, None, False)
+    assert parse("128x4:kq:f16") == parse("128x4:f16:kq") == (128, 4, 1, 1, True, True, False, False)
+    assert parse("64x4x4x3:qk:pd") == parse("64x4x4x3:pd:qk") == (64, 4, 4, 3, None, False, True, False)
+    assert parse("64x4:q8:kq") == (64, 4, 1, 1, None, True, False, True)
+    assert parse("64x8") == (64, 8, 1, 1, None, None, False, False)
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1
-    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd]" in capsys.readouterr().err
-    for bad in ("64x4:fp8", "64x4:kq:qk", "64x4:f16:bf16", "64x4:pd:pd"):
+    assert "<keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd][:q8]" in capsys.readouterr().err
+    for bad in ("64x4:fp8", "64x4:kq:qk", "64x4:f16:bf16", "64x4:pd:pd", "64x4:q8:f16"):
         assert ab(["--out", str(out), "--configs", bad]) == 1
         assert bad in capsys.readouterr().err
     if not torch.cuda.is_available():
@@ -474,6 +502,15 @@ def test_gpu_decode_glm5_shapes(fp8):
                      {"f16_dot": True}, {"f16_dot": True, "keys_as_m": True}, {"soft_fp8": True},
                      {"soft_fp8": True, "block_n": 128, "keys_as_m": True}]
     variants += [{"block_n": n, "keys_as_m": m, "permute_d": True} for n in (64, 128) for m in (False, True)]
+    if fp8:    # an e4m3 q, as vLLM passes it: the fp8 x fp8 dot, against the reference on the e4m3 values
+        q8 = q.to(torch.float8_e4m3fn)
+        ref8 = torch.einsum("thd,tsd->ths", q8.double(), keys.double()).relu()
+        ref8 = torch.einsum("th,ths->ts", w.double(), ref8)[finite]
+        for kwargs in [{"block_n": n, "keys_as_m": m} for n in (64, 128) for m in (False, True)] + [{}]:
+            got = torch.full((T, max_len), float("nan"), device="cuda")
+            indexer_logits_decode(q8, w, cache, bt, lengths, max_len=max_len, out=got, **kwargs)
+            assert torch.equal(torch.isneginf(got), ~finite), kwargs
+            torch.testing.assert_close(got[finite].double(), ref8, atol=_tol(torch.bfloat16, ref), rtol=0)
     for kwargs in variants:
         other = torch.full((T, max_len), float("nan"), device="cuda")
         indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)

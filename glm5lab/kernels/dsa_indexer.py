@@ -147,7 +147,7 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
                           FP8: tl.constexpr, IEEE: tl.constexpr, SOFT_FP8: tl.constexpr, F16: tl.constexpr,
-                          KEYS_AS_M: tl.constexpr, PERMUTE_D: tl.constexpr):
+                          KEYS_AS_M: tl.constexpr, PERMUTE_D: tl.constexpr, FP8_DOT: tl.constexpr):
     """TILES tiles of BLOCK_N keys a program, one after another (the loads of the next in flight while one computes,
     STAGES deep), with the query and weights loaded once. F16 (fp8 keys, fp16/bf16 q): the dot runs in fp16 -- q
     scaled per head by a power of two into fp16's range, the inverse folded into the head's weight (relu commutes
@@ -181,6 +181,8 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
             if SOFT_FP8:   # no e4m3 in hardware (before SM89): the bits moved into fp16 are the keys times 2^-8
                 k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
                 scale = scale * 256.0
+            elif FP8_DOT:  # q is e4m3 too: the tensor cores take both as they are (sm_90: QGMMA), nothing converted
+                k = bits.to(tl.float8e4nv, bitcast=True)
             else:
                 k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         else:
@@ -193,11 +195,11 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
 
 
-def _check_qw(q: torch.Tensor, weights: torch.Tensor) -> None:
+def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> None:
     if q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, D], got shape {tuple(q.shape)}")
-    if q.dtype not in _KEY_DTYPES:
-        raise Glm5labError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    if q.dtype not in _KEY_DTYPES and not (fp8_q and q.dtype == torch.float8_e4m3fn):
+        raise Glm5labError(f"q must be float16/bfloat16/float32{'/float8_e4m3fn' if fp8_q else ''}, got {q.dtype}")
     if weights.shape != q.shape[:2]:
         raise Glm5labError(f"weights must be [tokens, heads] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
     if q.stride(-1) != 1:
@@ -246,9 +248,10 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a wgmma on Hopper) rather than q . keys^T
     (default: keys_as_m_default, fp8 keys on Hopper). permute_d sums q and the keys over their last dimension in an
     order that keeps each MMA fragment's values contiguous in memory (_fragment_order); the logits are the same up
-    to fp32 rounding.
+    to fp32 rounding. An e4m3 q (vLLM's indexer quantizes q so, its scale folded into the weights) meets fp8 keys in
+    an fp8 x fp8 dot, neither converted, where the GPU has e4m3 (SM89 on); elsewhere it is widened to bf16 (exact).
     """
-    _check_qw(q, weights)
+    _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape
     fp8 = is_fp8_cache(k_cache, D)
     if fp8:
@@ -277,11 +280,14 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
     if T == 0 or max_len == 0:
         return out
-    if kt.dtype != q.dtype and not fp8:
-        kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     capability = cuda_capability(q.device) if q.is_cuda else None
     if soft_fp8 is None:
         soft_fp8 = capability is not None and capability < (8, 9)
+    fp8_dot = q.dtype == torch.float8_e4m3fn and fp8 and not soft_fp8
+    if q.dtype == torch.float8_e4m3fn and not fp8_dot:
+        q = q.to(torch.bfloat16)    # exact; plain keys, or no e4m3 in this GPU's tensor cores (before SM89)
+    if kt.dtype != q.dtype and not fp8:
+        kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     if f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
         raise Glm5labError(f"f16_dot needs an fp8 key cache and an fp16/bf16 q, got {k_cache.dtype} keys "
                            f"and {q.dtype} q")
@@ -299,7 +305,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
         FP8=fp8, IEEE=_dot_in_fp32(q.dtype) and not f16_dot, SOFT_FP8=bool(soft_fp8 and fp8), F16=bool(f16_dot),
-        KEYS_AS_M=bool(keys_as_m), PERMUTE_D=bool(permute_d), num_warps=num_warps)
+        KEYS_AS_M=bool(keys_as_m), PERMUTE_D=bool(permute_d), FP8_DOT=fp8_dot, num_warps=num_warps)
     return out
 
 
