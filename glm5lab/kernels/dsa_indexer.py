@@ -236,7 +236,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                           keys_as_m: bool | None = None, permute_d: bool = False) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
-    q [T, H, D] fp16/bf16/fp32; weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
+    q [T, H, D] fp16/bf16/fp32 or e4m3 (below); weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
     fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens
     [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
     output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
