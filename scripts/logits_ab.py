@@ -2,8 +2,8 @@
 dtypes and orders, in one process on the same paged caches, timed in CUDA graphs as the indexer bench times them
 (rotating disjoint row sets, so the keys come from memory) in --rounds interleaved rounds (the median is the row),
 each config's logits checked against the first one's. Rows (metric logits_time_graph and
-fraction_of_copy_ceiling_graph, implementation glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot][-kq|-qk])
-are appended to --out.
+fraction_of_copy_ceiling_graph, implementation glm5lab-triton-n<keys>w<warps>t<tiles>s<stages>[-<dot>dot][-kq|-qk]
+[-pd][-q8]) are appended to --out.
 
     PYTHONPATH=. python scripts/logits_ab.py --out results/indexer/logits_ab.csv --configs 128x4 64x4 64x4x4x3
     PYTHONPATH=. python scripts/logits_ab.py --out ... --configs 64x4:bf16 64x4:f16 --dtypes fp8   # fp8 keys' dot
@@ -109,8 +109,7 @@ def main(argv=None) -> int:
                      permute_d=permute_d, fp8_q=fp8_q):
                 return indexer_logits_decode(q8 if fp8_q else q, w, caches[dt], t, lengths, max_len=L, out=out,
                                              block_n=n, num_warps=warps, tiles=tiles, num_stages=stages,
-                                             f16_dot=f16_dot,
-                                             keys_as_m=keys_as_m, permute_d=permute_d)
+                                             f16_dot=f16_dot, keys_as_m=keys_as_m, permute_d=permute_d)
             got = call(tables[0]).clone()
             if ref is None:
                 ref = got

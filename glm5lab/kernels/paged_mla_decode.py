@@ -15,12 +15,12 @@ Addresses are computed in int64 (block id x block stride overflows int32 on larg
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.host import cdiv, next_pow2, sm_count
 
@@ -113,10 +113,6 @@ def _paged_mla_decode_kernel(
     else:
         tl.store(o_ptr, out, mask=mask_h[:, None] & mask_l[None, :])
     tl.store(LSE + row.to(tl.int64) * stride_lr + offs_h * stride_lh + split * stride_ls, lse, mask=mask_h)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _default_splits(rows: int, head_blocks: int, max_len_hint: int, device: torch.device) -> int:

@@ -28,7 +28,6 @@ Why this shape of kernel (notebook 05 walks through it):
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -36,6 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
+from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
@@ -731,10 +731,6 @@ def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (the merge kernel launched while the attention grid still runs, waiting
     in griddepcontrol.wait): NVIDIA sm_90+, not under the interpreter (which has no inline PTX)."""
     return _nvidia_sm_at_least(device, (9, 0))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
