@@ -502,20 +502,18 @@ def test_gpu_decode_glm5_shapes(fp8):
                      {"f16_dot": True}, {"f16_dot": True, "keys_as_m": True}, {"soft_fp8": True},
                      {"soft_fp8": True, "block_n": 128, "keys_as_m": True}]
     variants += [{"block_n": n, "keys_as_m": m, "permute_d": True} for n in (64, 128) for m in (False, True)]
+    cases = [(q, ref[finite], kwargs) for kwargs in variants]
     if fp8:    # an e4m3 q, as vLLM passes it: the fp8 x fp8 dot, against the reference on the e4m3 values
         q8 = q.to(torch.float8_e4m3fn)
         ref8 = torch.einsum("thd,tsd->ths", q8.double(), keys.double()).relu()
         ref8 = torch.einsum("th,ths->ts", w.double(), ref8)[finite]
-        for kwargs in [{"block_n": n, "keys_as_m": m} for n in (64, 128) for m in (False, True)] + [{}]:
-            got = torch.full((T, max_len), float("nan"), device="cuda")
-            indexer_logits_decode(q8, w, cache, bt, lengths, max_len=max_len, out=got, **kwargs)
-            assert torch.equal(torch.isneginf(got), ~finite), kwargs
-            torch.testing.assert_close(got[finite].double(), ref8, atol=_tol(torch.bfloat16, ref), rtol=0)
-    for kwargs in variants:
+        cases += [(q8, ref8, {"block_n": n, "keys_as_m": m}) for n in (64, 128) for m in (False, True)]
+        cases += [(q8, ref8, {})]
+    for q_in, want, kwargs in cases:
         other = torch.full((T, max_len), float("nan"), device="cuda")
-        indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
-        assert torch.equal(torch.isneginf(other), ~finite), kwargs
-        torch.testing.assert_close(other[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
+        indexer_logits_decode(q_in, w, cache, bt, lengths, max_len=max_len, out=other, **kwargs)
+        assert torch.equal(torch.isneginf(other), ~finite), (q_in.dtype, kwargs)
+        torch.testing.assert_close(other[finite].double(), want, atol=_tol(torch.bfloat16, ref), rtol=0)
     top = indexer_topk(out, k, lengths)
     assert torch.equal(top, indexer_topk_reference(out, k, lengths))      # exact on its own logits
     assert topk_sets_agree(top, ref, k, lengths, atol=_tol(torch.bfloat16, ref)) == []
