@@ -15,6 +15,8 @@ conditional one).
                                     # the warp-specialized 64-head kernel)
     PYTHONPATH=. python scripts/sass_report.py --config '{"tma_probe": true, "plan": "rows3"}'   # the TMA gather
                                     # probe's kernel (glm5lab.bench.tma_gather_probe)
+    PYTHONPATH=. python scripts/sass_report.py --config '{"indexer_logits": true, "KEYS_AS_M": true, "FP8_DOT": true}'
+                                    # the indexer's decode logits kernel (INDEXER_DEFAULTS: 32 heads, 128 fp8 keys)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -36,8 +38,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-KEYS = ["HMMA", "HGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDSM", "STS", "LDL", "STL", "F2FP", "F2F", "PRMT",
-        "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "REDUX", "BAR", "WARPGROUP.DEPBAR", "UTMALDG"]
+KEYS = ["HMMA", "HGMMA", "QMMA", "QGMMA", "LDGSTS", "LDG", "LDS", "LDS.U8", "LDS.U16", "LDS.128", "LDSM", "STS",
+        "LDL", "STL", "F2FP", "F2F", "PRMT", "FMUL", "FFMA", "HMUL2", "HADD2", "MUFU", "SHFL", "REDUX", "BAR",
+        "WARPGROUP.DEPBAR", "UTMALDG"]
 KERNEL_DEFAULTS = {"SPLIT": False, "FUSED_MERGE": True, "UPCAST": False, "RELOAD": False, "FP8_DIAG": 0,
                    "WORDS": False, "F16": False, "CVT": 1, "S_PAD": 1}
 POINTERS = {"SLOTS": "*i32", "STAMPS": "*i64", "LSE": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32",
@@ -55,6 +58,8 @@ def build(config: dict, sm: int = 90):
 
         src, opts = tma_gather_probe.offline_source(**cfg)
         return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
+    if cfg.pop("indexer_logits", False):  # the indexer's decode logits kernel (glm5lab.kernels.dsa_indexer)
+        return _build_indexer_logits(cfg, sm)
     gluon = cfg.pop("gluon", False)
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
@@ -96,6 +101,32 @@ def build(config: dict, sm: int = 90):
     return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
 
 
+# the decode logits kernel at GLM-5's indexer (32 heads x 128, page 64), one 128-key fp8 tile a program with q . k^T
+INDEXER_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "PAGE": 64, "BLOCK_N": 128, "TILES": 1, "STAGES": 1,
+                    "FP8": True, "IEEE": False, "SOFT_FP8": False, "F16": False, "KEYS_AS_M": False, "PERMUTE_D": False,
+                    "FP8_DOT": False}
+
+
+def _build_indexer_logits(cfg: dict, sm: int):
+    """_decode_logits_kernel with INDEXER_DEFAULTS overridden by `cfg` ("q_dtype": "bf16" by default, "fp8e4nv" with
+    FP8_DOT), every pointer and stride 16-aligned as the indexer's launches are."""
+    from glm5lab.kernels.dsa_indexer import _decode_logits_kernel as kern
+
+    opts = {"num_warps": cfg.pop("num_warps", 4)}
+    qdt = cfg.pop("q_dtype", "fp8e4nv" if cfg.get("FP8_DOT") else "bf16")
+    consts = {**INDEXER_DEFAULTS, **cfg}
+    unknown = set(consts) - set(kern.arg_names)
+    if unknown:
+        raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
+    ptr = {"Q": f"*{qdt}", "W": "*fp32", "K": "*u8" if consts["FP8"] else f"*{qdt}", "KSCALE": "*fp32", "BT": "*i32",
+           "SEQ": "*i32", "OUT": "*fp32"}
+    names = list(kern.arg_names)
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
+
+
 def backward_spans(ins: list) -> tuple:
     """(first, last) addresses, in (address, text) SASS, of the longest backward branch (the report's "loop", whose
     instruction mix it counts) and of the longest conditional one ("step_loop"; None without one). In the
@@ -131,12 +162,14 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def report(compiled) -> dict:
-    """Registers / stack / shared memory and the main loop's instruction counts of a compiled kernel."""
+    """Registers / stack / shared memory, the kernel's instruction count, and the instruction counts of its main
+    loop ("counted": "loop") or, in a kernel without one (the indexer's one-tile programs), of the whole kernel
+    ("kernel")."""
     sass = cuobjdump(compiled.asm["cubin"], "-sass")
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]+)\*/\s+(.*?);", sass)]
     loop, step = backward_spans(ins)
     body = [t for a, t in ins if loop and loop[0] <= a <= loop[1]]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body or [t for _, t in ins])
 
     def count(key):
         if key == "LDS":
@@ -145,7 +178,8 @@ def report(compiled) -> dict:
 
     regions = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                    compiled.asm["ptx"])})   # warp-specialized: registers a region
-    return {**resource_usage(compiled.asm["cubin"]), "smem": compiled.metadata.shared, "loop": len(body),
+    return {**resource_usage(compiled.asm["cubin"]), "smem": compiled.metadata.shared, "instructions": len(ins),
+            "loop": len(body), "counted": "loop" if body else "kernel",
             "step_loop": sum(1 for a, _ in ins if step and step[0] <= a <= step[1]),
             **{k: count(k) for k in KEYS if count(k)},
             **({"setmaxnreg": regions} if regions else {}), "_sass": sass}

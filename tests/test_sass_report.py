@@ -52,3 +52,20 @@ def test_backward_spans_tell_a_partitions_step_loop_from_an_mbarrier_retry_jump(
            (0x920, "BRA 0x110")]                                                            # the retry block
     assert script.backward_spans(ins) == ((0x110, 0x920), (0x300, 0x700))
     assert script.backward_spans([(0x10, "NOP"), (0x20, "BRA 0x10")]) == ((0x10, 0x20), None)
+
+
+def test_the_indexer_logits_e4m3_q_and_fragment_order_builds():
+    """sm90 builds of the indexer's 128-key fp8 tile with keys . q^T (NOTES.md v57): with a bf16 q the keys reach the
+    wgmma's A fragments by 2-byte shared-memory reads and are converted (F2FP); permute_d makes those reads 16-byte
+    ones; an e4m3 q takes the fp8 x fp8 wgmma (QGMMA) with nothing converted, in under two thirds of the
+    instructions."""
+    base = {"indexer_logits": True, "KEYS_AS_M": True}
+    bf16_q, permuted, e4m3_q = sass_report({**base, "F16": True}, {**base, "F16": True, "PERMUTE_D": True},
+                                           {**base, "FP8_DOT": True}, sm=90)
+    bf16_q, permuted, e4m3_q = bf16_q["report"], permuted["report"], e4m3_q["report"]
+    assert bf16_q["HGMMA"] > 0 and bf16_q["LDS.U16"] >= 64 and bf16_q["F2FP"] >= 64
+    assert permuted.get("LDS.U16", 0) == 0 and permuted["LDS.128"] >= 8
+    assert permuted["instructions"] < bf16_q["instructions"]
+    assert e4m3_q["QGMMA"] > 0 and "F2FP" not in e4m3_q and "HGMMA" not in e4m3_q
+    assert 3 * e4m3_q["instructions"] < 2 * bf16_q["instructions"]
+    assert all(r["stack"] == 0 and r["counted"] == "kernel" for r in (bf16_q, permuted, e4m3_q))
