@@ -31,8 +31,13 @@ def package_version(*dists: str) -> str | None:
 
 
 def interpreter_mode() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter. Triton's own reading of TRITON_INTERPRET ("1", "true",
+    "on", "yes", "y", any case), so that glm5lab never picks a GPU-only path while Triton interprets, or the reverse."""
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):          # no Triton, or one older than its knobs (3.4)
+        return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
 def gpu_info() -> dict:

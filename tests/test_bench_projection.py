@@ -77,7 +77,7 @@ def test_capacity_and_batch_behaviour(projections):
 
 def test_efficiency_lookup_names_each_missing_input():
     eff, missing = projection.efficiencies(_measured().query("suite != 'gemm_streaming'"), 32, 16384)
-    assert set(eff) == {"attention", "indexer"}
+    assert set(eff) == {"attention", "indexer", "topk_us"}
     assert len(missing) == 1 and "gemm" in missing[0].lower()
 
 
@@ -100,9 +100,11 @@ def test_efficiencies_come_from_cuda_graph_time_where_the_run_has_it():
     graph = slow[slow.metric.isin(["roofline_fraction", "fraction_of_copy_ceiling"])]
     graph = graph.assign(metric=graph.metric + "_graph", value=graph.metric.map({"roofline_fraction": 0.4,
                                                                                 "fraction_of_copy_ceiling": 0.3}))
-    assert projection.efficiencies(slow, 1, 4096)[0] == {"attention": 0.05, "indexer": 0.01, "weights": 0.7}
-    assert projection.efficiencies(pd.concat([slow, graph]), 1, 4096)[0] == {"attention": 0.4, "indexer": 0.3,
-                                                                              "weights": 0.7}
+    fractions = ("attention", "indexer", "weights")
+    assert {k: projection.efficiencies(slow, 1, 4096)[0][k] for k in fractions} == \
+        {"attention": 0.05, "indexer": 0.01, "weights": 0.7}
+    assert {k: projection.efficiencies(pd.concat([slow, graph]), 1, 4096)[0][k] for k in fractions} == \
+        {"attention": 0.4, "indexer": 0.3, "weights": 0.7}
     only_attention = pd.concat([slow, graph[graph.suite == "sparse_mla_kernel"]])
     assert projection.efficiencies(only_attention, 1, 4096)[0]["indexer"] == 0.01
     kw = dict(qtypes=("Q4_K",), batches=(1,), contexts=(4096,))

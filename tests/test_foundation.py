@@ -86,6 +86,21 @@ def test_gpu_slug_names_the_model_not_its_memory_or_form(name, slug):
     assert gpu_slug(name) == slug
 
 
+@pytest.mark.parametrize("value", ["1", "true", "ON", "yes", "Y", "0", "false", "off", "2", "", "yes ", None])
+def test_interpreter_mode_reads_triton_interpret_as_triton_does(monkeypatch, value):
+    """glm5lab picks GPU-only paths (inline asm, maxnreg, the bf16 upcast) from interpreter_mode(): it must agree
+    with Triton's own reading of TRITON_INTERPRET, or a kernel Triton interprets gets a GPU-only launch."""
+    from triton._C.libtriton import getenv_bool
+
+    from glm5lab.env import interpreter_mode
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_mode() == getenv_bool("TRITON_INTERPRET", False)
+
+
 def test_env_slug_cli_names_this_machine():
     from glm5lab.env import gpu_info, gpu_slug
 

@@ -187,7 +187,7 @@ def topk_time_us(df: pd.DataFrame, batch: int, context: int) -> float | None:
 
 def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list[str]]:
     """Measured fractions of the H200's copy bandwidth for this batch/context (CUDA-graph timed where the run has
-    it: `_graph_timed`), and what is missing."""
+    it: `_graph_timed`), the indexer top-k's measured time (`topk_us`, us a layer), and what is missing."""
     eff, missing = {}, []
     if df.empty:
         return eff, ["no GPU-measured rows found (run `glm5lab bench --suite full` on a GPU)"]
@@ -213,7 +213,10 @@ def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list
         eff["weights"] = _nearest(gemm.dropna(subset=["B"]), "B", batch)
     else:
         missing.append("weight-streaming GEMM fraction of copy (gemm_streaming part)")
-    if topk_time_us(df, batch, context) is None:
+    topk_us = topk_time_us(df, batch, context)
+    if topk_us is not None:
+        eff["topk_us"] = topk_us
+    else:
         missing.append("indexer top-k time (indexer_bench topk_time of the hist / split kernels)")
     return eff, missing
 
@@ -256,7 +259,7 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
                     t_w = w_bytes / (bw * max(e["weights"], 1e-3))
                     t_kv = kv_bytes / (bw * max(e["attention"], 1e-3))
                     t_idx = idx_bytes / (bw * max(e["indexer"], 1e-3))
-                    t_topk = (topk_time_us(df, B, L) * 1e-6 * L_layers if kind == "projection"
+                    t_topk = (eff["topk_us"] * 1e-6 * L_layers if kind == "projection"
                               else logits_bytes / bw)
                     step = max(t_w + t_kv + t_idx + t_topk, t_compute) + t_ar
                     out.append(dict(qtype=qt, batch=B, context=L, kind=kind, fits=fits, resident_gb=resident / 1e9,

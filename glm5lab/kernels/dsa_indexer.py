@@ -18,12 +18,12 @@ shorter than k give all their positions then -1.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from glm5lab.env import interpreter_mode
 from glm5lab.errors import Glm5labError
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2
@@ -36,7 +36,7 @@ _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
     """fp32 inputs use an exact (IEEE) dot. Triton 3.6's interpreter computes bf16 tl.dot wrongly
     (garbage of order 1e10), so under TRITON_INTERPRET=1 bf16 operands are upcast first."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_mode())
 
 
 def _pow2(n: int, floor: int = 1) -> int:

@@ -12,6 +12,7 @@ import logging
 
 from vllm.v1.attention.backend import AttentionBackend
 
+from glm5lab.env import interpreter_mode
 from glm5lab.vllm_plugin import ledger
 from glm5lab.vllm_plugin.ledger import Patch
 
@@ -80,9 +81,7 @@ INDEXER_PATH_TORCH = "glm5lab indexer torch-reference"
 
 
 def indexer_path() -> str:
-    import os
-
-    return INDEXER_PATH_TRITON if os.environ.get("TRITON_INTERPRET") == "1" else INDEXER_PATH_TORCH
+    return INDEXER_PATH_TRITON if interpreter_mode() else INDEXER_PATH_TORCH
 
 
 def _plain_index_head_dim(packed_width: int) -> int:

@@ -24,10 +24,10 @@ torch path of the same computation ("glm5lab-torch").
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from glm5lab.env import interpreter_mode
 from glm5lab.vllm_plugin import ledger
 from glm5lab.vllm_plugin.ledger import Patch
 
@@ -75,7 +75,7 @@ def instance_blocker(**kw) -> str | None:
 
 def compute_path(device: torch.device) -> str:
     """'triton' where Triton can run (CUDA, or the interpreter), else 'torch'."""
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cuda" or interpreter_mode():
         return "triton"
     return "torch"
 

@@ -18,7 +18,6 @@ without `TRITON_INTERPRET=1` the same backend runs its clearly named torch path 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,6 +42,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.mla.sparse_utils import align_blocks_to_rows, flat_kv_row_view
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from glm5lab.env import interpreter_mode
 from glm5lab.sparse.virtual_block_table import req_index_to_global_slots
 from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME
 
@@ -70,7 +70,7 @@ def _triton_kernel():
 
 def attention_path(device: torch.device | str) -> str:
     """Which implementation forward_mqa uses on `device` (decided per call, not at import)."""
-    triton_ok = torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    triton_ok = torch.device(device).type == "cuda" or interpreter_mode()
     return PATH_TRITON if triton_ok and _triton_kernel() is not None else PATH_TORCH
 
 

@@ -11,10 +11,10 @@ glm5lab's own kernel returns 0 and lse -inf there.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from glm5lab.env import interpreter_mode
 from glm5lab.sparse.virtual_block_table import (
     VirtualBlockTable,
     page_size_one_view,
@@ -29,7 +29,7 @@ def vllm_triton_decode_status() -> dict:
         from vllm.triton_utils import HAS_TRITON
     except Exception as exc:  # not installed / broken install
         return {"available": False, "reason": f"vLLM is not importable here ({type(exc).__name__}: {exc})"}
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreting = interpreter_mode()
     if not HAS_TRITON:
         return {"available": False,
                 "reason": f"vLLM {vllm.__version__} switched Triton off in this process "
