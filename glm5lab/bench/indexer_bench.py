@@ -3,13 +3,13 @@ the torch version (gather the keys through the block table, batched matmul, relu
 torch.topk), at GLM-5's sizes: 32 index heads x 128, index_topk 2048, page 64, contexts 4k-64k,
 batch 1-256, bf16 and vLLM's fp8 index-key cache layout (issue 9).
 
-For each shape: median time of logits, top-k (each kernel, and torch.topk) and the whole step as glm5lab's
-indexer op runs it (the top-k kernel `fastest_topk_method` picks; glm5lab.bench.timing.bench: CUDA events, L2
-flushed, launch overhead included: at batch 1 most of the logits' time), on a GPU also the CUDA-graph time of
-logits and step as a captured decode step sees them (`_graph_times`), the bytes the logits kernel must read (keys
-of every context token + q + weights + the logits it writes) against the device copy bandwidth measured in the
-same run, and a correctness check (rows of the step's top-k that obey the tie rule on the torch logits, within
-the logits tolerance).
+For each shape: median time of logits (for fp8 keys also with an e4m3 q, as vLLM hands it over: `_e4m3_q_rows`),
+top-k (each kernel, and torch.topk) and the whole step as glm5lab's indexer op runs it (the top-k kernel
+`fastest_topk_method` picks; glm5lab.bench.timing.bench: CUDA events, L2 flushed, launch overhead included: at batch
+1 most of the logits' time), on a GPU also the CUDA-graph time of logits and step as a captured decode step sees
+them (`_graph_times`), the bytes the logits kernel must read (keys of every context token + q + weights + the logits
+it writes) against the device copy bandwidth measured in the same run, and a correctness check (rows of the step's
+top-k that obey the tie rule on the torch logits, within the logits tolerance).
 CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
 
     PYTHONPATH=. python -m glm5lab.bench.indexer_bench --out results/indexer/indexer_bench_h200.csv
@@ -76,12 +76,57 @@ def _graph_times(logits_fn, step_fn, topk_fns: dict, block_table_all, batch: int
 
     from glm5lab.bench.kernel_bench import graph_time_us
 
+    return {"logits": _rotating_graph_time(logits_fn, block_table_all, batch, blocks),
+            "step": _rotating_graph_time(step_fn, block_table_all, batch, blocks),
+            "topk": {name: graph_time_us([fn] * 8) for name, fn in topk_fns.items()}}
+
+
+def _rotating_graph_time(fn, block_table_all, batch: int, blocks: int) -> float:
+    """CUDA-graph time (us) a call of `fn(table)`, the graph rotating through the disjoint row sets of
+    `block_table_all` (at least 8 calls): see `_graph_times`."""
+    from glm5lab.bench.kernel_bench import graph_time_us
+
     tables = [block_table_all[i:i + batch, :blocks].contiguous()
               for i in range(0, block_table_all.shape[0] - batch + 1, batch)]
     tables = tables * -(-8 // len(tables))
-    return {"logits": graph_time_us([lambda t=t: logits_fn(t) for t in tables]),
-            "step": graph_time_us([lambda t=t: step_fn(t) for t in tables]),
-            "topk": {name: graph_time_us([fn] * 8) for name, fn in topk_fns.items()}}
+    return graph_time_us([lambda t=t: fn(t) for t in tables])
+
+
+def _e4m3_q_rows(base, q, w, cache, bt, lengths, L, block_table_all, nbytes, bw, cuda) -> list[dict]:
+    """The fp8 keys' logits with q as vLLM's indexer hands it over: float8_e4m3fn, its scale folded into the
+    weights. There the tensor cores take e4m3 x e4m3 (FP8_DOT, NOTES v57) where the op's default widens q to bf16
+    first. Rows "glm5lab-triton-q8": time (do_bench; on a GPU also graph-timed), fraction of the copy ceiling (the
+    same bytes: q's bytes are not the point), and whether its logits agree with the widened q's within 1e-3 of the
+    largest (the products are equal; Hopper's fp8 MMA sums with fewer bits)."""
+    import torch
+
+    from glm5lab.bench.timing import bench
+    from glm5lab.kernels.dsa_indexer import indexer_logits_decode
+
+    q8 = q.to(torch.float8_e4m3fn)
+    widened = indexer_logits_decode(q8.to(torch.bfloat16), w, cache, bt, lengths, max_len=L)
+    out = torch.empty_like(widened)
+
+    def q8_fn(table=bt):
+        return indexer_logits_decode(q8, w, cache, table, lengths, max_len=L, out=out)
+
+    q8_fn()
+    agree = bool(torch.allclose(out, widened, rtol=0, atol=1e-3 * float(widened.abs().max())))
+    t = bench(q8_fn)
+    impl = "glm5lab-triton-q8"
+    rows = [{**base, "implementation": impl, "metric": "logits_time", "value": t["p50"], "unit": "us", **t},
+            {**base, "implementation": impl, "metric": "logits_match_widened_q", "value": float(agree),
+             "unit": "bool"}]
+    if bw:
+        rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling",
+                     "value": nbytes / (t["p50"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
+    if cuda:
+        g = _rotating_graph_time(q8_fn, block_table_all, bt.shape[0], bt.shape[1])
+        rows.append({**base, "implementation": impl, "metric": "logits_time_graph", "value": g, "unit": "us"})
+        if bw:
+            rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
+                         "value": nbytes / (g * 1e-6) / 1e9 / bw, "unit": "ratio"})
+    return rows
 
 
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
@@ -199,6 +244,9 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         if graph and bw:
             rows.append({**base, "implementation": impl, "metric": "fraction_of_copy_ceiling_graph",
                          "value": nbytes / (graph["logits"] * 1e-6) / 1e9 / bw, "unit": "ratio"})
+        q8_rows = _e4m3_q_rows(base, q, w, cache, bt, lengths, L, block_table_all, nbytes, bw, cuda) \
+            if dt == "fp8" else []
+        rows += q8_rows
 
         t_torch = None
         if B * L <= prof.torch_max_elems:
@@ -219,6 +267,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
         rows.append({**base, "implementation": "glm5lab-triton-split", "metric": "topk_equals_radix16",
                      "value": float(split_agrees), "unit": "bool"})
         summary.append({"dtype": dt, "context": L, "batch": B, "logits_us": t_logits["p50"],
+                        "logits_q8_us": next((r["value"] for r in q8_rows if r["metric"] == "logits_time"), None),
                         "topk_us": t_topk["p50"], "topk_hist_us": t_topk_hist["p50"],
                         "topk_split_us": t_topk_split["p50"],
                         "torch_topk_us": t_topk_torch["p50"], "step_topk": step_method, "step_us": t_step["p50"],
