@@ -28,13 +28,15 @@ DOTS = {"f16": True, "bf16": False}    # a config's ":<dot>" -> indexer_logits_d
 ORDERS = {"kq": True, "qk": False}     # a config's ":<order>" -> keys_as_m (kq: keys . q^T, the keys as M)
 PERMUTED = "pd"                        # a config's ":pd" -> permute_d (the dot's sum in the fragments' order)
 FP8_Q = "q8"                           # a config's ":q8" -> q passed as e4m3 (vLLM's): the fp8 x fp8 dot
+DEFAULT = "default"                    # a config's tiling "default" -> the kernel's own for each shape
 
 
 def parse_config(text: str) -> tuple:
-    """"128x4", "64x4x4x3", "64x4:bf16" or "128x4:f16:kq:pd" -> (keys a tile, warps, tiles a program, stages, f16_dot,
-    keys_as_m, permute_d): ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as
-    keys . q^T, ":qk" as q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order; ":q8"
-    passes q as e4m3 (every config's q is e4m3-representable, so all compute the same products)."""
+    """"128x4", "64x4x4x3", "64x4:bf16", "128x4:f16:kq:pd" or "default:q8" -> (keys a tile, warps, tiles a program,
+    stages, f16_dot, keys_as_m, permute_d, fp8_q; "default": None for keys, tiles and stages, the kernel's):
+    ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as keys . q^T, ":qk" as
+    q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order; ":q8" passes q as
+    e4m3 (every config's q is e4m3-representable, so all compute the same products)."""
     tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
@@ -42,14 +44,17 @@ def parse_config(text: str) -> tuple:
         parts = []
     if len(parts) == 2:
         parts += [1, 1]
+    if tiling == DEFAULT:
+        parts = [None, 4, None, None]          # the kernel's own tiling for the shape (what the vLLM op runs)
     known = {**DOTS, **ORDERS, PERMUTED: True, FP8_Q: True}
     dots = [f for f in flags if f in DOTS]
     orders = [f for f in flags if f in ORDERS]
-    if (len(parts) != 4 or min(parts) < 1 or any(f not in known for f in flags) or len(dots) > 1 or len(orders) > 1
+    if (len(parts) != 4 or min(1 if v is None else v for v in parts) < 1 or any(f not in known for f in flags) or len(dots) > 1
+            or len(orders) > 1
             or flags.count(PERMUTED) > 1 or flags.count(FP8_Q) > 1 or (FP8_Q in flags and dots)):
-        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>][:f16|:bf16][:kq|:qk][:pd][:q8] (:q8 "
-                           f"without a dot flag), e.g. 128x4, 64x4x4x3, 64x4:bf16, 128x4:f16:kq:pd or 64x4:kq:q8; "
-                           f"got {text!r}")
+        raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>] or default, then [:f16|:bf16][:kq|:qk]"
+                           f"[:pd][:q8] (:q8 without a dot flag), e.g. 128x4, 64x4x4x3, 64x4:bf16, 128x4:f16:kq:pd, "
+                           f"64x4:kq:q8 or default:q8; got {text!r}")
     return (*parts, DOTS[dots[0]] if dots else None, ORDERS[orders[0]] if orders else None, PERMUTED in flags,
             FP8_Q in flags)
 
@@ -57,7 +62,8 @@ def parse_config(text: str) -> tuple:
 def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None, permute_d=False, fp8_q=False) -> str:
     dot = {None: "", True: "-f16dot", False: "-bf16dot"}[f16_dot]
     order = {None: "", True: "-kq", False: "-qk"}[keys_as_m]
-    return (f"glm5lab-triton-n{n}w{warps}t{tiles}s{stages}{dot}{order}{'-pd' if permute_d else ''}"
+    tiling = DEFAULT if n is None else f"n{n}w{warps}t{tiles}s{stages}"
+    return (f"glm5lab-triton-{tiling}{dot}{order}{'-pd' if permute_d else ''}"
             f"{'-q8' if fp8_q else ''}")
 
 

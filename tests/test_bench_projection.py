@@ -149,3 +149,13 @@ def test_projection_plot_marks_projected_values(projections, tmp_path):
     assert any("PROJECTION" in t for t in texts)
     assert any(lab.startswith("PROJECTED") for lab in labels)
     assert any(lab.startswith("upper bound") for lab in labels)
+
+
+def test_the_indexer_efficiency_is_the_e4m3_q_logits_where_the_run_has_them():
+    """glm5lab's vLLM op hands the fp8 keys' logits vLLM's e4m3 q (v58): where the indexer bench timed that
+    ("glm5lab-triton-q8"), the projection's indexer efficiency is its, and the widened q's otherwise."""
+    df = _measured(eff_idx=0.8)
+    assert projection.efficiencies(df, 32, 16384)[0]["indexer"] == pytest.approx(0.8)
+    q8 = df[(df.implementation == "glm5lab-triton") & (df.metric == "fraction_of_copy_ceiling")]
+    q8 = q8.assign(implementation="glm5lab-triton-q8", value=0.93)
+    assert projection.efficiencies(pd.concat([df, q8]), 32, 16384)[0]["indexer"] == pytest.approx(0.93)

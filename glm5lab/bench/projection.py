@@ -202,7 +202,9 @@ def efficiencies(df: pd.DataFrame, batch: int, context: int) -> tuple[dict, list
         eff["attention"] = _nearest(att.dropna(subset=["T"]), "T", batch)
     else:
         missing.append("attention kernel roofline fraction (kernel_bench: glm5lab fp8_ds_mla, 8 heads)")
-    idx = _graph_timed(df[df.implementation == "glm5lab-triton"], "fraction_of_copy_ceiling")
+    # the fp8 index keys' logits as glm5lab's vLLM op runs them: with vLLM's e4m3 q (v58) where the run has those rows
+    idx = df[df.implementation == "glm5lab-triton-q8"]
+    idx = _graph_timed(idx if not idx.empty else df[df.implementation == "glm5lab-triton"], "fraction_of_copy_ceiling")
     if not idx.empty:
         eff["indexer"] = _nearest_shape(idx, batch, context)
     else:

@@ -214,6 +214,10 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> No
 # call, 128 keys 1.02-1.09x at 2M (32 x 64k, 128 x 16k) and beyond, so the line is below 2M (single rows of 32k-64k:
 # 128 keys by 0.3-0.5 us, not taken)
 FP8_SMALL_TILE_MAX_KEYS = 2 * 1024 * 1024
+# an e4m3 q against fp8 keys (the fp8 x fp8 dot) in 128-key tiles: two tiles a program, pipelined (v58, H100, CUDA
+# graphs, 3 interleaved rounds: 1.015-1.028x faster than one tile at 2M-8M keys a call; at 128k-512k keys 0.9-0.93x the
+# time too, but there the 64-key tile is the default and ties with it; one row's 4k-16k keys: 1.2x slower, not taken)
+FP8_DOT_TILES = 2
 # fp8 keys with a bf16 q: the dot in fp16 from this many keys a program (v55, H100, 3 interleaved rounds: at 128-key
 # tiles 1.02-1.24x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.84-0.94x, q's per-head scaling a program
 # costing more than the conversions it saves)
@@ -231,8 +235,8 @@ def keys_as_m_default(fp8: bool, capability: tuple[int, int] | None) -> bool:
 def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
-                          soft_fp8: bool | None = None, num_warps: int = 4, tiles: int = 1,
-                          num_stages: int = 2, f16_dot: bool | None = None,
+                          soft_fp8: bool | None = None, num_warps: int = 4, tiles: int | None = None,
+                          num_stages: int | None = None, f16_dot: bool | None = None,
                           keys_as_m: bool | None = None, permute_d: bool = False) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
@@ -241,7 +245,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
     output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
     (default: only on GPUs before SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a
-    program one after another (num_stages: how many tiles' loads in flight), num_warps warps a program. f16_dot
+    program one after another (num_stages: how many tiles' loads in flight; default one tile, FP8_DOT_TILES for an e4m3
+    q's 128-key tiles, 2 stages), num_warps warps a program. f16_dot
     runs fp8 keys' dot in fp16 with q scaled per head by a power of two: the same products, but e4m3 -> fp16 is one
     instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
     (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
@@ -293,6 +298,10 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                            f"and {q.dtype} q")
     if block_n is None:  # keys a tile: larger tiles on a GPU amortize the q load, except fp8's in small grids
         block_n = 64 if not q.is_cuda or (fp8 and T * max_len < FP8_SMALL_TILE_MAX_KEYS) else 128
+    if tiles is None:
+        tiles = FP8_DOT_TILES if fp8_dot and block_n == 128 and q.is_cuda else 1
+    if num_stages is None:
+        num_stages = 2
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     if keys_as_m is None:
