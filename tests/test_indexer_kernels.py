@@ -424,6 +424,30 @@ def test_the_dot_order_follows_the_measurements():
     assert slower.empty, slower
 
 
+def test_the_e4m3_q_defaults_follow_the_measurements():
+    """vLLM's op hands the decode logits its e4m3 q as it is (the fp8 x fp8 dot), and an e4m3 q's 128-key tiles go
+    FP8_DOT_TILES to a program: in the committed H100 rows (NOTES.md v58) the e4m3 q is nowhere slower than the
+    widened q at the same tile, and two pipelined 128-key tiles nowhere slower than one where 128-key tiles are the
+    default (from FP8_SMALL_TILE_MAX_KEYS keys a call)."""
+    import pandas as pd
+
+    from glm5lab.kernels.dsa_indexer import FP8_DOT_TILES, FP8_SMALL_TILE_MAX_KEYS
+
+    runs = Path(__file__).resolve().parents[1] / "results" / "h100" / "indexer"
+    d = pd.concat([pd.read_csv(runs / "logits_ab.csv"), pd.read_csv(runs / "logits_ab_history.csv.gz")])
+    d = d[(d.metric == "logits_time_graph") & (d.dtype == "fp8")]
+    d = d.assign(name=d.implementation.str.removeprefix("glm5lab-triton-"))
+    t = d.pivot_table(index="shape", columns="name", values="value")            # (runs averaged)
+    pairs = [(c, c + "-q8") for c in t.columns if c.endswith("-kq") and c + "-q8" in t.columns]
+    assert len(pairs) >= 2, "no committed rows timing the e4m3 q beside the widened q"
+    for wide, q8 in pairs:
+        both = t[[wide, q8]].dropna()
+        assert len(both) >= 9 and (both[q8] <= 1.02 * both[wide]).all(), both   # (2%: the rounds' spread)
+    keys = t.index.str.extract(r"B(\d+)_L(\d+)_").astype(int).prod(axis=1).to_numpy()
+    big = t[keys >= FP8_SMALL_TILE_MAX_KEYS][["n128w4t1s1-kq-q8", f"n128w4t{FP8_DOT_TILES}s2-kq-q8"]].dropna()
+    assert len(big) >= 3 and (big.iloc[:, 1] <= big.iloc[:, 0]).all(), big
+
+
 def test_topk_ab_script_names_a_bad_before_copy_and_refuses_without_a_gpu(tmp_path, capsys):
     """scripts/topk_ab.py (the before/after of a top-k change, run on the device) fails in one line, writing
     nothing, on a missing or wrong --before file, and on a machine without a GPU."""
