@@ -215,8 +215,9 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> No
 # 128 keys by 0.3-0.5 us, not taken)
 FP8_SMALL_TILE_MAX_KEYS = 2 * 1024 * 1024
 # an e4m3 q against fp8 keys (the fp8 x fp8 dot) in 128-key tiles: two tiles a program, pipelined (v58, H100, CUDA
-# graphs, 3 interleaved rounds: 1.015-1.028x faster than one tile at 2M-8M keys a call; at 128k-512k keys 0.9-0.93x the
-# time too, but there the 64-key tile is the default and ties with it; one row's 4k-16k keys: 1.2x slower, not taken)
+# graphs, 3 interleaved rounds, two boards: 1.015-1.029x faster than one tile at 2M-8M keys a call; at 128k-512k keys
+# 0.89-0.98x the time too, but there the 64-key tile is the default, as fast or faster where both ran; 4k-32k keys
+# a call: 1.08-1.22x slower)
 FP8_DOT_TILES = 2
 # fp8 keys with a bf16 q: the dot in fp16 from this many keys a program (v55, H100, 3 interleaved rounds: at 128-key
 # tiles 1.02-1.24x the bf16 dot at 4k-64k x 1-128 rows; at 64-key tiles 0.84-0.94x, q's per-head scaling a program

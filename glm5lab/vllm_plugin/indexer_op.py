@@ -208,8 +208,9 @@ def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.T
             lengths = (seq_lens.long()[:, None] - next_n + 1 + j[None, :]).reshape(-1)
         bt = dec.block_table[:B].repeat_interleave(next_n, dim=0)
         max_len = int(lengths.max())
-        # the decode logits take vLLM's e4m3 q as it is: an fp8 x fp8 dot with the fp8 keys (v58, H100: 1.08-1.19x
-        # faster than the widened q from 8 rows at 4k-64k), widened inside otherwise; no widening launch a step
+        # the decode logits take vLLM's e4m3 q as it is: an fp8 x fp8 dot with the fp8 keys (NOTES v58, H100, CUDA
+        # graphs: 1.08-1.22x faster than the widened q at 1-256 rows x 4k-64k), widened inside the kernel otherwise;
+        # no widening launch a step
         q_dec = (q_quant if wide or (path != "torch" and q_quant.dtype == torch.float8_e4m3fn)
                  else q_quant.to(torch.bfloat16))
         logits = _logits_paged(q_dec[:nd], weights[:nd], kv_cache, bt, lengths, max_len, path)
