@@ -93,11 +93,12 @@ def _rotating_graph_time(fn, block_table_all, batch: int, blocks: int) -> float:
 
 
 def _e4m3_q_rows(base, q, w, cache, bt, lengths, L, block_table_all, nbytes, bw, cuda) -> list[dict]:
-    """The fp8 keys' logits with q as vLLM's indexer hands it over: float8_e4m3fn, its scale folded into the
-    weights. There the tensor cores take e4m3 x e4m3 (FP8_DOT, NOTES v57) where the op's default widens q to bf16
-    first. Rows "glm5lab-triton-q8": time (do_bench; on a GPU also graph-timed), fraction of the copy ceiling (the
-    same bytes: q's bytes are not the point), and whether its logits agree with the widened q's within 1e-3 of the
-    largest (the products are equal; Hopper's fp8 MMA sums with fewer bits)."""
+    """The fp8 keys' logits with q as vLLM's indexer hands it over: float8_e4m3fn, its scale folded into the weights, as
+    glm5lab's vLLM op passes it on since v58; the tensor cores take e4m3 x e4m3 (FP8_DOT, NOTES v57). The main
+    rows keep a bf16 q (the kernel's API, and the widened q before v58). Rows "glm5lab-triton-q8": time
+    (do_bench; on a GPU also graph-timed), fraction of the copy ceiling (the same bytes: q's bytes are not the
+    point), and whether its logits agree with the widened q's within 1e-3 of the largest (the products are equal;
+    Hopper's fp8 MMA sums with fewer bits)."""
     import torch
 
     from glm5lab.bench.timing import bench

@@ -18,7 +18,6 @@ shorter than k give all their positions then -1.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -241,21 +240,21 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                           keys_as_m: bool | None = None, permute_d: bool = False) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
-    q [T, H, D] fp16/bf16/fp32 or e4m3 (below); weights [T, H] (scales folded in); k_cache plain [blocks, page, D] or
-    fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens
-    [T] (row t sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the
-    output is written. soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion
-    (default: only on GPUs before SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a
-    program one after another (num_stages: how many tiles' loads in flight; default one tile, FP8_DOT_TILES for an e4m3
-    q's 128-key tiles, 2 stages), num_warps warps a program. f16_dot
-    runs fp8 keys' dot in fp16 with q scaled per head by a power of two: the same products, but e4m3 -> fp16 is one
-    instruction per two values where e4m3 -> bf16 adds an F2F per value; the scaling is a fixed cost a program
-    (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md v55); False keeps the dot in q's dtype.
-    keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a wgmma on Hopper) rather than q . keys^T
-    (default: keys_as_m_default, fp8 keys on Hopper). permute_d sums q and the keys over their last dimension in an
-    order that keeps each MMA fragment's values contiguous in memory (_fragment_order); the logits are the same up
-    to fp32 rounding. An e4m3 q (vLLM's indexer quantizes q so, its scale folded into the weights) meets fp8 keys in
-    an fp8 x fp8 dot, neither converted, where the GPU has e4m3 (SM89 on); elsewhere it is widened to bf16 (exact).
+    q [T, H, D] fp16/bf16/fp32 or e4m3 (below); weights [T, H] (scales folded in); k_cache plain [blocks, page, D]
+    or fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens [T] (row t
+    sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the output is written.
+    soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion (default: only on GPUs before
+    SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a program one after another
+    (default one; FP8_DOT_TILES for an e4m3 q's 128-key tiles), num_stages how many tiles' loads in flight (default
+    2), num_warps warps a program. f16_dot runs fp8 keys' dot in fp16 with q scaled per head by a power of two: the
+    same products, but e4m3 -> fp16 is one instruction per two values where e4m3 -> bf16 adds an F2F per value; the
+    scaling is a fixed cost a program (default: a bf16 q and at least F16_DOT_MIN_KEYS keys a program, NOTES.md
+    v55); False keeps the dot in q's dtype. keys_as_m takes the dot as keys . q^T (the keys the MMA's M dimension: a
+    wgmma on Hopper) rather than q . keys^T (default: keys_as_m_default, fp8 keys on Hopper). permute_d sums q and
+    the keys over their last dimension in an order that keeps each MMA fragment's values contiguous in memory
+    (_fragment_order); the logits are the same up to fp32 rounding. An e4m3 q (vLLM's indexer quantizes q so, its
+    scale folded into the weights) meets fp8 keys in an fp8 x fp8 dot, neither converted, where the GPU has e4m3
+    (SM89 on); elsewhere it is widened to bf16 (exact).
     """
     _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape

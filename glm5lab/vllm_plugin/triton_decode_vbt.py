@@ -11,7 +11,6 @@ glm5lab's own kernel returns 0 and lse -inf there.
 """
 from __future__ import annotations
 
-
 import torch
 
 from glm5lab.env import interpreter_mode
