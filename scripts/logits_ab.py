@@ -33,7 +33,7 @@ DEFAULT = "default"                    # a config's tiling "default" -> the kern
 
 def parse_config(text: str) -> tuple:
     """"128x4", "64x4x4x3", "64x4:bf16", "128x4:f16:kq:pd" or "default:q8" -> (keys a tile, warps, tiles a program,
-    stages, f16_dot, keys_as_m, permute_d, fp8_q; "default": None for keys, tiles and stages, the kernel's):
+    stages, f16_dot, keys_as_m, permute_d, fp8_q; "default": None for keys and tiles, the kernel's):
     ":f16" runs fp8 keys' dot in fp16, ":bf16" in q's dtype (bf16 here); ":kq" takes it as keys . q^T, ":qk" as
     q . keys^T; left out, the kernel's default; ":pd" sums over D in the fragments' order; ":q8" passes q as
     e4m3 (every config's q is e4m3-representable, so all compute the same products)."""
@@ -45,13 +45,13 @@ def parse_config(text: str) -> tuple:
     if len(parts) == 2:
         parts += [1, 1]
     if tiling == DEFAULT:
-        parts = [None, 4, None, None]          # the kernel's own tiling for the shape (what the vLLM op runs)
+        parts = [None, 4, None, 2]             # the kernel's own tiling for the shape (what the vLLM op runs)
     known = {**DOTS, **ORDERS, PERMUTED: True, FP8_Q: True}
     dots = [f for f in flags if f in DOTS]
     orders = [f for f in flags if f in ORDERS]
-    if (len(parts) != 4 or min(1 if v is None else v for v in parts) < 1 or any(f not in known for f in flags) or len(dots) > 1
-            or len(orders) > 1
-            or flags.count(PERMUTED) > 1 or flags.count(FP8_Q) > 1 or (FP8_Q in flags and dots)):
+    if (len(parts) != 4 or min(1 if v is None else v for v in parts) < 1 or any(f not in known for f in flags)
+            or len(dots) > 1 or len(orders) > 1 or flags.count(PERMUTED) > 1 or flags.count(FP8_Q) > 1
+            or (FP8_Q in flags and dots)):
         raise Glm5labError(f"--configs takes <keys>x<warps>[x<tiles>x<stages>] or default, then [:f16|:bf16][:kq|:qk]"
                            f"[:pd][:q8] (:q8 without a dot flag), e.g. 128x4, 64x4x4x3, 64x4:bf16, 128x4:f16:kq:pd, "
                            f"64x4:kq:q8 or default:q8; got {text!r}")

@@ -480,7 +480,7 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
     assert parse("64x4x4x3:qk:pd") == parse("64x4x4x3:pd:qk") == (64, 4, 4, 3, None, False, True, False)
     assert parse("64x4:q8:kq") == (64, 4, 1, 1, None, True, False, True)
     assert parse("64x8") == (64, 8, 1, 1, None, None, False, False)
-    assert parse("default:q8") == (None, 4, None, None, None, None, False, True)      # the kernel's own tiling
+    assert parse("default:q8") == (None, 4, None, 2, None, None, False, True)         # the kernel's own tiling
     assert script["config_name"](*parse("default:q8")) == "glm5lab-triton-default-q8"
     out = tmp_path / "ab.csv"
     assert ab(["--out", str(out), "--configs", "128x4", "big"]) == 1

@@ -236,7 +236,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
                           block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None,
                           out: torch.Tensor | None = None, block_n: int | None = None,
                           soft_fp8: bool | None = None, num_warps: int = 4, tiles: int | None = None,
-                          num_stages: int | None = None, f16_dot: bool | None = None,
+                          num_stages: int = 2, f16_dot: bool | None = None,
                           keys_as_m: bool | None = None, permute_d: bool = False) -> torch.Tensor:
     """Decode logits of each query row against its own paged context: float32 [T, max_len].
 
@@ -300,8 +300,6 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         block_n = 64 if not q.is_cuda or (fp8 and T * max_len < FP8_SMALL_TILE_MAX_KEYS) else 128
     if tiles is None:
         tiles = FP8_DOT_TILES if fp8_dot and block_n == 128 and q.is_cuda else 1
-    if num_stages is None:
-        num_stages = 2
     if f16_dot is None:
         f16_dot = fp8 and q.dtype == torch.bfloat16 and block_n * tiles >= F16_DOT_MIN_KEYS
     if keys_as_m is None:

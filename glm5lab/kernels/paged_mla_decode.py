@@ -15,7 +15,6 @@ Addresses are computed in int64 (block id x block stride overflows int32 on larg
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -28,7 +28,6 @@ Why this shape of kernel (notebook 05 walks through it):
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
