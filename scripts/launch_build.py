@@ -139,7 +139,7 @@ def indexer_logits(sm: int):
     (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders, fp8 keys' sum over D in both
     orders of D, an e4m3 q; fp8 keys by the hardware conversion from
     SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
-    prefill logits."""
+    prefill logits (plain keys; fp8 keys with a bf16 and an e4m3 q)."""
     from glm5lab.kernels import dsa_indexer as d
 
     torch.manual_seed(0)
@@ -173,6 +173,13 @@ def indexer_logits(sm: int):
                 # an e4m3 q (vLLM's): the fp8 x fp8 dot from SM89 on, widened to bf16 before
                 d.indexer_logits_decode(q.to(torch.float8_e4m3fn), w, fp8, table, lens, block_n=block_n,
                                         soft_fp8=soft, keys_as_m=keys_as_m)
+    # the prefill logits on fp8 keys as vLLM gathers them (e4m3, a scale a key): a bf16 and an e4m3 q, the hardware
+    # conversion from SM89 on and the integer decode
+    pair = d.quantize_keys_fp8(torch.randn(600, D))
+    for soft in (True,) if sm < 89 else (False, True):
+        for q_in in (q, q.to(torch.float8_e4m3fn)):
+            d.indexer_logits_prefill(q_in, w, pair, torch.zeros(T, dtype=torch.int32), lens.clamp(max=600),
+                                     soft_fp8=soft)
 
 
 def paged_decode(sm: int):

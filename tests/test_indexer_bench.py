@@ -5,7 +5,7 @@ import pandas as pd
 from glm5lab.bench import indexer_bench
 
 
-def test_indexer_bench_rows_check_the_step_and_the_e4m3_q(tmp_path, device):
+def test_indexer_bench_rows_check_the_step_the_e4m3_q_and_the_prefill(tmp_path, device):
     csv = tmp_path / "indexer.csv"
     kw = dict(contexts=(64,), batches=(1, 3)) if device == "cpu" else dict(contexts=(4096,), batches=(1, 32))
     indexer_bench.run(str(csv), "cpu" if device == "cpu" else "gpu", verbose=False, **kw)
@@ -21,3 +21,13 @@ def test_indexer_bench_rows_check_the_step_and_the_e4m3_q(tmp_path, device):
     assert set(triton.dtype) == {"bf16", "fp8"}
     if device == "cuda":
         assert {"logits_time_graph", "fraction_of_copy_ceiling_graph"} <= set(q8.metric)
+    # the prefill chunk: both paths timed, the e4m3 q's logits agreeing with the widened q's on dequantized keys
+    pre = rows[rows.metric.str.startswith("prefill_")]
+    assert set(pre.implementation) == {"glm5lab-triton", "glm5lab-triton-q8"} and set(pre.dtype) == {"fp8"}
+    assert (pre[pre.metric.isin(["prefill_logits_time", "prefill_op_time", "prefill_logits_tflops"])].value > 0).all()
+    assert pre[pre.metric == "prefill_logits_match_widened"].value.tolist() == [1.0] * pre["shape"].nunique()
+
+
+def test_prefill_flops_count_the_causal_pairs():
+    # 3 new tokens at the end of 5 keys see 3, 4, 5 keys: 12 dots of 2 heads x 4
+    assert indexer_bench.prefill_flops(3, 5, 2, 4) == 2 * 2 * 4 * 12

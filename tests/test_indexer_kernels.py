@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.dsa_indexer import (TOPK_METHODS, dequantize_index_key_cache, fp8_cache_views, indexer_logits_decode,
-                                         indexer_logits_prefill, indexer_topk, torch_topk,
-                                         write_index_key_cache)
+from glm5lab.kernels.dsa_indexer import (TOPK_METHODS, dequantize_index_key_cache, fp8_cache_views,
+                                         indexer_logits_decode, indexer_logits_prefill, indexer_topk,
+                                         quantize_keys_fp8, torch_topk, write_index_key_cache)
 from glm5lab.sparse.indexer_reference import (indexer_logits_reference, indexer_topk_reference,
                                               topk_sets_agree)
 
@@ -215,6 +215,22 @@ def test_cache_as_a_strided_view_into_a_shared_allocation(fp8, device):
     torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.float16, ref), rtol=0)
 
 
+def _prefill_windows(gen, T, S):
+    ks = torch.randint(0, 12, (T,), generator=gen)
+    ke = ks + torch.randint(0, S - 12 + 1, (T,), generator=gen)
+    ke[0] = ks[0]                                                # an empty window
+    return ks, ke
+
+
+def _prefill_reference(q, w, keys, ks, ke, max_len):
+    ref = torch.full((q.shape[0], max_len), float("-inf"), dtype=torch.float64)
+    for t in range(q.shape[0]):
+        n = int(ke[t] - ks[t])
+        ref[t, :n] = indexer_logits_reference(q[t:t + 1].float(), keys[ks[t]:ke[t]], w[t:t + 1],
+                                              compute_dtype=torch.float64)[0]
+    return ref
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_logits_match_reference(dtype, device):
     gen = torch.Generator().manual_seed(21 + DTYPES.index(dtype))
@@ -222,18 +238,65 @@ def test_prefill_logits_match_reference(dtype, device):
     q = torch.randn(T, H, D, generator=gen).to(dtype)
     w = torch.randn(T, H, generator=gen) / H
     k = torch.randn(S, D, generator=gen).to(dtype)
-    ks = torch.randint(0, 12, (T,), generator=gen)
-    ke = ks + torch.randint(0, S - 12 + 1, (T,), generator=gen)
-    ke[0] = ks[0]                                                # an empty window
+    ks, ke = _prefill_windows(gen, T, S)
     out = indexer_logits_prefill(q.to(device), w.to(device), k.to(device), ks.to(device), ke.to(device)).cpu()
-    ref = torch.full(out.shape, float("-inf"), dtype=torch.float64)
-    for t in range(T):
-        n = int(ke[t] - ks[t])
-        ref[t, :n] = indexer_logits_reference(q[t:t + 1], k[ks[t]:ke[t]], w[t:t + 1],
-                                              compute_dtype=torch.float64)[0]
+    ref = _prefill_reference(q, w, k.double(), ks, ke, out.shape[1])
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isneginf(out), ~finite)
     torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES + [torch.float8_e4m3fn], ids=["fp16", "bf16", "fp32", "e4m3"])
+@pytest.mark.parametrize("D", [128, 40])
+def test_prefill_logits_read_fp8_keys_as_vllm_gathers_them(q_dtype, D, device):
+    """vLLM gathers a prefill chunk's keys from its fp8 index-key cache as (e4m3 values, float32 scale a key): the
+    prefill logits read that pair as it is (e4m3 or its uint8 bytes), scale after the heads' sum, and equal the
+    reference on the dequantized keys -- with a 16/32-bit q (keys converted in the kernel), an e4m3 q (the fp8 x fp8
+    dot, on the e4m3 values), and the soft conversion of GPUs before SM89 (bit for bit the hardware conversion's
+    logits; for an e4m3 q, the bf16-widened q's)."""
+    gen = torch.Generator().manual_seed(41 + D + DTYPES.index(q_dtype) if q_dtype in DTYPES else 47 + D)
+    T, H, S = 13, 6, 40
+    q = torch.randn(T, H, D, generator=gen).to(q_dtype)
+    w = torch.randn(T, H, generator=gen) / H
+    values, scales = quantize_keys_fp8(torch.randn(S, D, generator=gen) * torch.logspace(-2, 2, S)[:, None])
+    ks, ke = _prefill_windows(gen, T, S)
+    keys = values.double() * scales.double()[:, None]
+    ref = _prefill_reference(q, w, keys, ks, ke, int((ke - ks).max()))
+    finite = torch.isfinite(ref)
+    dev = [x.to(device) for x in (q, w, values, scales, ks, ke)]
+    qd, wd, vd, sd, ksd, ked = dev
+    outs = {}
+    for name, pair in (("e4m3", (vd, sd)), ("bytes", (vd.view(torch.uint8), sd))):
+        for soft in (False, True):
+            out = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft).cpu()
+            assert torch.equal(torch.isneginf(out), ~finite), (name, soft)
+            torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(q_dtype, ref), rtol=0,
+                                       msg=lambda m: f"{name} soft={soft}: {m}")
+            outs[name, soft] = out
+    assert torch.equal(outs["e4m3", False], outs["bytes", False])
+    if q_dtype == torch.float8_e4m3fn:     # soft: q widened to bf16, the keys converted to it
+        wide = indexer_logits_prefill(qd.to(torch.bfloat16), wd, (vd, sd), ksd, ked, soft_fp8=False).cpu()
+        assert torch.equal(outs["e4m3", True], wide)
+    else:
+        assert torch.equal(outs["e4m3", True], outs["e4m3", False])
+
+
+def test_prefill_logits_name_bad_fp8_keys():
+    q, w = torch.randn(2, 4, 128), torch.randn(2, 4)
+    values, scales = quantize_keys_fp8(torch.randn(5, 128))
+    ks, ke = torch.tensor([0, 1]), torch.tensor([3, 5])
+    for k, match in (((values,), "a pair"), ((values, scales, scales), "a pair"),
+                     ((values.float(), scales), "float8_e4m3fn or uint8, got torch.float32"),
+                     ((values[:, :64], scales), r"values must be \[keys, 128\]"),
+                     ((values, scales.double()), r"scales must be float32 \[5\]"),
+                     ((values, scales[:4]), "one a key"),
+                     (torch.randn(5, 128).to(torch.float8_e4m3fn), "or an fp8 pair")):
+        with pytest.raises(Glm5labError, match=match):
+            indexer_logits_prefill(q, w, k, ks, ke)
+    with pytest.raises(Glm5labError, match="float8_e4m3fn, got torch.int8"):
+        indexer_logits_prefill(q.to(torch.int8), w, (values, scales), ks, ke)
+    with pytest.raises(Glm5labError, match="0 <= ks <= ke <= 5"):
+        indexer_logits_prefill(q, w, (values, scales), ks, ke + 1)
 
 
 def _check_topk_exact(logits, k, lengths, method="radix16"):
@@ -562,6 +625,19 @@ def test_gpu_prefill_glm5_shapes_causal():
     torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0)
     top = indexer_topk(out, 512, ke)
     assert torch.equal(top, indexer_topk_reference(out, 512, ke))
+    # vLLM's fp8 path: keys gathered from the fp8 cache as (e4m3, scale), q in e4m3 with its scale a (token, head)
+    # folded into the weights -- the fp8 x fp8 dot; a bf16 q against the same keys converts them in the kernel
+    values, scales = quantize_keys_fp8(k)
+    amax = q.float().abs().amax(dim=-1)
+    q_scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q8 = (q.float() / q_scale[..., None]).to(torch.float8_e4m3fn)
+    keys = values.double() * scales.double()[:, None]
+    for q_in, w_in in ((q8, w * q_scale), (q, w)):
+        ref = indexer_logits_reference(q_in.float(), keys, w_in, ke, compute_dtype=torch.float64)
+        out = indexer_logits_prefill(q_in, w_in, (values, scales), ks, ke)
+        assert torch.equal(torch.isneginf(out), ~finite), q_in.dtype
+        torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0,
+                                   msg=lambda m: f"{q_in.dtype}: {m}")
 
 
 @pytest.mark.gpu

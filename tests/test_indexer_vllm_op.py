@@ -194,15 +194,19 @@ def test_indexer_step_matches_reference_on_vllm_metadata(path, device, monkeypat
     dev = device if path == "triton" else "cpu"     # Triton needs CUDA or the interpreter
     s = _scenario(seed=1, device=dev)
     buf = torch.full((24, TOPK), 777, dtype=torch.int32, device=dev)     # poisoned, bigger than the step
-    decode_q = []
-    real = dsa_indexer.indexer_logits_decode
+    decode_q, prefill_qk = [], []
+    real_decode, real_prefill = dsa_indexer.indexer_logits_decode, dsa_indexer.indexer_logits_prefill
     monkeypatch.setattr(dsa_indexer, "indexer_logits_decode", lambda q, *a, **kw: decode_q.append(q.dtype) or
-                        real(q, *a, **kw))
+                        real_decode(q, *a, **kw))
+    monkeypatch.setattr(dsa_indexer, "indexer_logits_prefill", lambda q, w, k, *a, **kw: prefill_qk.append(
+        (q.dtype, tuple(x.dtype for x in k))) or real_prefill(q, w, k, *a, **kw))
     indexer_op.indexer_step(s["meta"], s["cache"], s["q_fp8"], s["k"], s["weights"], TOPK, buf,
                             num_tokens=s["T"], path=path)
     _check(buf, s)
-    # the decode logits get vLLM's e4m3 q as it is: the fp8 x fp8 dot, no widening launch (NOTES v58)
+    # the decode logits get vLLM's e4m3 q as it is: the fp8 x fp8 dot, no widening launch (NOTES v58); so do the
+    # prefill logits, with the chunk's keys gathered as the cache stores them (e4m3 bytes, a float32 scale a key)
     assert decode_q == ([torch.float8_e4m3fn] if path == "triton" else [])
+    assert prefill_qk == ([(torch.float8_e4m3fn, (torch.uint8, torch.float32))] if path == "triton" else [])
     assert (buf[s["T"]:] == 777).all()                                    # rows beyond the step untouched
     # the step's own keys went into the cache (fp8: within e4m3's relative error of 2**-4)
     stored = dequantize_index_key_cache(s["cache"], D).reshape(-1, D)[s["meta"].slot_mapping.long()]

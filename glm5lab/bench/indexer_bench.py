@@ -10,6 +10,8 @@ top-k (each kernel, and torch.topk) and the whole step as glm5lab's indexer op r
 them (`_graph_times`), the bytes the logits kernel must read (keys of every context token + q + weights + the logits
 it writes) against the device copy bandwidth measured in the same run, and a correctness check (rows of the step's
 top-k that obey the tie rule on the torch logits, within the logits tolerance).
+Prefill (`_prefill_rows`): one request's chunk of new tokens against its fp8 keys as the op gathers them, with the
+e4m3 q against the widened q and dequantized keys it replaced (time, TFLOP/s, the op's time for the chunk).
 CPU profile: tiny shapes under the interpreter; exercises the code path, never reported as speed.
 
     PYTHONPATH=. python -m glm5lab.bench.indexer_bench --out results/indexer/indexer_bench_h200.csv
@@ -35,12 +37,13 @@ class Profile:
     dtypes: tuple          # "bf16" and/or "fp8" (vLLM's fp8 index-key cache layout)
     check_rows: int        # rows per shape checked against the torch logits
     torch_max_elems: int   # skip the torch baseline above batch x context (its [B, H, L] intermediate)
+    prefill: tuple = ()    # (new tokens, context) of one request's prefill chunk, timed with fp8 keys
 
 
 PROFILES = {
     "gpu": Profile("gpu", 32, 128, 2048, 64, (4096, 16384, 65536), (1, 32, 128, 256), ("bf16", "fp8"), 4,
-                   256 * 65536),
-    "cpu": Profile("cpu", 8, 128, 32, 16, (64, 160), (1, 3), ("bf16", "fp8"), 3, 1 << 30),
+                   256 * 65536, ((1024, 4096), (4096, 16384), (2048, 65536))),
+    "cpu": Profile("cpu", 8, 128, 32, 16, (64, 160), (1, 3), ("bf16", "fp8"), 3, 1 << 30, ((5, 40),)),
 }
 
 
@@ -130,10 +133,76 @@ def _e4m3_q_rows(base, q, w, cache, bt, lengths, L, block_table_all, nbytes, bw,
     return rows
 
 
+def prefill_flops(T: int, S: int, H: int, D: int) -> float:
+    """The products a causal prefill chunk of T new tokens at the end of an S-key context needs: token t sees
+    S - T + t + 1 keys, each a dot of H heads x D."""
+    return 2.0 * H * D * (T * (S - T) + T * (T + 1) / 2)
+
+
+def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dict]:
+    """One request's prefill chunk against fp8 index keys: the logits with vLLM's e4m3 q and the (e4m3, scale) pair
+    gathered from the cache as they are (glm5lab's vLLM op since v59), against what the op ran before -- q widened
+    to bf16 and the keys dequantized (float32, then bf16) before a bf16 kernel. Rows: logits time and TFLOP/s of
+    each ("glm5lab-triton-q8" / "glm5lab-triton"), the op's time for the chunk (gather + logits, `prefill_op_time`),
+    and whether the two logits agree within 1e-3 of the largest (the products are equal: e4m3 x a power of two is
+    exact in bf16; the sums' order and Hopper's fp8 accumulation differ)."""
+    import torch
+
+    from glm5lab.bench.timing import bench
+    from glm5lab.kernels.dsa_indexer import fp8_cache_views, indexer_logits_prefill
+
+    H, D, page = prof.heads, prof.head_dim, prof.page
+    dev = fp8_cache.device
+    values, scales = fp8_cache_views(fp8_cache, D)
+    slots = torch.randperm(fp8_cache.shape[0] * page, device=dev, generator=gen)[:S]
+    blk, off = slots // page, slots % page
+    q8 = (torch.randn(T, H, D, device=dev, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = torch.randn(T, H, device=dev, generator=gen) / H
+    ks = torch.zeros(T, dtype=torch.int32, device=dev)
+    ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32, device=dev)
+    pair = (values[blk, off], scales[blk, off])
+    keys_bf16 = (pair[0].view(torch.float8_e4m3fn).float() * pair[1][:, None]).to(torch.bfloat16)
+    q_bf16 = q8.to(torch.bfloat16)
+
+    def new_op():
+        return indexer_logits_prefill(q8, w, (values[blk, off], scales[blk, off]), ks, ke, max_len=S)
+
+    def old_op():
+        keys = (values[blk, off].view(torch.float8_e4m3fn).float() * scales[blk, off][:, None]).to(torch.bfloat16)
+        return indexer_logits_prefill(q8.to(torch.bfloat16), w, keys, ks, ke, max_len=S)
+
+    timers = {"glm5lab-triton-q8": (lambda: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S), new_op),
+              "glm5lab-triton": (lambda: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S), old_op)}
+    wide = timers["glm5lab-triton"][0]()
+    narrow = timers["glm5lab-triton-q8"][0]()
+    finite = torch.isfinite(wide)
+    agree = bool(torch.equal(finite, torch.isfinite(narrow)) and torch.allclose(
+        narrow[finite], wide[finite], rtol=0, atol=1e-3 * float(wide[finite].abs().max())))
+    del wide, narrow
+    flops = prefill_flops(T, S, H, D)
+    base = {"suite": SUITE, "shape": f"P{T}_L{S}_H{H}_D{D}", "dtype": "fp8", "layout": "gathered"}
+    rows, summary = [], {"prefill_tokens": T, "context": S}
+    for impl, (logits_fn, op_fn) in timers.items():
+        t, t_op = bench(logits_fn), bench(op_fn)
+        tflops = flops / (t["p50"] * 1e-6) / 1e12
+        rows += [{**base, "implementation": impl, "metric": "prefill_logits_time", "value": t["p50"], "unit": "us",
+                  **t},
+                 {**base, "implementation": impl, "metric": "prefill_logits_tflops", "value": tflops,
+                  "unit": "TFLOP/s"},
+                 {**base, "implementation": impl, "metric": "prefill_op_time", "value": t_op["p50"], "unit": "us",
+                  **t_op}]
+        summary[f"{impl}_us"], summary[f"{impl}_op_us"], summary[f"{impl}_TFLOPs"] = t["p50"], t_op["p50"], tflops
+    rows.append({**base, "implementation": "glm5lab-triton-q8", "metric": "prefill_logits_match_widened",
+                 "value": float(agree), "unit": "bool"})
+    summary["agree"] = agree
+    return rows, summary
+
+
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
-        verbose: bool = True):
+        verbose: bool = True, prefill: bool = True):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
-    pandas DataFrame (one row per implementation x shape x dtype)."""
+    pandas DataFrame (one row per decode shape and dtype); with `prefill`, also the profile's prefill chunks
+    (`_prefill_rows`, printed as a second table)."""
     import pandas as pd
     import torch
 
@@ -277,9 +346,17 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
                         "speedup_vs_torch": (t_torch["p50"] / t_step["p50"]) if t_torch else None,
                         "logits_GBps": gbps, "fraction_of_copy": (gbps / bw) if bw else None})
         logits_buf = top_buf = hist_buf = split_buf = step_buf = None    # (freed; not del: the lambdas name them)
+    prefill_summary = []
+    for T, S in tqdm(prof.prefill if "fp8" in caches and prefill else (), desc="indexer prefill",
+                     disable=not verbose):
+        p_rows, p_summary = _prefill_rows(caches["fp8"], prof, T, S, gen)
+        rows += p_rows
+        prefill_summary.append(p_summary)
     append_rows(csv_path, rows, command=command or "glm5lab.bench.indexer_bench.run")
     df = pd.DataFrame(summary)
     log(df.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    if prefill_summary:
+        log(pd.DataFrame(prefill_summary).to_string(index=False, float_format=lambda x: f"{x:.3g}"))
     return df
 
 

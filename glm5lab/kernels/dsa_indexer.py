@@ -309,7 +309,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
         q, weights, kt, kscale, block_table, seq_lens, out,
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), kt.stride(1), stride_sb,
         block_table.stride(0), out.stride(0), max_len,
-        H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
+        H=H, D=D, HP=_pow2(H, 16), DP=_pow2(D, 32 if fp8_dot else 16), PAGE=page, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
         FP8=fp8, IEEE=_dot_in_fp32(q.dtype) and not f16_dot, SOFT_FP8=bool(soft_fp8 and fp8), F16=bool(f16_dot),
         KEYS_AS_M=bool(keys_as_m), PERMUTE_D=bool(permute_d), FP8_DOT=fp8_dot, num_warps=num_warps)
@@ -317,12 +317,15 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
 
 
 @triton.jit
-def _prefill_logits_kernel(Q, W, K, KS, KE, OUT, T,
+def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
                            stride_qt, stride_qh, stride_wt, stride_kt, stride_ot, out_cols,
                            H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                           FP8: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
     """One tile of BLOCK_M query tokens x BLOCK_N keys (absolute key index); every query row t scores
-    keys [ks_t, ke_t) and writes column (key - ks_t)."""
+    keys [ks_t, ke_t) and writes column (key - ks_t). FP8: the keys are e4m3 bytes with a float32 scale a key,
+    converted as the decode kernel converts them (FP8_DOT: q is e4m3 too and nothing is converted), the scale
+    applied after the heads' sum."""
     m0 = tl.program_id(0) * BLOCK_M
     n0 = tl.program_id(1) * BLOCK_N
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -342,45 +345,93 @@ def _prefill_logits_kernel(Q, W, K, KS, KE, OUT, T,
         q = tl.load(Q + rt[:, None].to(tl.int64) * stride_qt + rh[:, None] * stride_qh + offs_d[None, :],
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
         w = tl.load(W + rt.to(tl.int64) * stride_wt + rh, mask=rmask, other=0.0).to(tl.float32)
-        k = tl.load(K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
-                    mask=(offs_n[:, None] < hi) & (offs_d[None, :] < D), other=0.0).to(q.dtype)
+        kptr = K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+        kmask = (offs_n[:, None] < hi) & (offs_d[None, :] < D)
+        if FP8:
+            bits = tl.load(kptr, mask=kmask, other=0)
+            scale = tl.load(KSCALE + offs_n, mask=offs_n < hi, other=0.0)
+            if SOFT_FP8:   # no e4m3 in hardware (before SM89): the keys times 2^-8 in fp16, the 2^8 into the scale
+                k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
+                scale = scale * 256.0
+            elif FP8_DOT:
+                k = bits.to(tl.float8e4nv, bitcast=True)
+            else:
+                k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        else:
+            k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
+            scale = tl.full([BLOCK_N], 1.0, tl.float32)
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.maximum(s, 0.0) * w[:, None]                          # [BLOCK_M*HP, BLOCK_N]
-        logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1)  # [BLOCK_M, BLOCK_N]
+        logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
         col = offs_n[None, :] - ks[:, None]
         ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
         ok = ok & (col < out_cols)
         tl.store(OUT + offs_m[:, None].to(tl.int64) * stride_ot + col, logit, mask=ok)
 
 
-def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
-                           ks: torch.Tensor, ke: torch.Tensor, max_len: int | None = None,
-                           block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+def _prefill_keys(k, D: int):
+    """(key tensor, scale tensor or None, fp8?) from the prefill's keys: a [S, D] fp16/bf16/fp32 tensor, or vLLM's
+    fp8 pair (values [S, D] float8_e4m3fn or their uint8 bytes, scales [S] float32) as its fp8_mqa_logits takes
+    them."""
+    if isinstance(k, (tuple, list)):
+        if len(k) != 2:
+            raise Glm5labError(f"fp8 keys must be a pair (values [keys, {D}], scales [keys]), got {len(k)} tensors")
+        values, scales = k
+        if values.dim() != 2 or values.shape[1] != D or values.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise Glm5labError(f"fp8 key values must be [keys, {D}] float8_e4m3fn or uint8, got {values.dtype} "
+                               f"{tuple(values.shape)}")
+        if scales.dtype != torch.float32 or scales.reshape(-1).shape != (values.shape[0],):
+            raise Glm5labError(f"fp8 key scales must be float32 [{values.shape[0]}] (one a key), got {scales.dtype} "
+                               f"{tuple(scales.shape)}")
+        if values.stride(-1) != 1:
+            raise Glm5labError("fp8 key values must be contiguous in their last dimension")
+        return values.view(torch.uint8), scales.reshape(-1), True
+    if k.dim() != 2 or k.shape[1] != D or k.dtype not in _KEY_DTYPES:
+        raise Glm5labError(f"k must be [keys, {D}] fp16/bf16/fp32 or an fp8 pair (values, scales), got {k.dtype} "
+                           f"{tuple(k.shape)}")
+    if k.stride(-1) != 1:
+        raise Glm5labError("k must be contiguous in its last dimension")
+    return k, None, False
+
+
+def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.Tensor, ke: torch.Tensor,
+                           max_len: int | None = None, block_m: int = 16, block_n: int = 64,
+                           soft_fp8: bool | None = None) -> torch.Tensor:
     """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
     i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
 
-    q [T, H, D]; weights [T, H]; k [S, D] (the gathered keys of the requests in this chunk, as vLLM's
-    fp8_mqa_logits takes them); ks/ke [T] int. For causal prefill of one sequence from position 0:
-    ks = 0, ke = position + 1.
+    q [T, H, D] fp16/bf16/fp32 or e4m3; weights [T, H]; k the gathered keys of the requests in this chunk, as
+    vLLM's fp8_mqa_logits takes them: [S, D] fp16/bf16/fp32, or the pair (values [S, D] e4m3 (or its uint8
+    bytes), scales [S] float32 > 0) that vLLM gathers from its fp8 index-key cache -- read as they are, no
+    dequantized copy. An e4m3 q meets fp8 keys in an fp8 x fp8 dot where the GPU has e4m3 (SM89 on), and is widened
+    to bf16 (exact) elsewhere; soft_fp8 decodes the keys with integer ops (default: GPUs before SM89), as
+    `indexer_logits_decode` does. ks/ke [T] int. For causal prefill of one sequence from position 0: ks = 0,
+    ke = position + 1.
     """
-    _check_qw(q, weights)
+    _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape
-    if k.dim() != 2 or k.shape[1] != D or k.dtype not in _KEY_DTYPES:
-        raise Glm5labError(f"k must be [keys, {D}] fp16/bf16/fp32, got {k.dtype} {tuple(k.shape)}")
+    kt, kscale, fp8 = _prefill_keys(k, D)
+    S = kt.shape[0]
     if ks.shape != (T,) or ke.shape != (T,):
         raise Glm5labError(f"ks and ke must be [{T}], got {tuple(ks.shape)} and {tuple(ke.shape)}")
-    if T and (bool((ks < 0).any()) or bool((ke > k.shape[0]).any()) or bool((ke < ks).any())):
-        raise Glm5labError(f"key windows [ks, ke) must satisfy 0 <= ks <= ke <= {k.shape[0]}")
-    if k.stride(-1) != 1:
-        raise Glm5labError("k must be contiguous in its last dimension")
+    if T and (bool((ks < 0).any()) or bool((ke > S).any()) or bool((ke < ks).any())):
+        raise Glm5labError(f"key windows [ks, ke) must satisfy 0 <= ks <= ke <= {S}")
     if max_len is None:
         max_len = int((ke - ks).max()) if T else 0
     out = torch.full((T, max_len), float("-inf"), dtype=torch.float32, device=q.device)
-    if T == 0 or max_len == 0 or k.shape[0] == 0:
+    if T == 0 or max_len == 0 or S == 0:
         return out
+    capability = cuda_capability(q.device) if q.is_cuda else None
+    if soft_fp8 is None:
+        soft_fp8 = capability is not None and capability < (8, 9)
+    fp8_dot = q.dtype == torch.float8_e4m3fn and fp8 and not soft_fp8
+    if q.dtype == torch.float8_e4m3fn and not fp8_dot:
+        q = q.to(torch.bfloat16)    # exact; plain keys, or no e4m3 in this GPU's tensor cores (before SM89)
+    if not fp8 and kt.dtype != q.dtype:
+        kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
     block_m = max(1, min(block_m, _pow2(T)))
     # the flattened [BLOCK_M*HP, D] q tile must stay a sensible size
@@ -388,13 +439,12 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k: torch.Tens
         block_m //= 2
     if block_m * HP < 16:
         block_m = 16 // HP
-    k = k.to(q.dtype) if k.dtype != q.dtype else k
-    grid = (cdiv(T, block_m), cdiv(k.shape[0], block_n))
+    grid = (cdiv(T, block_m), cdiv(S, block_n))
     _prefill_logits_kernel[grid](
-        q, weights, k, ks, ke, out, T,
-        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0), max_len,
-        H=H, D=D, HP=HP, DP=_pow2(D, 16), BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=_dot_in_fp32(q.dtype))
+        q, weights, kt, kscale if fp8 else kt, ks, ke, out, T,
+        q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), out.stride(0), max_len,
+        H=H, D=D, HP=HP, DP=_pow2(D, 32 if fp8_dot else 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=_dot_in_fp32(q.dtype), FP8=fp8, SOFT_FP8=bool(soft_fp8 and fp8), FP8_DOT=fp8_dot)
     return out
 
 

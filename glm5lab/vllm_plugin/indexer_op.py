@@ -81,15 +81,25 @@ def compute_path(device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------- one step
-def _dequant_slots(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int):
+    """The keys of these cache slots as the prefill logits take them: an fp8 cache's (values, scales) pair as
+    stored (vLLM's cp_gather_indexer_k_quant_cache does the same), a plain cache's rows."""
     from glm5lab.kernels.dsa_indexer import fp8_cache_views, is_fp8_cache
 
     bs = kv_cache.shape[1]
     blk, off = slots // bs, slots % bs
     if is_fp8_cache(kv_cache, head_dim):
         values, scales = fp8_cache_views(kv_cache, head_dim)
-        return values[blk, off].view(torch.float8_e4m3fn).float() * scales[blk, off][:, None]
-    return kv_cache[blk, off].float()
+        return values[blk, off], scales[blk, off]
+    return kv_cache[blk, off]
+
+
+def _dequant_slots(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
+    keys = _gather_slots(kv_cache, slots, head_dim)
+    if isinstance(keys, tuple):
+        values, scales = keys
+        return values.view(torch.float8_e4m3fn).float() * scales[:, None]
+    return keys.float()
 
 
 def _torch_logits_paged(q, weights, kv_cache, block_table, lengths, max_len):
@@ -159,7 +169,8 @@ def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.T
     bs = kv_cache.shape[1]
 
     if meta.num_prefills > 0 and meta.prefill is not None:
-        q = q_quant if wide else q_quant.to(torch.bfloat16)     # (the prefill logits take 16/32-bit q)
+        # the prefill logits take vLLM's e4m3 q and the fp8 keys as gathered (an fp8 x fp8 dot, as in decode)
+        q = q_quant if wide or path != "torch" else q_quant.to(torch.bfloat16)
         for chunk in meta.prefill.chunks:
             a, b = chunk.token_start, chunk.token_end
             if b <= a:
@@ -175,20 +186,19 @@ def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.T
             req = torch.searchsorted(cu, g, right=True) - 1
             pos = g - cu[req]
             slots = chunk.block_table[req, pos // bs].long() * bs + pos % bs
-            keys = _dequant_slots(kv_cache, slots, head_dim)             # [total, D] float32
             max_len = int(lengths.max())
             if path == "torch":
                 from glm5lab.sparse.indexer_reference import indexer_logits_reference
 
+                keys = _dequant_slots(kv_cache, slots, head_dim)             # [total, D] float32
                 logits = torch.full((b - a, max_len), float("-inf"), device=q.device)
                 for i in range(b - a):
                     s0, s1 = int(chunk.cu_seqlen_ks[i]), int(chunk.cu_seqlen_ke[i])
                     logits[i, : s1 - s0] = indexer_logits_reference(q[a + i:a + i + 1], keys[s0:s1],
                                                                     weights[a + i:a + i + 1])[0]
             else:
-                kd = keys.to(q.dtype) if q.dtype != torch.float32 else keys
-                logits = indexer_logits_prefill(q[a:b], weights[a:b], kd, chunk.cu_seqlen_ks,
-                                                chunk.cu_seqlen_ke, max_len=max_len)
+                logits = indexer_logits_prefill(q[a:b], weights[a:b], _gather_slots(kv_cache, slots, head_dim),
+                                                chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, max_len=max_len)
             _topk(logits, topk_tokens, lengths, out, path)
 
     if meta.num_decodes > 0 and meta.decode is not None:
