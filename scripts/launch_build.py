@@ -139,7 +139,7 @@ def indexer_logits(sm: int):
     (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders, fp8 keys' sum over D in both
     orders of D, an e4m3 q; fp8 keys by the hardware conversion from
     SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
-    prefill logits (plain keys; fp8 keys with a bf16 and an e4m3 q)."""
+    prefill logits (plain keys; fp8 keys with a bf16 and an e4m3 q, one key tile a program and eight)."""
     from glm5lab.kernels import dsa_indexer as d
 
     torch.manual_seed(0)
@@ -178,8 +178,9 @@ def indexer_logits(sm: int):
     pair = d.quantize_keys_fp8(torch.randn(600, D))
     for soft in (True,) if sm < 89 else (False, True):
         for q_in in (q, q.to(torch.float8_e4m3fn)):
-            d.indexer_logits_prefill(q_in, w, pair, torch.zeros(T, dtype=torch.int32), lens.clamp(max=600),
-                                     soft_fp8=soft)
+            for tiles in (1, 8):
+                d.indexer_logits_prefill(q_in, w, pair, torch.zeros(T, dtype=torch.int32), lens.clamp(max=600),
+                                         soft_fp8=soft, tiles=tiles)
 
 
 def paged_decode(sm: int):

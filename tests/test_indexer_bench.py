@@ -23,7 +23,9 @@ def test_indexer_bench_rows_check_the_step_the_e4m3_q_and_the_prefill(tmp_path, 
         assert {"logits_time_graph", "fraction_of_copy_ceiling_graph"} <= set(q8.metric)
     # the prefill chunk: both paths timed, the e4m3 q's logits agreeing with the widened q's on dequantized keys
     pre = rows[rows.metric.str.startswith("prefill_")]
-    assert set(pre.implementation) == {"glm5lab-triton", "glm5lab-triton-q8"} and set(pre.dtype) == {"fp8"}
+    tiled = {f"glm5lab-triton{q}-tiles{n}" for q in ("", "-q8") for n in indexer_bench.PREFILL_TILES}
+    assert set(pre.implementation) == {"glm5lab-triton", "glm5lab-triton-q8"} | tiled and set(pre.dtype) == {"fp8"}
+    assert set(pre[pre.metric == "prefill_op_time"].implementation) == {"glm5lab-triton", "glm5lab-triton-q8"}
     assert (pre[pre.metric.isin(["prefill_logits_time", "prefill_op_time", "prefill_logits_tflops"])].value > 0).all()
     assert pre[pre.metric == "prefill_logits_match_widened"].value.tolist() == [1.0] * pre["shape"].nunique()
 

@@ -219,6 +219,8 @@ def _prefill_windows(gen, T, S):
     ks = torch.randint(0, 12, (T,), generator=gen)
     ke = ks + torch.randint(0, S - 12 + 1, (T,), generator=gen)
     ke[0] = ks[0]                                                # an empty window
+    ks[-3:-1] = S - 10                                           # two rows whose windows start late: a tiled
+    ke[-3:-1] = torch.tensor([S, S - 5])                         # program skips its first tiles for them
     return ks, ke
 
 
@@ -239,11 +241,15 @@ def test_prefill_logits_match_reference(dtype, device):
     w = torch.randn(T, H, generator=gen) / H
     k = torch.randn(S, D, generator=gen).to(dtype)
     ks, ke = _prefill_windows(gen, T, S)
-    out = indexer_logits_prefill(q.to(device), w.to(device), k.to(device), ks.to(device), ke.to(device)).cpu()
-    ref = _prefill_reference(q, w, k.double(), ks, ke, out.shape[1])
+    ref = _prefill_reference(q, w, k.double(), ks, ke, int((ke - ks).max()))
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isneginf(out), ~finite)
-    torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+    # one tile a program, and 16-key tiles three a program (windows starting and ending inside a program's range)
+    for tiling in ({}, {"block_n": 16, "tiles": 3}, {"block_m": 2, "block_n": 16, "tiles": 2, "num_stages": 3}):
+        # (block_m 2: rows 10-11, windows [30, 40) and [30, 35), make one program whose first tile is skipped)
+        out = indexer_logits_prefill(q.to(device), w.to(device), k.to(device), ks.to(device), ke.to(device),
+                                     **tiling).cpu()
+        assert torch.equal(torch.isneginf(out), ~finite), tiling
+        torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
 
 
 @pytest.mark.parametrize("q_dtype", DTYPES + [torch.float8_e4m3fn], ids=["fp16", "bf16", "fp32", "e4m3"])
@@ -269,6 +275,8 @@ def test_prefill_logits_read_fp8_keys_as_vllm_gathers_them(q_dtype, D, device):
     for name, pair in (("e4m3", (vd, sd)), ("bytes", (vd.view(torch.uint8), sd))):
         for soft in (False, True):
             out = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft).cpu()
+            tiled = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft, block_n=16, tiles=2).cpu()
+            torch.testing.assert_close(tiled, out, atol=_tol(q_dtype, ref), rtol=0)
             assert torch.equal(torch.isneginf(out), ~finite), (name, soft)
             torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(q_dtype, ref), rtol=0,
                                        msg=lambda m: f"{name} soft={soft}: {m}")
@@ -297,6 +305,8 @@ def test_prefill_logits_name_bad_fp8_keys():
         indexer_logits_prefill(q.to(torch.int8), w, (values, scales), ks, ke)
     with pytest.raises(Glm5labError, match="0 <= ks <= ke <= 5"):
         indexer_logits_prefill(q, w, (values, scales), ks, ke + 1)
+    with pytest.raises(Glm5labError, match="tiles and num_stages must be >= 1, got 0"):
+        indexer_logits_prefill(q, w, (values, scales), ks, ke, tiles=0)
 
 
 def _check_topk_exact(logits, k, lengths, method="radix16"):

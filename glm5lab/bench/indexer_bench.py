@@ -139,13 +139,19 @@ def prefill_flops(T: int, S: int, H: int, D: int) -> float:
     return 2.0 * H * D * (T * (S - T) + T * (T + 1) / 2)
 
 
+# key tiles a prefill program, timed beside the default (one): the query tile (4 tokens x 32 heads x 128) is 2-4x a
+# 64-key tile's bytes, loaded once a program
+PREFILL_TILES = (8, 32)
+
+
 def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dict]:
     """One request's prefill chunk against fp8 index keys: the logits with vLLM's e4m3 q and the (e4m3, scale) pair
     gathered from the cache as they are (glm5lab's vLLM op since v59), against what the op ran before -- q widened
     to bf16 and the keys dequantized (float32, then bf16) before a bf16 kernel. Rows: logits time and TFLOP/s of
-    each ("glm5lab-triton-q8" / "glm5lab-triton"), the op's time for the chunk (gather + logits, `prefill_op_time`),
-    and whether the two logits agree within 1e-3 of the largest (the products are equal: e4m3 x a power of two is
-    exact in bf16; the sums' order and Hopper's fp8 accumulation differ)."""
+    each ("glm5lab-triton-q8" / "glm5lab-triton"; "-tiles<n>": n key tiles a program), the op's time for the chunk
+    (gather + logits, `prefill_op_time`), and whether the two logits agree within 1e-3 of the largest (the products
+    are equal: e4m3 x a power of two is exact in bf16; the sums' order and Hopper's fp8 accumulation differ) and the
+    tiled e4m3 logits the untiled ones (the same sums)."""
     import torch
 
     from glm5lab.bench.timing import bench
@@ -178,20 +184,31 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     finite = torch.isfinite(wide)
     agree = bool(torch.equal(finite, torch.isfinite(narrow)) and torch.allclose(
         narrow[finite], wide[finite], rtol=0, atol=1e-3 * float(wide[finite].abs().max())))
-    del wide, narrow
+    # the tiling: more key tiles a program load each query tile fewer times (timed beside the default, logits only)
+    for tiles in PREFILL_TILES:
+        timers[f"glm5lab-triton-q8-tiles{tiles}"] = (
+            lambda tiles=tiles: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S, tiles=tiles), None)
+        timers[f"glm5lab-triton-tiles{tiles}"] = (
+            lambda tiles=tiles: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S, tiles=tiles), None)
+    tiled = timers[f"glm5lab-triton-q8-tiles{PREFILL_TILES[0]}"][0]() if PREFILL_TILES else narrow
+    agree = agree and bool(torch.allclose(tiled, narrow, rtol=0, atol=1e-5 * float(wide[finite].abs().max())))
+    del wide, narrow, tiled
     flops = prefill_flops(T, S, H, D)
     base = {"suite": SUITE, "shape": f"P{T}_L{S}_H{H}_D{D}", "dtype": "fp8", "layout": "gathered"}
     rows, summary = [], {"prefill_tokens": T, "context": S}
     for impl, (logits_fn, op_fn) in timers.items():
-        t, t_op = bench(logits_fn), bench(op_fn)
+        t = bench(logits_fn)
         tflops = flops / (t["p50"] * 1e-6) / 1e12
         rows += [{**base, "implementation": impl, "metric": "prefill_logits_time", "value": t["p50"], "unit": "us",
                   **t},
                  {**base, "implementation": impl, "metric": "prefill_logits_tflops", "value": tflops,
-                  "unit": "TFLOP/s"},
-                 {**base, "implementation": impl, "metric": "prefill_op_time", "value": t_op["p50"], "unit": "us",
-                  **t_op}]
-        summary[f"{impl}_us"], summary[f"{impl}_op_us"], summary[f"{impl}_TFLOPs"] = t["p50"], t_op["p50"], tflops
+                  "unit": "TFLOP/s"}]
+        summary[f"{impl}_us"] = t["p50"]
+        if op_fn is not None:
+            t_op = bench(op_fn)
+            rows.append({**base, "implementation": impl, "metric": "prefill_op_time", "value": t_op["p50"],
+                         "unit": "us", **t_op})
+            summary[f"{impl}_op_us"] = t_op["p50"]
     rows.append({**base, "implementation": "glm5lab-triton-q8", "metric": "prefill_logits_match_widened",
                  "value": float(agree), "unit": "bool"})
     summary["agree"] = agree

@@ -320,22 +320,21 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
 def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
                            stride_qt, stride_qh, stride_wt, stride_kt, stride_ot, out_cols,
                            H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                           FP8: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
-    """One tile of BLOCK_M query tokens x BLOCK_N keys (absolute key index); every query row t scores
-    keys [ks_t, ke_t) and writes column (key - ks_t). FP8: the keys are e4m3 bytes with a float32 scale a key,
-    converted as the decode kernel converts them (FP8_DOT: q is e4m3 too and nothing is converted), the scale
-    applied after the heads' sum."""
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                           IEEE: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+    """BLOCK_M query tokens against TILES tiles of BLOCK_N keys (absolute key index), one tile after another with
+    the query tile and weights loaded once; every query row t scores keys [ks_t, ke_t) and writes column
+    (key - ks_t). FP8: the keys are e4m3 bytes with a float32 scale a key, converted as the decode kernel converts
+    them (FP8_DOT: q is e4m3 too and nothing is converted), the scale applied after the heads' sum."""
     m0 = tl.program_id(0) * BLOCK_M
-    n0 = tl.program_id(1) * BLOCK_N
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < T
     ks = tl.load(KS + offs_m, mask=row_ok, other=0)
     ke = tl.load(KE + offs_m, mask=row_ok, other=0)
     lo = tl.min(tl.where(row_ok & (ke > ks), ks, 2147483647), axis=0)
     hi = tl.max(tl.where(row_ok & (ke > ks), ke, 0), axis=0)
-    if (n0 < hi) & (n0 + BLOCK_N > lo):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * TILES * BLOCK_N
+    if (first < hi) & (first + TILES * BLOCK_N > lo):
         offs_d = tl.arange(0, DP)
         # q tile flattened to [BLOCK_M * HP, DP]: row r = (token r // HP, head r % HP)
         r = tl.arange(0, BLOCK_M * HP)
@@ -345,31 +344,36 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
         q = tl.load(Q + rt[:, None].to(tl.int64) * stride_qt + rh[:, None] * stride_qh + offs_d[None, :],
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0)
         w = tl.load(W + rt.to(tl.int64) * stride_wt + rh, mask=rmask, other=0.0).to(tl.float32)
-        kptr = K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
-        kmask = (offs_n[:, None] < hi) & (offs_d[None, :] < D)
-        if FP8:
-            bits = tl.load(kptr, mask=kmask, other=0)
-            scale = tl.load(KSCALE + offs_n, mask=offs_n < hi, other=0.0)
-            if SOFT_FP8:   # no e4m3 in hardware (before SM89): the keys times 2^-8 in fp16, the 2^8 into the scale
-                k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
-                scale = scale * 256.0
-            elif FP8_DOT:
-                k = bits.to(tl.float8e4nv, bitcast=True)
+        # only the tiles that meet some row's window [lo, hi) (causal rows: the later tiles of the last programs)
+        i_lo = tl.maximum(lo - first, 0) // BLOCK_N
+        i_hi = tl.minimum(tl.cdiv(hi - first, BLOCK_N), TILES)
+        for i in tl.range(i_lo, i_hi, num_stages=STAGES):
+            offs_n = first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            kptr = K + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+            kmask = (offs_n[:, None] < hi) & (offs_d[None, :] < D)
+            if FP8:
+                bits = tl.load(kptr, mask=kmask, other=0)
+                scale = tl.load(KSCALE + offs_n, mask=offs_n < hi, other=0.0)
+                if SOFT_FP8:   # no e4m3 in hardware (before SM89): the keys times 2^-8 in fp16, the 2^8 into the scale
+                    k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
+                    scale = scale * 256.0
+                elif FP8_DOT:
+                    k = bits.to(tl.float8e4nv, bitcast=True)
+                else:
+                    k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
             else:
-                k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        else:
-            k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
-            scale = tl.full([BLOCK_N], 1.0, tl.float32)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.maximum(s, 0.0) * w[:, None]                          # [BLOCK_M*HP, BLOCK_N]
-        logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
-        col = offs_n[None, :] - ks[:, None]
-        ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
-        ok = ok & (col < out_cols)
-        tl.store(OUT + offs_m[:, None].to(tl.int64) * stride_ot + col, logit, mask=ok)
+                k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
+                scale = tl.full([BLOCK_N], 1.0, tl.float32)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.maximum(s, 0.0) * w[:, None]                          # [BLOCK_M*HP, BLOCK_N]
+            logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
+            col = offs_n[None, :] - ks[:, None]
+            ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
+            ok = ok & (col < out_cols)
+            tl.store(OUT + offs_m[:, None].to(tl.int64) * stride_ot + col, logit, mask=ok)
 
 
 def _prefill_keys(k, D: int):
@@ -399,7 +403,7 @@ def _prefill_keys(k, D: int):
 
 def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.Tensor, ke: torch.Tensor,
                            max_len: int | None = None, block_m: int = 16, block_n: int = 64,
-                           soft_fp8: bool | None = None) -> torch.Tensor:
+                           soft_fp8: bool | None = None, tiles: int = 1, num_stages: int = 2) -> torch.Tensor:
     """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
     i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
 
@@ -409,7 +413,8 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     dequantized copy. An e4m3 q meets fp8 keys in an fp8 x fp8 dot where the GPU has e4m3 (SM89 on), and is widened
     to bf16 (exact) elsewhere; soft_fp8 decodes the keys with integer ops (default: GPUs before SM89), as
     `indexer_logits_decode` does. ks/ke [T] int. For causal prefill of one sequence from position 0: ks = 0,
-    ke = position + 1.
+    ke = position + 1. Tiling: block_m tokens (all heads) a tile against block_n keys, `tiles` key tiles a program
+    one after another (the query tile loaded once; num_stages tiles' loads in flight).
     """
     _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape
@@ -439,11 +444,14 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
         block_m //= 2
     if block_m * HP < 16:
         block_m = 16 // HP
-    grid = (cdiv(T, block_m), cdiv(S, block_n))
+    if tiles < 1 or num_stages < 1:
+        raise Glm5labError(f"tiles and num_stages must be >= 1, got {tiles} and {num_stages}")
+    grid = (cdiv(T, block_m), cdiv(S, block_n * tiles))
     _prefill_logits_kernel[grid](
         q, weights, kt, kscale if fp8 else kt, ks, ke, out, T,
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), out.stride(0), max_len,
-        H=H, D=D, HP=HP, DP=_pow2(D, 32 if fp8_dot else 16), BLOCK_M=block_m, BLOCK_N=block_n,
+        H=H, D=D, HP=HP, DP=_pow2(D, 32 if fp8_dot else 16), BLOCK_M=block_m, BLOCK_N=block_n, TILES=tiles,
+        STAGES=num_stages if tiles > 1 else 1,
         IEEE=_dot_in_fp32(q.dtype), FP8=fp8, SOFT_FP8=bool(soft_fp8 and fp8), FP8_DOT=fp8_dot)
     return out
 
