@@ -215,6 +215,21 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     return rows, summary
 
 
+def prefill_table(rows):
+    """The prefill rows of an indexer_bench CSV (path or DataFrame), the latest run's: logits time (us) and TFLOP/s
+    per chunk shape and implementation, and the op's time for the chunk (gather + logits)."""
+    import pandas as pd
+
+    df = pd.read_csv(rows) if not isinstance(rows, pd.DataFrame) else rows
+    d = df[df.metric.isin(["prefill_logits_time", "prefill_logits_tflops", "prefill_op_time"])].copy()
+    if d.empty:
+        return pd.DataFrame()
+    if "timestamp" in d:         # (append_rows stamps a run's rows alike)
+        d = d[d.timestamp == d.timestamp.max()]
+    d["value"] = pd.to_numeric(d.value, errors="coerce")
+    return d.pivot_table(index=["shape", "implementation"], columns="metric", values="value", aggfunc="last")
+
+
 def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command: str = "",
         verbose: bool = True, prefill: bool = True):
     """Run the benchmark for `profile` ("gpu" or "cpu"), append rows to csv_path, return a summary
