@@ -134,13 +134,25 @@ def server(request, tiny_paths, tmp_path_factory):
 
 def test_served_gguf_equals_the_checkpoint_in_process(server, cli_generation, tiny_paths):
     """The same greedy tokens from the F16 GGUF served in bfloat16 by the spawned engine core (and its
-    tensor-parallel workers) as from the HF checkpoint in bfloat16 in `glm5lab generate`'s in-process engine."""
+    tensor-parallel workers) as from the HF checkpoint in bfloat16 in `glm5lab generate`'s in-process engine -- up to a
+    near tie: the two runs' weights differ by bf16 rounding (F16 file, bf16 checkpoint) and the CPU kernels' sums by
+    the machine's ISA (on an AVX2-only EPYC in v59 the checkpoint's fifth token was the served run's third candidate,
+    0.125 nats -- two bf16 steps of the logits -- below its first; on earlier machines all six agreed). So where the
+    tokens first differ, the checkpoint's token must be among the served run's candidates within NEAR_TIE nats of its
+    choice; after that the runs see different prefixes and are not compared."""
     tp, base, log = server
     got = _post(base + "/v1/completions", {"model": str(tiny_paths.gguf("F16")), "prompt": PROMPT,
-                                           "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+                                           "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True,
+                                           "logprobs": 5, "return_tokens_as_token_ids": True})
     choice = got["choices"][0]
     assert cli_generation["prompt_token_ids"] == [choice["prompt_token_ids"]]
-    assert choice["token_ids"] == cli_generation["token_ids"][0], (tp, choice, cli_generation["token_ids"])
+    served, want = choice["token_ids"], cli_generation["token_ids"][0]
+    assert len(served) == len(want) == MAX_TOKENS
+    first = next((i for i, (a, b) in enumerate(zip(served, want)) if a != b), None)
+    if first is not None:
+        top = {int(k.rsplit(":", 1)[1]): v for k, v in choice["logprobs"]["top_logprobs"][first].items()}
+        assert want[first] in top and top[served[first]] - top[want[first]] <= NEAR_TIE, (tp, first, top, served,
+                                                                                         want)
     text = log.read_text()
     assert "EngineCore" in text and "is not a valid AttentionBackendEnum" not in text
     assert f"tensor_parallel_size={tp}" in text and "dtype=torch.bfloat16" in text
@@ -148,3 +160,4 @@ def test_served_gguf_equals_the_checkpoint_in_process(server, cli_generation, ti
 
 PROMPT = "The model reads a prompt"
 MAX_TOKENS = 6
+NEAR_TIE = 0.25     # nats: four bf16 steps of a logit between 8 and 16
