@@ -28,6 +28,9 @@ def test_indexer_bench_rows_check_the_step_the_e4m3_q_and_the_prefill(tmp_path, 
     assert set(pre[pre.metric == "prefill_op_time"].implementation) == {"glm5lab-triton", "glm5lab-triton-q8"}
     assert (pre[pre.metric.isin(["prefill_logits_time", "prefill_op_time", "prefill_logits_tflops"])].value > 0).all()
     assert pre[pre.metric == "prefill_logits_match_widened"].value.tolist() == [1.0] * pre["shape"].nunique()
+    table = indexer_bench.prefill_table(csv)       # (what notebook 05b shows: a shape and implementation a row)
+    assert len(table) == pre["shape"].nunique() * len({"glm5lab-triton", "glm5lab-triton-q8"} | tiled)
+    assert table["prefill_op_time"].notna().sum() == 2 * pre["shape"].nunique()
 
 
 def test_prefill_flops_count_the_causal_pairs():
