@@ -118,6 +118,19 @@ def _fragment_order(x, ROWS: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def _fp8_keys(bits, scale, q, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+    """e4m3 key bytes -> the dot's operand for this q, and their per-key scale (both logits kernels)."""
+    if SOFT_FP8:   # no e4m3 in hardware (before SM89): the bits moved into fp16 are the keys times 2^-8
+        k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
+        scale = scale * 256.0
+    elif FP8_DOT:  # q is e4m3 too: the tensor cores take both as they are (sm_90: QGMMA), nothing converted
+        k = bits.to(tl.float8e4nv, bitcast=True)
+    else:
+        k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+    return k, scale
+
+
+@triton.jit
 def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
     """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 (> 0) -> [N] = sum_h w_h relu(q_h.k_n * scale_n), the scale
     applied once a key after the sum (relu commutes with a positive factor). KEYS_AS_M takes the dot as k . q^T, the
@@ -177,13 +190,7 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
             bits = tl.load(kptr, mask=kmask, other=0)
             scale = tl.load(KSCALE + blk * stride_sb + within, mask=valid, other=0.0)
             # (with F16 q is fp16 by now: e4m3 -> fp16 is one conversion per two values, -> bf16 an F2F more each)
-            if SOFT_FP8:   # no e4m3 in hardware (before SM89): the bits moved into fp16 are the keys times 2^-8
-                k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
-                scale = scale * 256.0
-            elif FP8_DOT:  # q is e4m3 too: the tensor cores take both as they are (sm_90: QGMMA), nothing converted
-                k = bits.to(tl.float8e4nv, bitcast=True)
-            else:
-                k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            k, scale = _fp8_keys(bits, scale, q, SOFT_FP8, FP8_DOT)
         else:
             k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
@@ -354,13 +361,7 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
             if FP8:
                 bits = tl.load(kptr, mask=kmask, other=0)
                 scale = tl.load(KSCALE + offs_n, mask=offs_n < hi, other=0.0)
-                if SOFT_FP8:   # no e4m3 in hardware (before SM89): the keys times 2^-8 in fp16, the 2^8 into the scale
-                    k = e4m3_bits_to_f16_times_2e_8(bits).to(q.dtype)
-                    scale = scale * 256.0
-                elif FP8_DOT:
-                    k = bits.to(tl.float8e4nv, bitcast=True)
-                else:
-                    k = bits.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                k, scale = _fp8_keys(bits, scale, q, SOFT_FP8, FP8_DOT)
             else:
                 k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
