@@ -231,6 +231,18 @@ FP8_DOT_TILES = 2
 F16_DOT_MIN_KEYS = 128
 
 
+def _fp8_dot_plan(q: torch.Tensor, fp8: bool, soft_fp8: bool | None, capability):
+    """(q, soft_fp8, fp8_dot) for fp8 keys or not: the integer decode of the keys by default on GPUs before SM89
+    (no e4m3 there); an e4m3 q meets fp8 keys in the fp8 x fp8 dot where the GPU has e4m3, and is widened to bf16
+    (exact) otherwise."""
+    if soft_fp8 is None:
+        soft_fp8 = capability is not None and capability < (8, 9)
+    fp8_dot = q.dtype == torch.float8_e4m3fn and fp8 and not soft_fp8
+    if q.dtype == torch.float8_e4m3fn and not fp8_dot:
+        q = q.to(torch.bfloat16)
+    return q, soft_fp8, fp8_dot
+
+
 def keys_as_m_default(fp8: bool, capability: tuple[int, int] | None) -> bool:
     """Whether the logits dot runs as keys . q^T (see _weighted_relu_scores) on a GPU of this compute capability (None:
     not a GPU): for fp8 keys on Hopper (v56, H100, CUDA graphs, 3 interleaved rounds: 1.01-1.14x faster at 64-key
@@ -293,11 +305,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     if T == 0 or max_len == 0:
         return out
     capability = cuda_capability(q.device) if q.is_cuda else None
-    if soft_fp8 is None:
-        soft_fp8 = capability is not None and capability < (8, 9)
-    fp8_dot = q.dtype == torch.float8_e4m3fn and fp8 and not soft_fp8
-    if q.dtype == torch.float8_e4m3fn and not fp8_dot:
-        q = q.to(torch.bfloat16)    # exact; plain keys, or no e4m3 in this GPU's tensor cores (before SM89)
+    q, soft_fp8, fp8_dot = _fp8_dot_plan(q, fp8, soft_fp8, capability)
     if kt.dtype != q.dtype and not fp8:
         kt = kt.to(q.dtype)  # rare: mixed dtypes; keep the kernel single-typed
     if f16_dot and not (fp8 and q.dtype in (torch.float16, torch.bfloat16)):
@@ -431,11 +439,7 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     if T == 0 or max_len == 0 or S == 0:
         return out
     capability = cuda_capability(q.device) if q.is_cuda else None
-    if soft_fp8 is None:
-        soft_fp8 = capability is not None and capability < (8, 9)
-    fp8_dot = q.dtype == torch.float8_e4m3fn and fp8 and not soft_fp8
-    if q.dtype == torch.float8_e4m3fn and not fp8_dot:
-        q = q.to(torch.bfloat16)    # exact; plain keys, or no e4m3 in this GPU's tensor cores (before SM89)
+    q, soft_fp8, fp8_dot = _fp8_dot_plan(q, fp8, soft_fp8, capability)
     if not fp8 and kt.dtype != q.dtype:
         kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
