@@ -156,7 +156,7 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     import torch
 
     from glm5lab.bench.timing import bench
-    from glm5lab.kernels.dsa_indexer import fp8_cache_views, indexer_logits_prefill
+    from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys, fp8_cache_views, indexer_logits_prefill
 
     H, D, page = prof.heads, prof.head_dim, prof.page
     dev = fp8_cache.device
@@ -167,16 +167,21 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     w = torch.randn(T, H, device=dev, generator=gen) / H
     ks = torch.zeros(T, dtype=torch.int32, device=dev)
     ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32, device=dev)
-    pair = (values[blk, off], scales[blk, off])
-    keys_bf16 = (pair[0].view(torch.float8_e4m3fn).float() * pair[1][:, None]).to(torch.bfloat16)
-    q_bf16 = q8.to(torch.bfloat16)
+
+    def gather():          # the chunk's keys as the op gathers them from the fp8 cache
+        return values[blk, off], scales[blk, off]
+
+    def widened(pair):     # what the op handed the kernel before v59: the keys dequantized, then bf16
+        return dequantize_fp8_keys(*pair).to(torch.bfloat16)
+
+    pair, q_bf16 = gather(), q8.to(torch.bfloat16)
+    keys_bf16 = widened(pair)
 
     def new_op():
-        return indexer_logits_prefill(q8, w, (values[blk, off], scales[blk, off]), ks, ke, max_len=S)
+        return indexer_logits_prefill(q8, w, gather(), ks, ke, max_len=S)
 
     def old_op():
-        keys = (values[blk, off].view(torch.float8_e4m3fn).float() * scales[blk, off][:, None]).to(torch.bfloat16)
-        return indexer_logits_prefill(q8.to(torch.bfloat16), w, keys, ks, ke, max_len=S)
+        return indexer_logits_prefill(q8.to(torch.bfloat16), w, widened(gather()), ks, ke, max_len=S)
 
     timers = {"glm5lab-triton-q8": (lambda: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S), new_op),
               "glm5lab-triton": (lambda: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S), old_op)}

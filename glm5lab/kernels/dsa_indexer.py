@@ -98,11 +98,15 @@ def write_index_key_cache(cache: torch.Tensor, k: torch.Tensor, slot_mapping: to
                            f"[blocks, block_size, {D + 4}] (fp8), got {cache.dtype} {tuple(cache.shape)}")
 
 
+def dequantize_fp8_keys(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 keys (or their uint8 bytes) [..., D] times their float32 scale [...] -> float32 [..., D]."""
+    return values.view(torch.float8_e4m3fn).float() * scales[..., None]
+
+
 def dequantize_index_key_cache(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The cache as float32 [blocks, block_size, D] (for references and tests)."""
     if is_fp8_cache(cache, head_dim):
-        values, scales = fp8_cache_views(cache, head_dim)
-        return values.view(torch.float8_e4m3fn).float() * scales[..., None]
+        return dequantize_fp8_keys(*fp8_cache_views(cache, head_dim))
     return cache.float()
 
 

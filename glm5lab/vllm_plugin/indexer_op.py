@@ -95,11 +95,10 @@ def _gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int):
 
 
 def _dequant_slots(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
+    from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys
+
     keys = _gather_slots(kv_cache, slots, head_dim)
-    if isinstance(keys, tuple):
-        values, scales = keys
-        return values.view(torch.float8_e4m3fn).float() * scales[:, None]
-    return keys.float()
+    return dequantize_fp8_keys(*keys) if isinstance(keys, tuple) else keys.float()
 
 
 def _torch_logits_paged(q, weights, kv_cache, block_table, lengths, max_len):
@@ -165,12 +164,15 @@ def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.T
         write_index_key_cache(kv_cache, k[:n_tok], slot_mapping)
     T = num_tokens if num_tokens is not None else q_quant.shape[0]
     topk_indices_buffer[:T] = -1
+    # the logits kernels take vLLM's e4m3 q as it is: with the fp8 keys an fp8 x fp8 dot (NOTES v58, H100, CUDA graphs:
+    # decode 1.08-1.22x faster than the widened q at 1-256 rows x 4k-64k; prefill since v59, on the keys as gathered),
+    # widened inside the kernel otherwise; no widening launch a step. The torch path and other q dtypes take bf16.
     wide = q_quant.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    q = (q_quant if wide or (path != "torch" and q_quant.dtype == torch.float8_e4m3fn)
+         else q_quant.to(torch.bfloat16))
     bs = kv_cache.shape[1]
 
     if meta.num_prefills > 0 and meta.prefill is not None:
-        # the prefill logits take vLLM's e4m3 q and the fp8 keys as gathered (an fp8 x fp8 dot, as in decode)
-        q = q_quant if wide or path != "torch" else q_quant.to(torch.bfloat16)
         for chunk in meta.prefill.chunks:
             a, b = chunk.token_start, chunk.token_end
             if b <= a:
@@ -218,12 +220,7 @@ def indexer_step(meta, kv_cache: torch.Tensor, q_quant: torch.Tensor, k: torch.T
             lengths = (seq_lens.long()[:, None] - next_n + 1 + j[None, :]).reshape(-1)
         bt = dec.block_table[:B].repeat_interleave(next_n, dim=0)
         max_len = int(lengths.max())
-        # the decode logits take vLLM's e4m3 q as it is: an fp8 x fp8 dot with the fp8 keys (NOTES v58, H100, CUDA
-        # graphs: 1.08-1.22x faster than the widened q at 1-256 rows x 4k-64k), widened inside the kernel otherwise;
-        # no widening launch a step
-        q_dec = (q_quant if wide or (path != "torch" and q_quant.dtype == torch.float8_e4m3fn)
-                 else q_quant.to(torch.bfloat16))
-        logits = _logits_paged(q_dec[:nd], weights[:nd], kv_cache, bt, lengths, max_len, path)
+        logits = _logits_paged(q[:nd], weights[:nd], kv_cache, bt, lengths, max_len, path)
         _topk(logits, topk_tokens, lengths, topk_indices_buffer[:nd, :topk_tokens], path)
     return topk_indices_buffer
 
