@@ -3,7 +3,7 @@
 # vLLM and no internet; gguf/papermill/ipykernel travel as wheels in .whl/). From the repo root:
 #   bash scripts/gpu_run.sh [PART ...]      # parts: tests bench tp notebooks (default: all, in that order);
 #                                           # kgluon ktests kbench kceiling kanatomy ksweep kphases kmerge kptx kpower
-#                                           # ktma kwave ktail ktopk klogits:
+#                                           # ktma kwave ktail ktopk klogits kprefill:
 #                                           # kernel experiments (2b)
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
@@ -128,6 +128,9 @@ part ktopk ${KTOPK_S:-240} python3 scripts/topk_ab.py --before ${TOPK_BEFORE:-.a
   --out "$stage/results/indexer/topk_ab.csv" ${KTOPK_ARGS:-}
 # the indexer's decode logits kernel at several tile sizes (NOTES v52)
 part klogits ${KLOGITS_S:-240} python3 scripts/logits_ab.py --out "$stage/results/indexer/logits_ab.csv" ${KLOGITS_ARGS:-}
+# the indexer's prefill logits kernel at several tilings and dot orders (NOTES v60)
+part kprefill ${KPREFILL_S:-240} python3 scripts/prefill_ab.py --out "$stage/results/indexer/prefill_ab_${gpu}.csv" \
+  ${KPREFILL_ARGS:-}
 # 3. one tensor-parallel slice (TP8 heads on one GPU; multi-GPU kinds run the same script with more ranks)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part tp ${TP_S:-60} python3 scripts/tp_attention_stack.py --world-size 1 --tp 8 --backend nccl --budget 40 \

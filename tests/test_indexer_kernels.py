@@ -244,8 +244,10 @@ def test_prefill_logits_match_reference(dtype, device):
     ref = _prefill_reference(q, w, k.double(), ks, ke, int((ke - ks).max()))
     finite = torch.isfinite(ref)
     # one tile a program, and 16-key tiles three a program (windows starting and ending inside a program's range)
-    for tiling in ({}, {"block_n": 16, "tiles": 3}, {"block_m": 2, "block_n": 16, "tiles": 2, "num_stages": 3}):
-        # (block_m 2: rows 10-11, windows [30, 40) and [30, 35), make one program whose first tile is skipped)
+    # (block_m 2: rows 10-11, windows [30, 40) and [30, 35), make one program whose first tile is skipped); the dot
+    # as keys . q^T, its heads' sum along the MMA's N (block_m 3 -> 4 tokens, 4 x 8 = 32 q rows)
+    for tiling in ({}, {"block_n": 16, "tiles": 3}, {"block_m": 2, "block_n": 16, "tiles": 2, "num_stages": 3},
+                   {"keys_as_m": True}, {"block_m": 3, "block_n": 32, "tiles": 2, "keys_as_m": True}):
         out = indexer_logits_prefill(q.to(device), w.to(device), k.to(device), ks.to(device), ke.to(device),
                                      **tiling).cpu()
         assert torch.equal(torch.isneginf(out), ~finite), tiling
@@ -275,8 +277,9 @@ def test_prefill_logits_read_fp8_keys_as_vllm_gathers_them(q_dtype, D, device):
     for name, pair in (("e4m3", (vd, sd)), ("bytes", (vd.view(torch.uint8), sd))):
         for soft in (False, True):
             out = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft).cpu()
-            tiled = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft, block_n=16, tiles=2).cpu()
-            torch.testing.assert_close(tiled, out, atol=_tol(q_dtype, ref), rtol=0)
+            for tiling in ({"block_n": 16, "tiles": 2}, {"block_n": 16, "tiles": 2, "keys_as_m": True}):
+                tiled = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft, **tiling).cpu()
+                torch.testing.assert_close(tiled, out, atol=_tol(q_dtype, ref), rtol=0, msg=lambda m: f"{tiling}: {m}")
             assert torch.equal(torch.isneginf(out), ~finite), (name, soft)
             torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(q_dtype, ref), rtol=0,
                                        msg=lambda m: f"{name} soft={soft}: {m}")
@@ -305,8 +308,10 @@ def test_prefill_logits_name_bad_fp8_keys():
         indexer_logits_prefill(q.to(torch.int8), w, (values, scales), ks, ke)
     with pytest.raises(Glm5labError, match="0 <= ks <= ke <= 5"):
         indexer_logits_prefill(q, w, (values, scales), ks, ke + 1)
-    with pytest.raises(Glm5labError, match="tiles and num_stages must be >= 1, got 0"):
-        indexer_logits_prefill(q, w, (values, scales), ks, ke, tiles=0)
+    for bad, match in (({"tiles": 0}, "got tiles 0"), ({"num_stages": 0}, "num_stages 0"),
+                       ({"block_m": 0}, "block_m 0"), ({"block_n": 48}, "block_n 48"), ({"block_n": 8}, "block_n 8")):
+        with pytest.raises(Glm5labError, match=match):
+            indexer_logits_prefill(q, w, (values, scales), ks, ke, **bad)
 
 
 def _check_topk_exact(logits, k, lengths, method="radix16"):
@@ -642,12 +647,16 @@ def test_gpu_prefill_glm5_shapes_causal():
     q_scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     q8 = (q.float() / q_scale[..., None]).to(torch.float8_e4m3fn)
     keys = values.double() * scales.double()[:, None]
+    # (and the tilings scripts/prefill_ab.py times: keys . q^T, 8 warps, 256 q rows, tiles a program)
+    tilings = ({}, {"keys_as_m": True}, {"block_m": 8, "block_n": 128, "num_warps": 8, "keys_as_m": True, "tiles": 8},
+               {"block_m": 4, "block_n": 128, "num_warps": 8, "tiles": 4})
     for q_in, w_in in ((q8, w * q_scale), (q, w)):
         ref = indexer_logits_reference(q_in.float(), keys, w_in, ke, compute_dtype=torch.float64)
-        out = indexer_logits_prefill(q_in, w_in, (values, scales), ks, ke)
-        assert torch.equal(torch.isneginf(out), ~finite), q_in.dtype
-        torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0,
-                                   msg=lambda m: f"{q_in.dtype}: {m}")
+        for tiling in tilings:
+            out = indexer_logits_prefill(q_in, w_in, (values, scales), ks, ke, **tiling)
+            assert torch.equal(torch.isneginf(out), ~finite), (q_in.dtype, tiling)
+            torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(torch.bfloat16, ref), rtol=0,
+                                       msg=lambda m: f"{q_in.dtype} {tiling}: {m}")
 
 
 @pytest.mark.gpu

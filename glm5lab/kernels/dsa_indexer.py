@@ -340,11 +340,14 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
                            stride_qt, stride_qh, stride_wt, stride_kt, stride_ot, out_cols,
                            H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
-                           IEEE: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+                           IEEE: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+                           KEYS_AS_M: tl.constexpr):
     """BLOCK_M query tokens against TILES tiles of BLOCK_N keys (absolute key index), one tile after another with
     the query tile and weights loaded once; every query row t scores keys [ks_t, ke_t) and writes column
     (key - ks_t). FP8: the keys are e4m3 bytes with a float32 scale a key, converted as the decode kernel converts
-    them (FP8_DOT: q is e4m3 too and nothing is converted), the scale applied after the heads' sum."""
+    them (FP8_DOT: q is e4m3 too and nothing is converted), the scale applied after the heads' sum. KEYS_AS_M takes
+    the dot as keys . q^T: the heads' sum then runs along the MMA's N (within a warp) rather than across the warps
+    that hold q's rows."""
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < T
@@ -377,12 +380,20 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
             else:
                 k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if KEYS_AS_M:
+                if IEEE:
+                    s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(k, tl.trans(q))
+                s = tl.maximum(s, 0.0) * w[None, :]                      # [BLOCK_N, BLOCK_M*HP]
+                logit = tl.trans(tl.sum(tl.reshape(s, [BLOCK_N, BLOCK_M, HP]), axis=2) * scale[:, None])
             else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.maximum(s, 0.0) * w[:, None]                          # [BLOCK_M*HP, BLOCK_N]
-            logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
+                if IEEE:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.maximum(s, 0.0) * w[:, None]                      # [BLOCK_M*HP, BLOCK_N]
+                logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
             col = offs_n[None, :] - ks[:, None]
             ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
             ok = ok & (col < out_cols)
@@ -415,8 +426,9 @@ def _prefill_keys(k, D: int):
 
 
 def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.Tensor, ke: torch.Tensor,
-                           max_len: int | None = None, block_m: int = 16, block_n: int = 64,
-                           soft_fp8: bool | None = None, tiles: int = 1, num_stages: int = 2) -> torch.Tensor:
+                           max_len: int | None = None, block_m: int | None = None, block_n: int = 64,
+                           soft_fp8: bool | None = None, tiles: int = 1, num_stages: int = 2, num_warps: int = 4,
+                           keys_as_m: bool = False) -> torch.Tensor:
     """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
     i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
 
@@ -426,8 +438,9 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     dequantized copy. An e4m3 q meets fp8 keys in an fp8 x fp8 dot where the GPU has e4m3 (SM89 on), and is widened
     to bf16 (exact) elsewhere; soft_fp8 decodes the keys with integer ops (default: GPUs before SM89), as
     `indexer_logits_decode` does. ks/ke [T] int. For causal prefill of one sequence from position 0: ks = 0,
-    ke = position + 1. Tiling: block_m tokens (all heads) a tile against block_n keys, `tiles` key tiles a program
-    one after another (the query tile loaded once; num_stages tiles' loads in flight).
+    ke = position + 1. Tiling: block_m tokens (all heads) a tile against block_n keys (default: as many tokens as
+    make 128 q rows; at most 256 rows), `tiles` key tiles a program one after another (the query tile loaded once;
+    num_stages tiles' loads in flight); keys_as_m takes the dot as keys . q^T.
     """
     _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape
@@ -447,21 +460,24 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     if not fp8 and kt.dtype != q.dtype:
         kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
-    block_m = max(1, min(block_m, _pow2(T)))
+    block_m_default = block_m is None
+    if tiles < 1 or num_stages < 1 or (block_m is not None and block_m < 1) or block_n < 16 or block_n & (block_n - 1):
+        raise Glm5labError(f"tiles, num_stages and block_m must be >= 1 and block_n a power of two >= 16, got tiles "
+                           f"{tiles}, num_stages {num_stages}, block_m {block_m}, block_n {block_n}")
+    block_m = max(1, min(_pow2(block_m or 16), _pow2(T)))
     # the flattened [BLOCK_M*HP, D] q tile must stay a sensible size
-    while block_m > 1 and block_m * HP > 128:
+    while block_m > 1 and block_m * HP > (128 if block_m_default else 256):
         block_m //= 2
     if block_m * HP < 16:
         block_m = 16 // HP
-    if tiles < 1 or num_stages < 1:
-        raise Glm5labError(f"tiles and num_stages must be >= 1, got {tiles} and {num_stages}")
     grid = (cdiv(T, block_m), cdiv(S, block_n * tiles))
     _prefill_logits_kernel[grid](
         q, weights, kt, kscale if fp8 else kt, ks, ke, out, T,
         q.stride(0), q.stride(1), weights.stride(0), kt.stride(0), out.stride(0), max_len,
         H=H, D=D, HP=HP, DP=_pow2(D, 32 if fp8_dot else 16), BLOCK_M=block_m, BLOCK_N=block_n, TILES=tiles,
         STAGES=num_stages if tiles > 1 else 1,
-        IEEE=_dot_in_fp32(q.dtype), FP8=fp8, SOFT_FP8=bool(soft_fp8 and fp8), FP8_DOT=fp8_dot)
+        IEEE=_dot_in_fp32(q.dtype), FP8=fp8, SOFT_FP8=bool(soft_fp8 and fp8), FP8_DOT=fp8_dot,
+        KEYS_AS_M=bool(keys_as_m), num_warps=num_warps)
     return out
 
 
