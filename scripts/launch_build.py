@@ -139,7 +139,8 @@ def indexer_logits(sm: int):
     (64 and 128 keys a tile, 4 and 8 warps, pipelined tiles, both dot orders, fp8 keys' sum over D in both
     orders of D, an e4m3 q; fp8 keys by the hardware conversion from
     SM89 on and by the integer decode, which GPUs before SM89 take, with the dot in fp16 and in q's dtype), and the
-    prefill logits (plain keys; fp8 keys with a bf16 and an e4m3 q, one key tile a program and eight)."""
+    prefill logits (plain keys; fp8 keys with a bf16 and an e4m3 q, one key tile a program and eight, both dot
+    orders, a 256-row q tile on 8 warps)."""
     from glm5lab.kernels import dsa_indexer as d
 
     torch.manual_seed(0)
@@ -175,12 +176,15 @@ def indexer_logits(sm: int):
                                         soft_fp8=soft, keys_as_m=keys_as_m)
     # the prefill logits on fp8 keys as vLLM gathers them (e4m3, a scale a key): a bf16 and an e4m3 q, the hardware
     # conversion from SM89 on and the integer decode
+    # (8 tokens: room for a 256-row q tile), both dot orders, 4 and 8 warps
     pair = d.quantize_keys_fp8(torch.randn(600, D))
+    q8t, w8t = torch.randn(8, H, D, dtype=torch.bfloat16), torch.randn(8, H)
+    ks8, ke8 = torch.zeros(8, dtype=torch.int32), torch.arange(593, 601, dtype=torch.int32)
     for soft in (True,) if sm < 89 else (False, True):
-        for q_in in (q, q.to(torch.float8_e4m3fn)):
-            for tiles in (1, 8):
-                d.indexer_logits_prefill(q_in, w, pair, torch.zeros(T, dtype=torch.int32), lens.clamp(max=600),
-                                         soft_fp8=soft, tiles=tiles)
+        for q_in in (q8t, q8t.to(torch.float8_e4m3fn)):
+            for keys_as_m in (False, True):
+                for tiling in ({"tiles": 1}, {"tiles": 8}, {"block_m": 8, "block_n": 128, "num_warps": 8}):
+                    d.indexer_logits_prefill(q_in, w8t, pair, ks8, ke8, soft_fp8=soft, keys_as_m=keys_as_m, **tiling)
 
 
 def paged_decode(sm: int):
