@@ -573,6 +573,32 @@ def test_logits_ab_script_names_a_bad_config_and_refuses_without_a_gpu(tmp_path,
     assert not out.exists()
 
 
+def test_prefill_ab_script_names_bad_configs_and_shapes_and_refuses_without_a_gpu(tmp_path, capsys):
+    """scripts/prefill_ab.py (the prefill logits' tilings, run on the device) fails in one line, writing nothing, on
+    a malformed --configs or --shapes and on a machine without a GPU."""
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "prefill_ab.py"))
+    ab, parse = script["main"], script["parse_config"]
+    assert parse("4x64x4:q8") == (4, 64, 4, 1, 2, False, "q8")
+    assert parse("8x128x8x8x3:kq:bf16") == parse("8x128x8x8x3:bf16:kq") == (8, 128, 8, 8, 3, True, "bf16")
+    assert parse("default:q8") == (None, 64, 4, 1, 2, False, "q8")
+    assert script["config_name"](*parse("4x128x8x8x2:kq:q8")) == "glm5lab-triton-m4n128w8t8s2-kq-q8"
+    assert script["config_name"](*parse("default:bf16")) == "glm5lab-triton-default-bf16"
+    out = tmp_path / "ab.csv"
+    for bad in ("4x64x4", "4x64:q8", "4x64x4:q8:bf16", "4x64x4:kq:kq:q8", "4x64x4:qk:q8", "0x64x4:q8", "big:q8"):
+        assert ab(["--out", str(out), "--configs", bad]) == 1
+        err = capsys.readouterr().err
+        assert bad in err and "<tokens>x<keys>x<warps>" in err
+    for bad in ("1024", "0:16", "64:32", "a:b"):
+        assert ab(["--out", str(out), "--shapes", bad]) == 1
+        assert "--shapes takes <new tokens>:<context>" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert ab(["--out", str(out)]) == 1
+        assert "GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_decode_glm5_shapes(fp8):
