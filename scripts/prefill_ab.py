@@ -4,7 +4,7 @@ its keys as glm5lab's vLLM op gathers them from the fp8 index-key cache. ":q8" r
 the (e4m3, scale) pair, the fp8 x fp8 dot), ":bf16" the op's path before v59 (q widened to bf16, the keys dequantized
 to bf16). Timed with do_bench in --rounds interleaved rounds (the median is the row), every config's logits checked
 against the first one's. Rows (metric prefill_logits_time and prefill_logits_tflops, implementation
-glm5lab-triton-m<tokens>n<keys>w<warps>t<tiles>s<stages>[-kq]-<q8|bf16>) are appended to --out.
+glm5lab-triton-m<tokens>n<keys>w<warps>t<tiles>s<stages>[-kq|-qk]-<q8|bf16>) are appended to --out.
 
     PYTHONPATH=. python scripts/prefill_ab.py --out results/indexer/prefill_ab.csv --configs default:q8 4x64x4:kq:q8
 """
@@ -22,12 +22,13 @@ from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys, indexer_logits_prefill
 
 INPUTS = ("q8", "bf16")   # a config's ":<input>" (required): e4m3 q on the fp8 pair, or bf16 q on bf16 keys
+ORDERS = {"kq": True, "qk": False}   # a config's ":<order>" -> keys_as_m; left out, the kernel's default
 DEFAULT = "default"       # a config's tiling "default": the kernel's own (what the vLLM op runs)
 
 
 def parse_config(text: str) -> tuple:
-    """"4x64x4", "4x64x4x8x2:kq:q8" or "default:bf16" -> (tokens a tile, keys a tile, warps, tiles a program, stages,
-    keys_as_m, input); "default" leaves the tiling to the kernel (None, 64, 4, 1, 2)."""
+    """"4x64x4:q8", "4x64x4x8x2:kq:q8" or "default:qk:bf16" -> (tokens a tile, keys a tile, warps, tiles a program,
+    stages, keys_as_m (None: the kernel's), input); "default" leaves the tiling to the kernel (None, 64, 4, 1, 2)."""
     tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
@@ -38,24 +39,28 @@ def parse_config(text: str) -> tuple:
     if tiling == DEFAULT:
         parts = [None, 64, 4, 1, 2]
     inputs = [f for f in flags if f in INPUTS]
-    if (len(parts) != 5 or min(1 if v is None else v for v in parts) < 1 or len(inputs) != 1
-            or any(f not in (*INPUTS, "kq") for f in flags) or flags.count("kq") > 1):
-        raise Glm5labError(f"--configs takes <tokens>x<keys>x<warps>[x<tiles>x<stages>] or default, then [:kq] and one "
-                           f"of :q8 / :bf16, e.g. 4x64x4:q8, 8x128x8x8x2:kq:q8 or default:bf16; got {text!r}")
-    return (*parts, "kq" in flags, inputs[0])
+    orders = [f for f in flags if f in ORDERS]
+    if (len(parts) != 5 or min(1 if v is None else v for v in parts) < 1 or len(inputs) != 1 or len(orders) > 1
+            or any(f not in (*INPUTS, *ORDERS) for f in flags)):
+        raise Glm5labError(f"--configs takes <tokens>x<keys>x<warps>[x<tiles>x<stages>] or default, then [:kq|:qk] and "
+                           f"one of :q8 / :bf16, e.g. 4x64x4:q8, 8x128x8x8x2:kq:q8 or default:qk:bf16; got {text!r}")
+    return (*parts, ORDERS[orders[0]] if orders else None, inputs[0])
 
 
 def config_name(m, n, warps, tiles, stages, keys_as_m, inp) -> str:
     tiling = DEFAULT if m is None else f"m{m}n{n}w{warps}t{tiles}s{stages}"
-    return f"glm5lab-triton-{tiling}{'-kq' if keys_as_m else ''}-{inp}"
+    order = {None: "", True: "-kq", False: "-qk"}[keys_as_m]
+    return f"glm5lab-triton-{tiling}{order}-{inp}"
 
 
 @one_line_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", nargs="+", default=["default:q8", "default:bf16", "4x64x4:kq:q8", "4x128x8:kq:q8"],
-                    help="<tokens a tile>x<keys a tile>x<warps>[x<tiles a program>x<stages>][:kq]:<q8|bf16>; the "
+    ap.add_argument("--configs", nargs="+",
+                    default=["default:qk:q8", "default:kq:q8", "default:qk:bf16", "default:kq:bf16", "4x64x4x8x2:kq:q8",
+                             "4x128x4:kq:q8"],
+                    help="<tokens a tile>x<keys a tile>x<warps>[x<tiles a program>x<stages>][:kq|:qk]:<q8|bf16>; the "
                          "first is the reference the others are checked against")
     ap.add_argument("--shapes", nargs="+", default=["1024:4096", "4096:16384", "2048:65536"],
                     help="<new tokens>:<context> (the chunk is the context's last tokens)")

@@ -17,6 +17,9 @@ conditional one).
                                     # probe's kernel (glm5lab.bench.tma_gather_probe)
     PYTHONPATH=. python scripts/sass_report.py --config '{"indexer_logits": true, "KEYS_AS_M": true, "FP8_DOT": true}'
                                     # the indexer's decode logits kernel (INDEXER_DEFAULTS: 32 heads, 128 fp8 keys)
+    PYTHONPATH=. python scripts/sass_report.py --config '{"indexer_prefill": true, "KEYS_AS_M": true}'
+                                    # its prefill logits kernel (PREFILL_DEFAULTS: 4 tokens x 32 heads, e4m3 q on
+                                    # 64-key tiles of the fp8 pair, 8 a program)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -60,6 +63,8 @@ def build(config: dict, sm: int = 90):
         return triton.compile(src, target=GPUTarget("cuda", sm, 64 if sm >= 90 else 32), options=opts)
     if cfg.pop("indexer_logits", False):  # the indexer's decode logits kernel (glm5lab.kernels.dsa_indexer)
         return _build_indexer_logits(cfg, sm)
+    if cfg.pop("indexer_prefill", False):  # the indexer's prefill logits kernel
+        return _build_indexer_logits(cfg, sm, prefill=True)
     gluon = cfg.pop("gluon", False)
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as Source
@@ -107,19 +112,27 @@ INDEXER_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "PAGE": 64, "BLOCK_N
                     "FP8_DOT": False}
 
 
-def _build_indexer_logits(cfg: dict, sm: int):
-    """_decode_logits_kernel with INDEXER_DEFAULTS overridden by `cfg` ("q_dtype": "bf16" by default, "fp8e4nv" with
-    FP8_DOT), every pointer and stride 16-aligned as the indexer's launches are."""
-    from glm5lab.kernels.dsa_indexer import _decode_logits_kernel as kern
+# the prefill logits kernel as glm5lab's vLLM op runs it (v59): 4 tokens x 32 heads a q tile, 64 keys of the
+# gathered fp8 pair a tile, the e4m3 q's fp8 x fp8 dot, 8 key tiles a program (so the loop is the key loop)
+PREFILL_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "BLOCK_M": 4, "BLOCK_N": 64, "TILES": 8, "STAGES": 2,
+                    "IEEE": False, "FP8": True, "SOFT_FP8": False, "FP8_DOT": True, "KEYS_AS_M": False}
 
+
+def _build_indexer_logits(cfg: dict, sm: int, prefill: bool = False):
+    """_decode_logits_kernel (prefill: _prefill_logits_kernel) with INDEXER_DEFAULTS (PREFILL_DEFAULTS) overridden by
+    `cfg` ("q_dtype": "bf16" by default, "fp8e4nv" with FP8_DOT), every pointer and stride 16-aligned as the
+    indexer's launches are."""
+    from glm5lab.kernels import dsa_indexer
+
+    kern = dsa_indexer._prefill_logits_kernel if prefill else dsa_indexer._decode_logits_kernel
     opts = {"num_warps": cfg.pop("num_warps", 4)}
-    qdt = cfg.pop("q_dtype", "fp8e4nv" if cfg.get("FP8_DOT") else "bf16")
-    consts = {**INDEXER_DEFAULTS, **cfg}
+    qdt = cfg.pop("q_dtype", "fp8e4nv" if cfg.get("FP8_DOT", prefill) else "bf16")
+    consts = {**(PREFILL_DEFAULTS if prefill else INDEXER_DEFAULTS), **cfg}
     unknown = set(consts) - set(kern.arg_names)
     if unknown:
         raise SystemExit(f"not constexprs of the kernel: {sorted(unknown)}")
     ptr = {"Q": f"*{qdt}", "W": "*fp32", "K": "*u8" if consts["FP8"] else f"*{qdt}", "KSCALE": "*fp32", "BT": "*i32",
-           "SEQ": "*i32", "OUT": "*fp32"}
+           "SEQ": "*i32", "OUT": "*fp32", "KS": "*i32", "KE": "*i32"}
     names = list(kern.arg_names)
     sig = {n: "constexpr" if n in consts else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts}

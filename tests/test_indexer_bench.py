@@ -1,8 +1,11 @@
 """The indexer benchmark's rows: what it times it also checks (the step's top-k against the torch logits, the e4m3 q's
 logits against the widened q's). On the CPU under the interpreter (never speed), on a GPU at one GLM-5 shape."""
 import pandas as pd
+import torch
 
 from glm5lab.bench import indexer_bench
+from glm5lab.kernels.dsa_indexer import prefill_keys_as_m_default
+from glm5lab.kernels.host import cuda_capability
 
 
 def test_indexer_bench_rows_check_the_step_the_e4m3_q_and_the_prefill(tmp_path, device):
@@ -24,6 +27,8 @@ def test_indexer_bench_rows_check_the_step_the_e4m3_q_and_the_prefill(tmp_path, 
     # the prefill chunk: both paths timed, the e4m3 q's logits agreeing with the widened q's on dequantized keys
     pre = rows[rows.metric.str.startswith("prefill_")]
     tiled = {f"glm5lab-triton{q}-tiles{n}" for q in ("", "-q8") for n in indexer_bench.PREFILL_TILES}
+    if device == "cuda" and prefill_keys_as_m_default(cuda_capability(torch.device("cuda"))):
+        tiled |= {"glm5lab-triton-qk", "glm5lab-triton-q8-qk"}      # (the other dot order, beside the default)
     assert set(pre.implementation) == {"glm5lab-triton", "glm5lab-triton-q8"} | tiled and set(pre.dtype) == {"fp8"}
     assert set(pre[pre.metric == "prefill_op_time"].implementation) == {"glm5lab-triton", "glm5lab-triton-q8"}
     assert (pre[pre.metric.isin(["prefill_logits_time", "prefill_op_time", "prefill_logits_tflops"])].value > 0).all()

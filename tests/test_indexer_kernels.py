@@ -580,13 +580,15 @@ def test_prefill_ab_script_names_bad_configs_and_shapes_and_refuses_without_a_gp
 
     script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "prefill_ab.py"))
     ab, parse = script["main"], script["parse_config"]
-    assert parse("4x64x4:q8") == (4, 64, 4, 1, 2, False, "q8")
+    assert parse("4x64x4:q8") == (4, 64, 4, 1, 2, None, "q8")             # the kernel's dot order
     assert parse("8x128x8x8x3:kq:bf16") == parse("8x128x8x8x3:bf16:kq") == (8, 128, 8, 8, 3, True, "bf16")
-    assert parse("default:q8") == (None, 64, 4, 1, 2, False, "q8")
+    assert parse("default:qk:q8") == (None, 64, 4, 1, 2, False, "q8")
     assert script["config_name"](*parse("4x128x8x8x2:kq:q8")) == "glm5lab-triton-m4n128w8t8s2-kq-q8"
+    assert script["config_name"](*parse("default:qk:bf16")) == "glm5lab-triton-default-qk-bf16"
     assert script["config_name"](*parse("default:bf16")) == "glm5lab-triton-default-bf16"
     out = tmp_path / "ab.csv"
-    for bad in ("4x64x4", "4x64:q8", "4x64x4:q8:bf16", "4x64x4:kq:kq:q8", "4x64x4:qk:q8", "0x64x4:q8", "big:q8"):
+    for bad in ("4x64x4", "4x64:q8", "4x64x4:q8:bf16", "4x64x4:kq:kq:q8", "4x64x4:kq:qk:q8", "4x64x4:mk:q8",
+                "0x64x4:q8", "big:q8"):
         assert ab(["--out", str(out), "--configs", bad]) == 1
         err = capsys.readouterr().err
         assert bad in err and "<tokens>x<keys>x<warps>" in err
@@ -673,8 +675,9 @@ def test_gpu_prefill_glm5_shapes_causal():
     q_scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     q8 = (q.float() / q_scale[..., None]).to(torch.float8_e4m3fn)
     keys = values.double() * scales.double()[:, None]
-    # (and the tilings scripts/prefill_ab.py times: keys . q^T, 8 warps, 256 q rows, tiles a program)
-    tilings = ({}, {"keys_as_m": True}, {"block_m": 8, "block_n": 128, "num_warps": 8, "keys_as_m": True, "tiles": 8},
+    # (and the tilings scripts/prefill_ab.py times: both dot orders, 8 warps, 256 q rows, tiles a program)
+    tilings = ({}, {"keys_as_m": True}, {"keys_as_m": False},
+               {"block_m": 8, "block_n": 128, "num_warps": 8, "keys_as_m": True, "tiles": 8},
                {"block_m": 4, "block_n": 128, "num_warps": 8, "tiles": 4})
     for q_in, w_in in ((q8, w * q_scale), (q, w)):
         ref = indexer_logits_reference(q_in.float(), keys, w_in, ke, compute_dtype=torch.float64)

@@ -69,3 +69,20 @@ def test_the_indexer_logits_e4m3_q_and_fragment_order_builds():
     assert e4m3_q["QGMMA"] > 0 and "F2FP" not in e4m3_q and "HGMMA" not in e4m3_q
     assert 3 * e4m3_q["instructions"] < 2 * bf16_q["instructions"]
     assert all(r["stack"] == 0 and r["counted"] == "kernel" for r in (bf16_q, permuted, e4m3_q))
+
+
+def test_the_prefill_logits_keys_as_m_order_keeps_the_heads_sum_out_of_shared_memory():
+    """sm90 builds of the prefill logits kernel as glm5lab's vLLM op runs it (e4m3 q on the fp8 pair, 4 tokens x 32
+    heads, 64 keys a tile) and with bf16 keys: q . keys^T puts a token's 32 heads on wgmma rows of two warps, so
+    their sum is a shared-memory round trip with barriers every key tile; keys . q^T (the Hopper default,
+    `prefill_keys_as_m_default`, NOTES.md v60) sums them within a warp -- the same MMA work in under 0.6 of the key
+    loop's instructions (753 -> 299 on the pair, 688 -> 366 on bf16 keys), neither spilling."""
+    base = {"indexer_prefill": True}
+    qk, kq, qk_bf16, kq_bf16 = (r["report"] for r in sass_report(
+        base, {**base, "KEYS_AS_M": True}, {**base, "FP8": False, "FP8_DOT": False},
+        {**base, "FP8": False, "FP8_DOT": False, "KEYS_AS_M": True}, sm=90))
+    assert qk["QGMMA"] == 2 * kq["QGMMA"] > 0 and qk_bf16["HGMMA"] == 2 * kq_bf16["HGMMA"] > 0   # (m64n64 vs n128)
+    for a, b in ((qk, kq), (qk_bf16, kq_bf16)):
+        assert a["STS"] >= 32 and b["STS"] <= 4 and a["BAR"] > b["BAR"]
+        assert 10 * b["loop"] < 6 * a["loop"] and a["counted"] == b["counted"] == "loop"
+        assert a["stack"] == b["stack"] == 0

@@ -149,14 +149,17 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     """One request's prefill chunk against fp8 index keys: the logits with vLLM's e4m3 q and the (e4m3, scale) pair
     gathered from the cache as they are (glm5lab's vLLM op since v59), against what the op ran before -- q widened
     to bf16 and the keys dequantized (float32, then bf16) before a bf16 kernel. Rows: logits time and TFLOP/s of
-    each ("glm5lab-triton-q8" / "glm5lab-triton"; "-tiles<n>": n key tiles a program), the op's time for the chunk
+    each ("glm5lab-triton-q8" / "glm5lab-triton"; "-tiles<n>": n key tiles a program; "-qk": the dot as q . keys^T
+    where the default is keys . q^T), the op's time for the chunk
     (gather + logits, `prefill_op_time`), and whether the two logits agree within 1e-3 of the largest (the products
     are equal: e4m3 x a power of two is exact in bf16; the sums' order and Hopper's fp8 accumulation differ) and the
     tiled e4m3 logits the untiled ones (the same sums)."""
     import torch
 
     from glm5lab.bench.timing import bench
-    from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys, fp8_cache_views, indexer_logits_prefill
+    from glm5lab.kernels.dsa_indexer import (dequantize_fp8_keys, fp8_cache_views, indexer_logits_prefill,
+                                             prefill_keys_as_m_default)
+    from glm5lab.kernels.host import cuda_capability
 
     H, D, page = prof.heads, prof.head_dim, prof.page
     dev = fp8_cache.device
@@ -196,6 +199,12 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
             lambda tiles=tiles: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S, tiles=tiles), None)
         timers[f"glm5lab-triton-tiles{tiles}"] = (
             lambda tiles=tiles: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S, tiles=tiles), None)
+    # where the default dot order is keys . q^T (Hopper, v60), the other order beside it ("-qk": what ran before)
+    if q8.is_cuda and prefill_keys_as_m_default(cuda_capability(q8.device)):
+        timers["glm5lab-triton-q8-qk"] = (
+            lambda: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S, keys_as_m=False), None)
+        timers["glm5lab-triton-qk"] = (
+            lambda: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S, keys_as_m=False), None)
     tiled = timers[f"glm5lab-triton-q8-tiles{PREFILL_TILES[0]}"][0]() if PREFILL_TILES else narrow
     agree = agree and bool(torch.allclose(tiled, narrow, rtol=0, atol=1e-5 * float(wide[finite].abs().max())))
     del wide, narrow, tiled

@@ -425,10 +425,20 @@ def _prefill_keys(k, D: int):
     return k, None, False
 
 
+def prefill_keys_as_m_default(capability: tuple[int, int] | None) -> bool:
+    """Whether the prefill logits' dot runs as keys . q^T on a GPU of this compute capability (None: not a GPU): on
+    Hopper. Not timed yet (NOTES v60): q . keys^T puts a token's 32 heads on rows that two warps of the wgmma hold,
+    so their sum goes through shared memory every key tile -- the sm_90 build's key loop (e4m3 q, fp8 pair, 64 keys)
+    is 753 instructions with 48 STS, 60 LDS, 100 SHFL and 7 barriers, against keys . q^T's 299 with 2 / 10 / 16 / 2
+    and the same MMA work (bf16 q: 924 -> 500; bf16 keys: 688 -> 366). sm_100's build drops 1,537 -> 308 too but
+    runs nowhere here; sm_120's is unchanged (751 / 760) and sm_86's soft decode grows (2,020 -> 2,852)."""
+    return capability is not None and capability[0] == 9
+
+
 def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.Tensor, ke: torch.Tensor,
                            max_len: int | None = None, block_m: int | None = None, block_n: int = 64,
                            soft_fp8: bool | None = None, tiles: int = 1, num_stages: int = 2, num_warps: int = 4,
-                           keys_as_m: bool = False) -> torch.Tensor:
+                           keys_as_m: bool | None = None) -> torch.Tensor:
     """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
     i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
 
@@ -440,7 +450,8 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     `indexer_logits_decode` does. ks/ke [T] int. For causal prefill of one sequence from position 0: ks = 0,
     ke = position + 1. Tiling: block_m tokens (all heads) a tile against block_n keys (default: as many tokens as
     make 128 q rows; at most 256 rows), `tiles` key tiles a program one after another (the query tile loaded once;
-    num_stages tiles' loads in flight); keys_as_m takes the dot as keys . q^T.
+    num_stages tiles' loads in flight); keys_as_m takes the dot as keys . q^T (default:
+    prefill_keys_as_m_default).
     """
     _check_qw(q, weights, fp8_q=True)
     T, H, D = q.shape
@@ -457,6 +468,8 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
         return out
     capability = cuda_capability(q.device) if q.is_cuda else None
     q, soft_fp8, fp8_dot = _fp8_dot_plan(q, fp8, soft_fp8, capability)
+    if keys_as_m is None:
+        keys_as_m = prefill_keys_as_m_default(capability)
     if not fp8 and kt.dtype != q.dtype:
         kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
