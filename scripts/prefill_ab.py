@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32, device="cuda")
         inputs = {"q8": (q8, (values, scales)),
                   "bf16": (q8.to(torch.bfloat16), dequantize_fp8_keys(values, scales).to(torch.bfloat16))}
-        ref, calls = None, {}
+        ref = finite = None
+        calls = {}
         for m, n, warps, tiles, stages, keys_as_m, inp in configs:
             name = config_name(m, n, warps, tiles, stages, keys_as_m, inp)
             q, k = inputs[inp]

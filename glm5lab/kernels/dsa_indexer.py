@@ -381,18 +381,18 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
                 k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
             if KEYS_AS_M:
-                if IEEE:
-                    s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(k, tl.trans(q))
-                s = tl.maximum(s, 0.0) * w[None, :]                      # [BLOCK_N, BLOCK_M*HP]
-                logit = tl.trans(tl.sum(tl.reshape(s, [BLOCK_N, BLOCK_M, HP]), axis=2) * scale[:, None])
+                a, b = k, q
             else:
-                if IEEE:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.maximum(s, 0.0) * w[:, None]                      # [BLOCK_M*HP, BLOCK_N]
+                a, b = q, k
+            if IEEE:
+                s = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(a, tl.trans(b))
+            if KEYS_AS_M:     # s [BLOCK_N, BLOCK_M*HP]
+                s = tl.maximum(s, 0.0) * w[None, :]
+                logit = tl.trans(tl.sum(tl.reshape(s, [BLOCK_N, BLOCK_M, HP]), axis=2) * scale[:, None])
+            else:             # s [BLOCK_M*HP, BLOCK_N]
+                s = tl.maximum(s, 0.0) * w[:, None]
                 logit = tl.sum(tl.reshape(s, [BLOCK_M, HP, BLOCK_N]), axis=1) * scale[None, :]  # [BLOCK_M, BLOCK_N]
             col = offs_n[None, :] - ks[:, None]
             ok = row_ok[:, None] & (offs_n[None, :] >= ks[:, None]) & (offs_n[None, :] < ke[:, None])
@@ -454,6 +454,9 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     prefill_keys_as_m_default).
     """
     _check_qw(q, weights, fp8_q=True)
+    if tiles < 1 or num_stages < 1 or (block_m is not None and block_m < 1) or block_n < 16 or block_n & (block_n - 1):
+        raise Glm5labError(f"tiles, num_stages and block_m must be >= 1 and block_n a power of two >= 16, got tiles "
+                           f"{tiles}, num_stages {num_stages}, block_m {block_m}, block_n {block_n}")
     T, H, D = q.shape
     kt, kscale, fp8 = _prefill_keys(k, D)
     S = kt.shape[0]
@@ -474,9 +477,6 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
         kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
     block_m_default = block_m is None
-    if tiles < 1 or num_stages < 1 or (block_m is not None and block_m < 1) or block_n < 16 or block_n & (block_n - 1):
-        raise Glm5labError(f"tiles, num_stages and block_m must be >= 1 and block_n a power of two >= 16, got tiles "
-                           f"{tiles}, num_stages {num_stages}, block_m {block_m}, block_n {block_n}")
     block_m = max(1, min(_pow2(block_m or 16), _pow2(T)))
     # the flattened [BLOCK_M*HP, D] q tile must stay a sensible size
     while block_m > 1 and block_m * HP > (128 if block_m_default else 256):
