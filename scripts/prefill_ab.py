@@ -2,9 +2,9 @@
 pipeline stages) and dot orders, in one process on the same inputs: one request's causal chunk of new tokens against
 its keys as glm5lab's vLLM op gathers them from the fp8 index-key cache. ":q8" runs the op's path (vLLM's e4m3 q on
 the (e4m3, scale) pair, the fp8 x fp8 dot), ":bf16" the op's path before v59 (q widened to bf16, the keys dequantized
-to bf16). Timed with do_bench in --rounds interleaved rounds (the median is the row), every config's logits checked
-against the first one's. Rows (metric prefill_logits_time and prefill_logits_tflops, implementation
-glm5lab-triton-m<tokens>n<keys>w<warps>t<tiles>s<stages>[-kq|-qk]-<q8|bf16>) are appended to --out.
+to bf16). Timed with do_bench in --rounds interleaved rounds (`interleaved_samples`; the median is the row), every
+config's logits checked against the first one's. Rows (metric prefill_logits_time and prefill_logits_tflops,
+implementation glm5lab-triton-m<tokens>n<keys>w<warps>t<tiles>s<stages>[-kq|-qk]-<q8|bf16>) are appended to --out.
 
     PYTHONPATH=. python scripts/prefill_ab.py --out results/indexer/prefill_ab.csv --configs default:q8 4x64x4:kq:q8
 """
@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from glm5lab.bench.indexer_bench import prefill_flops
 from glm5lab.bench.records import append_rows
-from glm5lab.bench.timing import bench, need_gpu
+from glm5lab.bench.timing import bench, interleaved_samples, need_gpu
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys, indexer_logits_prefill
 
@@ -115,10 +115,8 @@ def main(argv=None) -> int:
                 continue
             calls[name] = call
         del ref, finite
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(bench(call)["p50"])
+        times = interleaved_samples({name: lambda call=call: bench(call)["p50"] for name, call in calls.items()},
+                                    args.rounds)
         flops = prefill_flops(T, S, H, D)
         for name, got in times.items():
             us = float(torch.tensor(got).median())

@@ -135,12 +135,9 @@ def _fp8_keys(bits, scale, q, SOFT_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
-    """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 (> 0) -> [N] = sum_h w_h relu(q_h.k_n * scale_n), the scale
-    applied once a key after the sum (relu commutes with a positive factor). KEYS_AS_M takes the dot as k . q^T, the
-    keys as the MMA's M dimension: on Hopper a wgmma (M = 64 a warpgroup) with the converted keys in registers and q
-    in shared memory, where q . k^T at HP = 16-32 rows is an mma.sync whose q fragments are copied into place anew
-    for every key tile (sm_90 build, fp8 keys, 128 keys: 1,000 -> 768 instructions, NOTES.md v56)."""
+def _scores_dot(q, k, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
+    """q [R, DP] . k [N, DP]^T -> [R, N] fp32, or with KEYS_AS_M k . q^T -> [N, R] (the keys as the MMA's M; both
+    logits kernels); IEEE: an fp32 q, summed in fp32 (no TF32)."""
     if KEYS_AS_M:
         a, b = k, q
     else:
@@ -149,6 +146,17 @@ def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.cons
         s = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(a, tl.trans(b))
+    return s
+
+
+@triton.jit
+def _weighted_relu_scores(q, k, w, scale, IEEE: tl.constexpr, KEYS_AS_M: tl.constexpr):
+    """q [HP, DP], k [N, DP], w [HP] fp32, scale [N] fp32 (> 0) -> [N] = sum_h w_h relu(q_h.k_n * scale_n), the scale
+    applied once a key after the sum (relu commutes with a positive factor). KEYS_AS_M takes the dot as k . q^T, the
+    keys as the MMA's M dimension: on Hopper a wgmma (M = 64 a warpgroup) with the converted keys in registers and q
+    in shared memory, where q . k^T at HP = 16-32 rows is an mma.sync whose q fragments are copied into place anew
+    for every key tile (sm_90 build, fp8 keys, 128 keys: 1,000 -> 768 instructions, NOTES.md v56)."""
+    s = _scores_dot(q, k, IEEE, KEYS_AS_M)
     if KEYS_AS_M:     # (no early return: Triton builds the code after one too)
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
     else:
@@ -380,14 +388,7 @@ def _prefill_logits_kernel(Q, W, K, KSCALE, KS, KE, OUT, T,
             else:
                 k = tl.load(kptr, mask=kmask, other=0.0).to(q.dtype)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
-            if KEYS_AS_M:
-                a, b = k, q
-            else:
-                a, b = q, k
-            if IEEE:
-                s = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(a, tl.trans(b))
+            s = _scores_dot(q, k, IEEE, KEYS_AS_M)
             if KEYS_AS_M:     # s [BLOCK_N, BLOCK_M*HP]
                 s = tl.maximum(s, 0.0) * w[None, :]
                 logit = tl.trans(tl.sum(tl.reshape(s, [BLOCK_N, BLOCK_M, HP]), axis=2) * scale[:, None])
