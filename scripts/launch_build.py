@@ -183,7 +183,8 @@ def indexer_logits(sm: int):
     for soft in (True,) if sm < 89 else (False, True):
         for q_in in (q8t, q8t.to(torch.float8_e4m3fn)):
             for keys_as_m in (False, True):
-                for tiling in ({"tiles": 1}, {"tiles": 8}, {"block_m": 8, "block_n": 128, "num_warps": 8}):
+                for tiling in ({"tiles": 1}, {"tiles": 8}, {"tiles": 16, "num_stages": 3},
+                               {"block_m": 8, "block_n": 128, "num_warps": 8}):
                     d.indexer_logits_prefill(q_in, w8t, pair, ks8, ke8, soft_fp8=soft, keys_as_m=keys_as_m, **tiling)
 
 

@@ -28,7 +28,8 @@ DEFAULT = "default"       # a config's tiling "default": the kernel's own (what 
 
 def parse_config(text: str) -> tuple:
     """"4x64x4:q8", "4x64x4x8x2:kq:q8" or "default:qk:bf16" -> (tokens a tile, keys a tile, warps, tiles a program,
-    stages, keys_as_m (None: the kernel's), input); "default" leaves the tiling to the kernel (None, 64, 4, 1, 2)."""
+    stages, keys_as_m (None: the kernel's), input); "default" leaves the tiling to the kernel (None, None, 4, None,
+    None: `prefill_tiling_default` for the dot order it runs)."""
     tiling, *flags = text.split(":")
     try:
         parts = [int(v) for v in tiling.split("x")]
@@ -37,7 +38,7 @@ def parse_config(text: str) -> tuple:
     if len(parts) == 3:
         parts += [1, 2]
     if tiling == DEFAULT:
-        parts = [None, 64, 4, 1, 2]
+        parts = [None, None, 4, None, None]
     inputs = [f for f in flags if f in INPUTS]
     orders = [f for f in flags if f in ORDERS]
     if (len(parts) != 5 or min(1 if v is None else v for v in parts) < 1 or len(inputs) != 1 or len(orders) > 1

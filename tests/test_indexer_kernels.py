@@ -277,7 +277,9 @@ def test_prefill_logits_read_fp8_keys_as_vllm_gathers_them(q_dtype, D, device):
     for name, pair in (("e4m3", (vd, sd)), ("bytes", (vd.view(torch.uint8), sd))):
         for soft in (False, True):
             out = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft).cpu()
-            for tiling in ({"block_n": 16, "tiles": 2}, {"block_n": 16, "tiles": 2, "keys_as_m": True}):
+            # (and Hopper's default tiling: keys . q^T, 16 tiles a program, 3 stages -- at 16 keys a tile here)
+            for tiling in ({"block_n": 16, "tiles": 2}, {"block_n": 16, "tiles": 2, "keys_as_m": True},
+                           {"block_n": 16, "tiles": 16, "num_stages": 3, "keys_as_m": True}):
                 tiled = indexer_logits_prefill(qd, wd, pair, ksd, ked, soft_fp8=soft, **tiling).cpu()
                 torch.testing.assert_close(tiled, out, atol=_tol(q_dtype, ref), rtol=0, msg=lambda m: f"{tiling}: {m}")
             assert torch.equal(torch.isneginf(out), ~finite), (name, soft)
@@ -313,6 +315,17 @@ def test_prefill_logits_name_bad_fp8_keys():
         with pytest.raises(Glm5labError, match=match):
             indexer_logits_prefill(q, w, (values, scales), ks, ke, **bad)
 
+
+def test_prefill_tiling_default_pipelines_key_tiles_only_where_timed():
+    """Hopper's keys . q^T prefill runs 16 key tiles a program, 3 in flight (H100, NOTES v61); q . keys^T, other GPUs
+    and the CPU keep one tile a program, as before v61 -- and an explicit tiling is taken as given."""
+    from glm5lab.kernels.dsa_indexer import prefill_tiling_default
+
+    hopper = prefill_tiling_default((9, 0), keys_as_m=True)
+    assert hopper[1] > 1 and hopper[2] > 1
+    for capability, keys_as_m in (((9, 0), False), ((12, 0), True), ((8, 6), True), ((10, 0), True), (None, True)):
+        assert prefill_tiling_default(capability, keys_as_m)[1:] == (1, 2), (capability, keys_as_m)
+    assert {prefill_tiling_default(c, k)[0] for c in ((9, 0), (12, 0), None) for k in (False, True)} == {64}
 
 def _check_topk_exact(logits, k, lengths, method="radix16"):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -582,7 +595,7 @@ def test_prefill_ab_script_names_bad_configs_and_shapes_and_refuses_without_a_gp
     ab, parse = script["main"], script["parse_config"]
     assert parse("4x64x4:q8") == (4, 64, 4, 1, 2, None, "q8")             # the kernel's dot order
     assert parse("8x128x8x8x3:kq:bf16") == parse("8x128x8x8x3:bf16:kq") == (8, 128, 8, 8, 3, True, "bf16")
-    assert parse("default:qk:q8") == (None, 64, 4, 1, 2, False, "q8")
+    assert parse("default:qk:q8") == (None, None, 4, None, None, False, "q8")   # the kernel's tiling for that order
     assert script["config_name"](*parse("4x128x8x8x2:kq:q8")) == "glm5lab-triton-m4n128w8t8s2-kq-q8"
     assert script["config_name"](*parse("default:qk:bf16")) == "glm5lab-triton-default-qk-bf16"
     assert script["config_name"](*parse("default:bf16")) == "glm5lab-triton-default-bf16"

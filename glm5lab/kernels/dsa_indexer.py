@@ -428,18 +428,29 @@ def _prefill_keys(k, D: int):
 
 def prefill_keys_as_m_default(capability: tuple[int, int] | None) -> bool:
     """Whether the prefill logits' dot runs as keys . q^T on a GPU of this compute capability (None: not a GPU): on
-    Hopper. Not timed yet (NOTES v60): q . keys^T puts a token's 32 heads on rows that two warps of the wgmma hold,
-    so their sum goes through shared memory every key tile -- the sm_90 build's key loop (e4m3 q, fp8 pair, 64 keys)
-    is 753 instructions with 48 STS, 60 LDS, 100 SHFL and 7 barriers, against keys . q^T's 299 with 2 / 10 / 16 / 2
-    and the same MMA work (bf16 q: 924 -> 500; bf16 keys: 688 -> 366). sm_100's build drops 1,537 -> 308 too but
-    runs nowhere here; sm_120's is unchanged (751 / 760) and sm_86's soft decode grows (2,020 -> 2,852)."""
+    Hopper. q . keys^T puts a token's 32 heads on rows that two warps of the wgmma hold, so their sum goes through
+    shared memory every key tile -- the sm_90 build's key loop (e4m3 q, fp8 pair, 64 keys) is 753 instructions with
+    48 STS, 60 LDS, 100 SHFL and 7 barriers, against keys . q^T's 299 with 2 / 10 / 16 / 2 and the same MMA work.
+    Timed on an H100 (NOTES v61): 1.22-1.56x faster at the same tiling, e4m3 q and bf16 alike. sm_100's build drops
+    1,537 -> 308 too but runs nowhere here; sm_120's is unchanged (751 / 760) and sm_86's soft decode grows."""
     return capability is not None and capability[0] == 9
 
 
+def prefill_tiling_default(capability: tuple[int, int] | None, keys_as_m: bool) -> tuple[int, int, int]:
+    """(keys a tile, key tiles a program, pipeline stages) of the prefill logits: 64-key tiles, 16 a program with
+    3 tiles' loads in flight where the dot is keys . q^T on Hopper (H100, NOTES v61: 1.1-1.9x faster than one tile a
+    program over chunks of 256-8192 tokens and 4k-64k keys, within ~6% of the best of 28 tilings at each); one tile
+    a program elsewhere -- q . keys^T's heads' sum through shared memory left more tiles nothing to gain (H200, v60),
+    and nothing here times other GPUs."""
+    if keys_as_m and capability is not None and capability[0] == 9:
+        return 64, 16, 3
+    return 64, 1, 2
+
+
 def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.Tensor, ke: torch.Tensor,
-                           max_len: int | None = None, block_m: int | None = None, block_n: int = 64,
-                           soft_fp8: bool | None = None, tiles: int = 1, num_stages: int = 2, num_warps: int = 4,
-                           keys_as_m: bool | None = None) -> torch.Tensor:
+                           max_len: int | None = None, block_m: int | None = None, block_n: int | None = None,
+                           soft_fp8: bool | None = None, tiles: int | None = None, num_stages: int | None = None,
+                           num_warps: int = 4, keys_as_m: bool | None = None) -> torch.Tensor:
     """Prefill logits: float32 [T, max_len], row t scoring keys k[ks[t]:ke[t]] (column j = key ks[t]+j,
     i.e. the request-local position when ks[t] is the request's first key); -inf elsewhere.
 
@@ -452,10 +463,12 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     ke = position + 1. Tiling: block_m tokens (all heads) a tile against block_n keys (default: as many tokens as
     make 128 q rows; at most 256 rows), `tiles` key tiles a program one after another (the query tile loaded once;
     num_stages tiles' loads in flight); keys_as_m takes the dot as keys . q^T (default:
-    prefill_keys_as_m_default).
+    prefill_keys_as_m_default). block_n, tiles and num_stages left out: prefill_tiling_default.
     """
     _check_qw(q, weights, fp8_q=True)
-    if tiles < 1 or num_stages < 1 or (block_m is not None and block_m < 1) or block_n < 16 or block_n & (block_n - 1):
+    if ((tiles is not None and tiles < 1) or (num_stages is not None and num_stages < 1)
+            or (block_m is not None and block_m < 1)
+            or (block_n is not None and (block_n < 16 or block_n & (block_n - 1)))):
         raise Glm5labError(f"tiles, num_stages and block_m must be >= 1 and block_n a power of two >= 16, got tiles "
                            f"{tiles}, num_stages {num_stages}, block_m {block_m}, block_n {block_n}")
     T, H, D = q.shape
@@ -474,6 +487,10 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     q, soft_fp8, fp8_dot = _fp8_dot_plan(q, fp8, soft_fp8, capability)
     if keys_as_m is None:
         keys_as_m = prefill_keys_as_m_default(capability)
+    default_n, default_tiles, default_stages = prefill_tiling_default(capability, keys_as_m)
+    block_n = block_n or default_n
+    tiles = tiles or default_tiles
+    num_stages = num_stages or default_stages
     if not fp8 and kt.dtype != q.dtype:
         kt = kt.to(q.dtype)
     HP = _pow2(H, 16)
