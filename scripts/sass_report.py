@@ -19,7 +19,7 @@ conditional one).
                                     # the indexer's decode logits kernel (INDEXER_DEFAULTS: 32 heads, 128 fp8 keys)
     PYTHONPATH=. python scripts/sass_report.py --config '{"indexer_prefill": true, "KEYS_AS_M": true}'
                                     # its prefill logits kernel (PREFILL_DEFAULTS: 4 tokens x 32 heads, e4m3 q on
-                                    # 64-key tiles of the fp8 pair, 8 a program)
+                                    # 64-key tiles of the fp8 pair, 16 a program, 3 stages: Hopper's tiling)
 
 --dump DIR keeps sass.txt / ttgir.txt / ptx.txt of each configuration; --json prints one JSON object a line.
 Run it as a script (it turns the Triton interpreter off for its own process before glm5lab's kernels load).
@@ -112,9 +112,10 @@ INDEXER_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "PAGE": 64, "BLOCK_N
                     "FP8_DOT": False}
 
 
-# the prefill logits kernel as glm5lab's vLLM op runs it (v59): 4 tokens x 32 heads a q tile, 64 keys of the
-# gathered fp8 pair a tile, the e4m3 q's fp8 x fp8 dot, 8 key tiles a program (so the loop is the key loop)
-PREFILL_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "BLOCK_M": 4, "BLOCK_N": 64, "TILES": 8, "STAGES": 2,
+# the prefill logits kernel as glm5lab's vLLM op runs it on Hopper (v59, v61): 4 tokens x 32 heads a q tile, 64
+# keys of the gathered fp8 pair a tile, the e4m3 q's fp8 x fp8 dot, 16 key tiles a program with 3 in flight (so the
+# loop is the key loop; the dot order is the config's: "KEYS_AS_M": true is Hopper's)
+PREFILL_DEFAULTS = {"H": 32, "D": 128, "HP": 32, "DP": 128, "BLOCK_M": 4, "BLOCK_N": 64, "TILES": 16, "STAGES": 3,
                     "IEEE": False, "FP8": True, "SOFT_FP8": False, "FP8_DOT": True, "KEYS_AS_M": False}
 
 
