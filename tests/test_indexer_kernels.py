@@ -318,7 +318,7 @@ def test_prefill_logits_name_bad_fp8_keys():
 
 def test_prefill_tiling_default_pipelines_key_tiles_only_where_timed():
     """Hopper's keys . q^T prefill runs 16 key tiles a program, 3 in flight (H100, NOTES v61); q . keys^T, other GPUs
-    and the CPU keep one tile a program, as before v61 -- and an explicit tiling is taken as given."""
+    and the CPU keep one tile a program, as before v61."""
     from glm5lab.kernels.dsa_indexer import prefill_tiling_default
 
     hopper = prefill_tiling_default((9, 0), keys_as_m=True)
@@ -326,6 +326,7 @@ def test_prefill_tiling_default_pipelines_key_tiles_only_where_timed():
     for capability, keys_as_m in (((9, 0), False), ((12, 0), True), ((8, 6), True), ((10, 0), True), (None, True)):
         assert prefill_tiling_default(capability, keys_as_m)[1:] == (1, 2), (capability, keys_as_m)
     assert {prefill_tiling_default(c, k)[0] for c in ((9, 0), (12, 0), None) for k in (False, True)} == {64}
+
 
 def _check_topk_exact(logits, k, lengths, method="radix16"):
     dev = "cuda" if torch.cuda.is_available() else "cpu"

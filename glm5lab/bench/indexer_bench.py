@@ -140,8 +140,8 @@ def prefill_flops(T: int, S: int, H: int, D: int) -> float:
     return 2.0 * H * D * (T * (S - T) + T * (T + 1) / 2)
 
 
-# key tiles a prefill program, timed beside the default (one): the query tile (4 tokens x 32 heads x 128) is 2-4x a
-# 64-key tile's bytes, loaded once a program
+# key tiles a prefill program, timed beside the default (`prefill_tiling_default`: 16 on Hopper, one elsewhere): the
+# query tile (4 tokens x 32 heads x 128) is 2-4x a 64-key tile's bytes, loaded once a program
 PREFILL_TILES = (8, 32)
 
 
@@ -149,8 +149,8 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
     """One request's prefill chunk against fp8 index keys: the logits with vLLM's e4m3 q and the (e4m3, scale) pair
     gathered from the cache as they are (glm5lab's vLLM op since v59), against what the op ran before -- q widened
     to bf16 and the keys dequantized (float32, then bf16) before a bf16 kernel. Rows: logits time and TFLOP/s of
-    each ("glm5lab-triton-q8" / "glm5lab-triton"; "-tiles<n>": n key tiles a program; "-qk": the dot as q . keys^T
-    where the default is keys . q^T), the op's time for the chunk
+    each ("glm5lab-triton-q8" / "glm5lab-triton"; "-tiles<n>": n key tiles a program, the default's stages; "-qk":
+    v59's kernel -- q . keys^T, one tile a program -- where the default is keys . q^T), the op's time for the chunk
     (gather + logits, `prefill_op_time`), and whether the two logits agree within 1e-3 of the largest (the products
     are equal: e4m3 x a power of two is exact in bf16; the sums' order and Hopper's fp8 accumulation differ) and the
     tiled e4m3 logits the untiled ones (the same sums)."""
@@ -199,7 +199,8 @@ def _prefill_rows(fp8_cache, prof, T: int, S: int, gen) -> tuple[list[dict], dic
             lambda tiles=tiles: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S, tiles=tiles), None)
         timers[f"glm5lab-triton-tiles{tiles}"] = (
             lambda tiles=tiles: indexer_logits_prefill(q_bf16, w, keys_bf16, ks, ke, max_len=S, tiles=tiles), None)
-    # where the default dot order is keys . q^T (Hopper, v60), the other order beside it ("-qk": what ran before)
+    # where the default dot order is keys . q^T (Hopper, v60), the other order beside it ("-qk": v59's kernel, whose
+    # tiling default is one tile a program)
     if q8.is_cuda and prefill_keys_as_m_default(cuda_capability(q8.device)):
         timers["glm5lab-triton-q8-qk"] = (
             lambda: indexer_logits_prefill(q8, w, pair, ks, ke, max_len=S, keys_as_m=False), None)

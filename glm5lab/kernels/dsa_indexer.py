@@ -438,8 +438,8 @@ def prefill_keys_as_m_default(capability: tuple[int, int] | None) -> bool:
 
 def prefill_tiling_default(capability: tuple[int, int] | None, keys_as_m: bool) -> tuple[int, int, int]:
     """(keys a tile, key tiles a program, pipeline stages) of the prefill logits: 64-key tiles, 16 a program with
-    3 tiles' loads in flight where the dot is keys . q^T on Hopper (H100, NOTES v61: 1.1-1.9x faster than one tile a
-    program over chunks of 256-8192 tokens and 4k-64k keys, within ~6% of the best of 28 tilings at each); one tile
+    3 tiles' loads in flight where the dot is keys . q^T on Hopper (H100s, NOTES v61: 1.03-1.75x faster than one tile
+    a program over chunks of 256-8192 tokens and 4k-64k keys, within ~8% of the best of 28 tilings at each); one tile
     a program elsewhere -- q . keys^T's heads' sum through shared memory left more tiles nothing to gain (H200, v60),
     and nothing here times other GPUs."""
     if keys_as_m and capability is not None and capability[0] == 9:
