@@ -24,6 +24,11 @@ SUBCOMMAND_MODULES = [
 ]
 
 
+def first_paragraph(doc: str | None) -> str:
+    """A module docstring's first paragraph, for a script's --help: its first line alone can stop mid-sentence."""
+    return (doc or "").strip().split("\n\n")[0]
+
+
 @contextlib.contextmanager
 def stdout_to_stderr(active: bool = True):
     """File descriptor 1 pointed at 2 for the block (when active): a `--json` document must be all a command
@@ -70,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("glm5lab: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `glm5lab gguf inspect X | head`: the reader left; say nothing more, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the closed pipe
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def _run(args) -> int:
 
 def add_command(sub) -> None:
     p = sub.add_parser("env", help="print torch/triton/vllm/gguf versions, GPU and interpreter mode")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--slug", action="store_true",
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    what.add_argument("--slug", action="store_true",
                    help="print only the GPU model's file-name word (h200, h100, rtxpro6000; cpu without a GPU)")
     p.set_defaults(func=_run)

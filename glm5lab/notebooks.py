@@ -33,7 +33,11 @@ def detect_profile() -> str:
 
 def find_notebooks(notebook_dir: Path, only: list[str] | None = None) -> list[Path]:
     """Numbered notebooks (NN_name.ipynb) in order; `only` filters by prefix or name substring."""
+    if not notebook_dir.is_dir():
+        raise Glm5labError(f"{notebook_dir}: no such notebook folder")
     books = sorted(p for p in notebook_dir.glob("[0-9][0-9]*.ipynb") if p.is_file())
+    if not books:
+        raise Glm5labError(f"{notebook_dir}: no numbered notebooks (NN_name.ipynb) in it")
     if only:
         books = [p for p in books if any(p.name.startswith(o) or o in p.stem for o in only)]
         if not books:
@@ -120,6 +124,7 @@ def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:
     notebooks = book.get("notebooks", {})
     notebooks.update({p.name: run for p in executed})
     book = {"profile": profile, "notebooks": dict(sorted(notebooks.items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(book, indent=2) + "\n")
     tmp.replace(path)
@@ -138,7 +143,7 @@ def add_command(sub) -> None:
     r = nsub.add_parser("run", help="execute notebooks/NN_*.ipynb into results/notebooks/<profile>/")
     r.add_argument("--profile", choices=PROFILES, default=None,
                    help="cpu (small shapes, Triton interpreter) or gpu; default: detected")
-    r.add_argument("--only", nargs="*", help="run only notebooks whose name starts with / contains these")
+    r.add_argument("--only", nargs="+", help="run only notebooks whose name starts with / contains these")
     r.add_argument("--notebooks", type=Path, default=None, help="notebook folder (default: notebooks/)")
     r.add_argument("--results", type=Path, default=None, help="results folder (default: results/)")
     r.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")

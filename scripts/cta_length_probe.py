@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from glm5lab.bench import kernel_bench as kb
 from glm5lab.bench.records import append_rows
 from glm5lab.bench.timing import interleaved_samples, need_gpu, quantiles
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import one_line_errors
 from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
@@ -31,7 +32,7 @@ def shape_arg(s: str) -> tuple[int, int]:
 
 @one_line_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--variants", nargs="+", required=True, help="kernel_bench.GLUON_VARIANTS names")
     p.add_argument("--shapes", nargs="+", type=shape_arg, default=[(1024, 1024), (512, 2048), (256, 4096)],

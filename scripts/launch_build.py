@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from sass_report import resource_usage  # noqa: E402
+from glm5lab.cli import first_paragraph
 from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK, shared_memory_per_block  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
@@ -299,7 +300,7 @@ def load_cases(path: str) -> tuple[dict, dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=first_paragraph(__doc__))
     ap.add_argument("--sm", type=int, nargs="+", default=[90], help="compute capabilities to build for")
     ap.add_argument("--case", nargs="+", help=f"cases to run (default all: {', '.join(CASES)})")
     ap.add_argument("--cases-from", help="a Python file with CASES {name: fn(sm)} (and MODULES {name: module})")

@@ -20,6 +20,7 @@ from glm5lab.bench.indexer_bench import logits_bytes_read
 from glm5lab.bench.kernel_bench import graph_time_us
 from glm5lab.bench.records import append_rows
 from glm5lab.bench.timing import copy_bandwidth_gbps, need_gpu
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import indexer_logits_decode, write_index_key_cache
 
@@ -69,7 +70,7 @@ def config_name(n, warps, tiles, stages, f16_dot, keys_as_m=None, permute_d=Fals
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=first_paragraph(__doc__))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--configs", nargs="+", default=["128x4", "64x4", "64x4x4x3", "128x4x4x3", "128x8x4x3"],
                     help="<keys a tile>x<warps>[x<tiles a program>x<stages>]; the first is the reference the others "

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from glm5lab.bench.records import append_rows
 from glm5lab.bench.timing import need_gpu
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import one_line_errors
 from glm5lab.kernels import sparse_mla as sm
 
@@ -40,7 +41,7 @@ def fp16_partials(po, pl):
 
 @one_line_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, nargs="*", default=sorted(CASES), choices=sorted(CASES))
     p.add_argument("--partials", action="store_true", help="time fp32 against fp16 partials (merge_plan's merge)")

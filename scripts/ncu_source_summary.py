@@ -82,7 +82,7 @@ def summarize(df: pd.DataFrame, top: int = 4) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("csv")
     p.add_argument("--top", type=int, default=25, help="instructions with the most samples to list")
     a = p.parse_args(argv)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from glm5lab.bench.indexer_bench import prefill_flops
 from glm5lab.bench.records import append_rows
 from glm5lab.bench.timing import bench, interleaved_samples, need_gpu
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.dsa_indexer import dequantize_fp8_keys, indexer_logits_prefill
 
@@ -56,7 +57,7 @@ def config_name(m, n, warps, tiles, stages, keys_as_m, inp) -> str:
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=first_paragraph(__doc__))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--configs", nargs="+",
                     default=["default:qk:q8", "default:kq:q8", "default:qk:bf16", "default:kq:bf16", "4x64x4x8x2:kq:q8",

@@ -9,13 +9,14 @@ import json
 
 import torch
 
+from glm5lab.cli import first_paragraph
 from glm5lab.kernels.fp8_ds_mla import quantize_fp8_ds_mla
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
 from glm5lab.sparse.reference import mla_softmax_scale
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=first_paragraph(__doc__))
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--topk", type=int, default=2048)

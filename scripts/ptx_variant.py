@@ -112,7 +112,7 @@ def _run(cmd: list, edit: str, env: dict) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--work", help="folder for the dump, the edited PTX and the Triton caches")
     p.add_argument("--edits", nargs="+", default=["l2_256"], choices=sorted(EDITS))
     p.add_argument("--offline", metavar="PTX", help="edit this PTX file and print each build's copies (no GPU)")

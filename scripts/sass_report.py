@@ -214,7 +214,7 @@ def default_configs() -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--sm", type=int, default=90, help="target compute capability x10 (80, 89, 90, 120, ...)")
     p.add_argument("--config", action="append", default=[], help="JSON object: kernel constexprs + options")
     p.add_argument("--defaults", action="store_true", help="the default tile of 8/32/64 heads, both layouts")

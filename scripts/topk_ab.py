@@ -22,6 +22,7 @@ from glm5lab.bench.kernel_bench import graph_time_us, graph_timer
 from glm5lab.bench.latency_anatomy import gpu_kernel_spans
 from glm5lab.bench.records import append_rows
 from glm5lab.bench.timing import need_gpu
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels import dsa_indexer
 
@@ -59,7 +60,7 @@ def kernel_timeline(calls) -> tuple[dict, float]:
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=first_paragraph(__doc__))
     ap.add_argument("--before", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--methods", nargs="+", default=["split"], choices=dsa_indexer.TOPK_METHODS)

@@ -234,7 +234,7 @@ def test_deepseek_v32_geometry(bd):
        kv=st.sampled_from(["auto", "fp8", "fp8_e5m2", "fp8_ds_mla", "nvfp4_ds_mla", "bfloat16"]),
        block=st.sampled_from([None, 1, 16, 63, 64, 128, 1 << 20]),
        sparse=st.sampled_from([None, True, False]),
-       tp=st.sampled_from([1, 8, 128]),
+       tp=st.sampled_from([1, 2, 4]),  # divide every model's heads (tiny 4, GLM-5 64, DeepSeek 128)
        model=st.sampled_from(["glm-5", "tiny", "deepseek-v3.2"]))
 def test_no_exception_escapes_for_odd_targets(bd, cap, dtype, kv, block, sparse, tp, model):
     df = bd.diagnose(cap, dtype, kv, block, model=model, sparse=sparse, tensor_parallel_size=tp)
@@ -242,6 +242,14 @@ def test_no_exception_escapes_for_odd_targets(bd, cap, dtype, kv, block, sparse,
     assert set(df["verdict"]) <= {bd.PASS, bd.PASS_NEEDS_LIBRARY, bd.REJECTED, bd.UNKNOWN, bd.NOT_CONSIDERED}
     line = bd.advice(df)
     assert line and "\n" not in line
+
+
+@pytest.mark.parametrize("model, tp, heads", [("glm-5", 3, 64), ("glm-5", 128, 64), ("tiny", 8, 4)])
+def test_tensor_parallel_size_must_divide_the_heads(bd, model, tp, heads):
+    # vLLM refuses such a TP at start-up; the doctor used to floor heads / TP (21 or 1 "heads per GPU")
+    with pytest.raises(Glm5labError, match=f"tensor parallel size {tp} does not divide the model's {heads}"):
+        bd.diagnose("12.0", model=model, tensor_parallel_size=tp)
+    assert bd.diagnose("12.0", model=model, tensor_parallel_size=heads).attrs["target"]["num_heads"] == 1
 
 
 def test_odd_model_geometry_does_not_raise(bd):

@@ -45,3 +45,45 @@ def test_one_line_errors_passes_other_exceptions_and_results_through():
     assert main([]) == 3 and main(["bad"]) == 1
     with pytest.raises(ValueError):
         main(["bug"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-tokens", "0"], "--max-tokens: must be at least 1, got 0"),   # before a ~15 s engine start
+    (["env", "--json", "--slug"], "not allowed with argument"),                         # --slug printed alone before
+    (["notebooks", "run", "--only"], "expected at least one argument"),                 # ran every notebook before
+])
+def test_cli_refuses_meaningless_arguments_at_parse_time(argv, message, capsys):
+    from glm5lab.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_records_archive_refuses_a_negative_keep(tmp_path, capsys):
+    from glm5lab.bench import records
+
+    csv = tmp_path / "k.csv"
+    records.append_rows(csv, [dict(suite="s", implementation="i", shape="x", metric="m", value=1.0, unit="u")],
+                        command="c")
+    assert records.main(["archive", str(csv), "--keep", "-1"]) == 2
+    assert "keep must be >= 0" in capsys.readouterr().err
+    import pandas as pd
+
+    assert len(pd.read_csv(csv)) == 1
+
+
+def test_script_help_descriptions_end_a_sentence():
+    """--help shows the module docstring's first paragraph, not a first line cut mid-sentence."""
+    import ast
+
+    from glm5lab.bench import tail_split
+    from glm5lab.cli import first_paragraph
+
+    root = Path(__file__).resolve().parents[1]
+    docs = {m.__name__: m.__doc__ for m in (kernel_bench, latency_anatomy, gather_ceiling, tail_split)}
+    for script in ("prefill_ab", "logits_ab", "topk_ab", "profile_one", "merge_probe"):
+        docs[script] = ast.get_docstring(ast.parse((root / "scripts" / f"{script}.py").read_text()))
+    for name, doc in docs.items():
+        text = " ".join(first_paragraph(doc).split())
+        assert text.endswith((".", ":", ")")), (name, text[-60:])

@@ -264,6 +264,17 @@ def test_runner_rejects_unknown_profile(tmp_path):
         run_all("tpu", notebook_dir=tmp_path, results_dir=tmp_path)
 
 
+def test_runner_refuses_a_folder_without_notebooks(tmp_path):
+    """A wrong --notebooks used to 'pass' with nothing run (and rewrite provenance.json), or crash on its temp file."""
+    results = tmp_path / "results"
+    with pytest.raises(Glm5labError, match="no such notebook folder"):
+        run_all("cpu", notebook_dir=tmp_path / "absent", results_dir=results, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Glm5labError, match=r"no numbered notebooks \(NN_name.ipynb\) in it"):
+        run_all("cpu", notebook_dir=tmp_path / "empty", results_dir=results, progress=False)
+    assert not results.exists()
+
+
 def test_committed_notebooks_have_no_outputs():
     books = sorted((ROOT / "notebooks").glob("*.ipynb"))
     for book in books:

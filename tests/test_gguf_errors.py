@@ -118,3 +118,60 @@ def test_bad_hf_checkpoint_leaves_nothing(tiny_paths, tmp_path):
         write_gguf(loaders, tiny_config(), tiny_paths.hf_dir, tmp_path / "x.gguf", qtype="Q8_0", n_shards=2,
                    progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_more_bad_inputs_are_one_line_errors(tiny_paths, tmp_path, capsys):
+    """What a fresh-eyes audit hit as tracebacks: each is now one line naming the file and the problem."""
+    from glm5lab.gguf import shards as S
+    from glm5lab.gguf.reader import open_reader
+    from glm5lab.model.tiny import TINY_GGUF_NAME
+
+    data = tiny_paths.gguf("F16").read_bytes()
+    corrupt = bytearray(data)
+    corrupt[data.index(TINY_GGUF_NAME.encode())] = 0xFF  # general.name no longer UTF-8
+    bad_name = tmp_path / "bad_name.gguf"
+    bad_name.write_bytes(bytes(corrupt))
+    no_tensors = tmp_path / "no_tensors.gguf"  # the tiny model's metadata, an empty tensor table
+    with open(no_tensors, "wb") as f:
+        S._write_gguf_stream(f, 3, S._raw_kv_records(open_reader(tiny_paths.gguf("F16"))), [], [], 32, None)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{not json")
+    cut = tmp_path / "cut_safetensors"
+    cut.mkdir()
+    shutil.copy(tiny_paths.hf_dir / "config.json", cut / "config.json")
+    (cut / "model.safetensors").write_bytes((tiny_paths.hf_dir / "model.safetensors").read_bytes()[:1000])
+    out = tmp_path / "out"
+    out.mkdir()
+    cases = [
+        (["gguf", "inspect", str(bad_name)], f"{bad_name}: metadata general.name is not valid UTF-8"),
+        (["gguf", "inspect", str(tmp_path)], f"{tmp_path}: is a folder, not a GGUF file"),
+        (["gguf", "split", str(no_tensors), "2"], "holds 0 tensor(s); a split needs at least 2"),
+        (["gguf", "estimate", "--qtypes", "Q4_K,FOO"], "unknown GGML type 'FOO'"),
+        (["gguf", "write", str(tiny_paths.hf_dir), str(out)], f"{out}: is a folder; give the output file's name"),
+        (["gguf", "write", str(config_only), str(out / "x.gguf")], "config.json: transformers cannot read it"),
+        (["gguf", "write", str(cut), str(out / "x.gguf")], "model.safetensors: not a readable safetensors file"),
+        (["gguf", "tiny", "--root", str(bad_name)], "is a file; the cache root must be a folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and message in err, (argv, err)
+    assert list(out.iterdir()) == []
+    assert main(["gguf", "inspect", str(no_tensors), "--json", "--tensors"]) == 0  # an empty table, not a KeyError
+    import json
+
+    info = json.loads(capsys.readouterr().out)
+    assert info["header"]["tensors"] == 0 and info["tensors"] == []
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(tiny_paths):
+    """`glm5lab gguf inspect X | head`: no BrokenPipeError traceback once the reader has gone. `true` closes the
+    pipe before Python has even started, so the first write meets it closed (head would race the pipe's buffer)."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m glm5lab gguf inspect {tiny_paths.gguf('F16')} --tensors | true"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 141  # 128 + SIGPIPE, as a killed writer reports

@@ -1,6 +1,7 @@
 """Split-shard sets: writer shards == split(unsplit), merge(shards) == unsplit byte for byte, and every
 broken set is refused with a one-line error and no output left behind."""
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,44 @@ def test_failed_merge_leaves_nothing(written, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         S.merge_shards(written[0], tmp_path / "out.gguf", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shards_in_any_order(tiny_paths, written, tmp_path):
+    """The shards as a shell glob or a person lists them: shard 1 (split.no 0, the metadata) need not come first."""
+    shuffled = [written[1], written[0], written[2]]
+    assert [p.name for p in S.validate_shard_set(shuffled).paths] == [p.name for p in written]
+    out = S.merge_shards(shuffled, tmp_path / "merged.gguf", progress=False)
+    assert out.read_bytes() == tiny_paths.gguf("F16").read_bytes()
+
+
+def test_merge_refuses_to_overwrite_a_shard_of_its_own_set(written, tmp_path):
+    d = tmp_path / "own"
+    d.mkdir()
+    parts = [Path(shutil.copy(p, d / p.name)) for p in written]
+    before = [p.read_bytes() for p in parts]
+    for target in (parts[1], parts[0]):
+        with pytest.raises(Glm5labError, match=f"{target.name}: is shard {parts.index(target) + 1} of the set"):
+            S.merge_shards(parts[0], target, progress=False)
+    assert [p.read_bytes() for p in parts] == before
+    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in parts)
+
+
+def test_outputs_are_readable_by_others_and_split_into_a_folder(tiny_paths, written, tmp_path):
+    """mkstemp's 0600 must not reach the renamed output: a vLLM server under another account reads it."""
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        merged = S.merge_shards(written, tmp_path / "merged.gguf", progress=False)
+        folder = tmp_path / "parts"
+        folder.mkdir()
+        parts = S.split_gguf(tiny_paths.gguf("F16"), 2, folder, progress=False)
+    finally:
+        os.umask(mask)
+    assert [p.parent for p in parts] == [folder, folder]
+    assert parts[0].name == tiny_paths.gguf("F16").stem + "-00001-of-00002.gguf"
+    for p in [merged, *parts]:
+        assert p.stat().st_mode & 0o777 == 0o644, p
+    with pytest.raises(Glm5labError, match="is a folder; give the output file's name"):
+        S.merge_shards(written, folder, progress=False)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in parts)

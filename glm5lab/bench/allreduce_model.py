@@ -21,13 +21,13 @@ the label MODEL. Measured values (scripts/tp_attention_stack.py -> results/tp/*.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from glm5lab.bench import records
+from glm5lab.files import temp_beside
 
 MODEL_LABEL = "MODEL (paper projection, not measured)"
 GLM5_HIDDEN = 6144
@@ -157,12 +157,10 @@ def plot(df: pd.DataFrame, path: str | os.PathLike | None = None, measured: pd.D
 
 
 def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = temp_beside(path)
     os.close(fd)
     try:
         df.to_csv(tmp, index=False)
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -183,10 +181,9 @@ def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     info = collect()
     fig.text(0.01, 0.005, f"glm5lab {info.get('glm5lab')}, git {info.get('git_sha')}, {info.get('timestamp')}; "
              f"inputs: {paths['assumptions'].name}", fontsize=6, color="gray")
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".png")
+    fd, tmp = temp_beside(paths["png"])
     os.close(fd)
     fig.savefig(tmp, dpi=120, format="png")
-    os.chmod(tmp, 0o644)
     os.replace(tmp, paths["png"])
     import matplotlib.pyplot as plt
 

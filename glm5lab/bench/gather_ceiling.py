@@ -19,6 +19,7 @@ import sys
 import triton
 import triton.language as tl
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}     # glm5lab.kernels.fp8_ds_mla's row; 576 bf16 values
@@ -118,7 +119,7 @@ def _tile(text: str) -> tuple[int, int]:
 
 @one_line_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.gather_ceiling", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.gather_ceiling", description=first_paragraph(__doc__))
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--tokens", type=int, nargs="+", default=[512], help="token counts (each its own shape)")
     p.add_argument("--topk", type=int, default=2048)

@@ -22,6 +22,8 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from glm5lab.cli import first_paragraph
+
 SUITE = "dsa_indexer"
 
 
@@ -411,7 +413,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
 def main(argv=None) -> int:
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.indexer_bench", description=first_paragraph(__doc__))
     p.add_argument("--out", default="results/indexer/indexer_bench.csv")
     p.add_argument("--profile", choices=sorted(PROFILES),
                    default="gpu" if torch.cuda.is_available() else "cpu")

@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_kernel"
@@ -828,7 +829,7 @@ def print_table(df, col: str = "us", title: str = "do_bench p50 (events, L2 flus
 
 @one_line_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.kernel_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.kernel_bench", description=first_paragraph(__doc__))
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--profile", default=None, help="gpu or cpu (default: gpu when CUDA is present)")
     p.add_argument("--heads", type=int, nargs="*", default=None)

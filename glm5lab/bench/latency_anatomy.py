@@ -25,6 +25,7 @@ import triton
 
 from glm5lab.bench.kernel_bench import input_sets
 from glm5lab.bench.timing import need_gpu
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_latency"
@@ -336,7 +337,7 @@ def run(csv_path, heads: int = 8, command: str = "", verbose: bool = True):
 
 @one_line_errors
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.latency_anatomy", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m glm5lab.bench.latency_anatomy", description=first_paragraph(__doc__))
     p.add_argument("--out", required=True, help="CSV to append long-format rows to")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="the small-batch split/merge sweep instead")

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_power"
@@ -211,7 +212,7 @@ def run(out_csv: str, heads=(128,), tokens=(512,), forms=("ws64cps16", "ws64cps1
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.power_probe", description=first_paragraph(__doc__))
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, nargs="+", default=[128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512])

@@ -117,7 +117,9 @@ def archive_older_runs(path: str | os.PathLike, keep: int = 1) -> int:
     appended, one header) and return how many rows moved. A run is the rows of one (git_sha, command) in file order.
     Why: the suite and notebook CSVs grow ~0.8 MB a GPU run and the tree a device call carries is capped (64 MiB);
     readers take the latest run anyway (`suites.latest_run`, the plots' last value). Both files are replaced
-    atomically: an interrupted call leaves the old ones."""
+    atomically: an interrupted call leaves the old ones. keep=0 moves them all."""
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0 (the last runs to keep), got {keep}")
     df = _read_for_archive(path)
     run = df["git_sha"] + "\x00" + df["command"]
     runs = list(dict.fromkeys(run))
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="action", required=True)
     arc = sub.add_parser("archive", help="move every run but the last --keep of each CSV to its history")
     arc.add_argument("csv", nargs="+", type=Path)
-    arc.add_argument("--keep", type=int, default=1, help="the last runs to keep in the CSV (default 1)")
+    arc.add_argument("--keep", type=int, default=1,
+                     help="the last runs to keep in the CSV (default 1; 0 moves every run)")
     cnt = sub.add_parser("count", help="write the rows of every benchmark CSV under ROOT to a JSON file")
     cnt.add_argument("root", type=Path)
     cnt.add_argument("--out", type=Path, required=True)

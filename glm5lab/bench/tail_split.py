@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_tail_split"
@@ -162,7 +163,7 @@ def run(out_csv: str, heads=(16, 8), tokens=(512,), plans=DEFAULT_PLANS, rounds:
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.tail_split", description=first_paragraph(__doc__))
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 8])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512])

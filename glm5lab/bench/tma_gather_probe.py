@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.sparse_mla_sm90 import _handover_barriers
 
@@ -387,7 +388,7 @@ def run(out_csv: str, tokens=(128, 512), heads: int = 16, plans=DEFAULT_PLANS, r
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.tma_gather_probe", description=first_paragraph(__doc__))
     ap.add_argument("--out", help="CSV the rows are appended to (the GPU measurement)")
     ap.add_argument("--bank-conflicts", action="store_true",
                     help="print the consumers' bank conflicts on the ring and on rows as TMA lands them (no GPU)")

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 
+from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
 SUITE = "sparse_mla_wave"
@@ -250,7 +251,7 @@ def plot(programs_csv: str, png: str) -> str:
 
 @one_line_errors
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m glm5lab.bench.wave_spread", description=first_paragraph(__doc__))
     ap.add_argument("--out", help="the summary CSV (required unless --pairs)")
     ap.add_argument("--programs", help="(gzip) CSV for one call's programs a case")
     ap.add_argument("--png", help="plot the programs CSV into this file")

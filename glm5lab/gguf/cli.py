@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def add_command(subparsers) -> None:
-    p = subparsers.add_parser("gguf", help="GLM-5 GGUF tools: tiny model, HF->GGUF, inspect, split, merge",
+    p = subparsers.add_parser("gguf", help="GLM-5 GGUF tools: tiny model, HF->GGUF, inspect, split, merge, size estimate",
                               description="GGUF tools for GLM-5 (llama.cpp architecture glm-dsa).")
     sub = p.add_subparsers(dest="gguf_command", metavar="ACTION", required=True)
 
@@ -32,7 +32,8 @@ def add_command(subparsers) -> None:
     s = sub.add_parser("split", help="split one GGUF into N llama.cpp-style shards")
     s.add_argument("path", type=Path)
     s.add_argument("n", type=int)
-    s.add_argument("--out", type=Path, default=None, help="base name for the shards (default: the input's)")
+    s.add_argument("--out", type=Path, default=None,
+                   help="base name for the shards, or a folder to put them in (default: the input's)")
     s.set_defaults(func=_split)
 
     m = sub.add_parser("merge", help="validate a shard set and merge it into one GGUF")
@@ -77,6 +78,10 @@ def _inspect(args) -> int:
     if args.json:
         out = dict(header=r.header, hyperparams=r.hyperparams,
                    by_component=r.by_component["bytes"].to_dict(), by_type=r.by_type["bytes"].to_dict())
+        if args.metadata:
+            out["metadata"] = r.metadata.to_dict(orient="records")
+        if args.tensors:
+            out["tensors"] = r.tensors.astype({"layer": object}).to_dict(orient="records")
         print(json.dumps(out, indent=2, default=str))
         return 0
     with pd.option_context("display.width", 160, "display.max_rows", 10000, "display.max_colwidth", 80):

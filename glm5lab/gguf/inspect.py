@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 import pandas as pd
 
+from glm5lab.errors import Glm5labError
 from glm5lab.gguf import names as N
 from glm5lab.gguf.reader import GgufSet, numpy_shape, open_gguf
 
@@ -64,7 +65,10 @@ def _summarize_field(f) -> tuple[str, object]:
                         else part.tolist()[0])
         value = f"[{n} x {sub.name}] " + ", ".join(map(repr, head)) + (", ..." if n > 3 else "")
         return f"ARRAY[{sub.name}]", value
-    value = f.contents()
+    if f.types == [gguf.GGUFValueType.STRING]:
+        value = bytes(f.parts[-1]).decode("utf-8", "replace")  # shown as stored, as arrays' strings are
+    else:
+        value = f.contents()
     if isinstance(value, str) and len(value) > 120:
         value = value[:117] + "..."
     return types[0] if types else "?", value
@@ -80,7 +84,8 @@ def tensor_table(s: GgufSet) -> pd.DataFrame:
             component=N.component_of(name, n_main, first_dense),
             ggml_type=QT(int(t.tensor_type)).name, shape=numpy_shape(t), n_elements=int(t.n_elements),
             bytes=int(t.n_bytes), offset=int(t.data_offset)))
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(rows, columns=["name", "shard", "layer", "component", "ggml_type", "shape", "n_elements",
+                                     "bytes", "offset"])
     df["layer"] = df["layer"].astype("Int64")
     return df
 
@@ -141,6 +146,14 @@ def planned_type(gguf_name: str, shape: tuple[int, ...], qtype: QT) -> QT:
     return t
 
 
+def ggml_type(qtype: str) -> QT:
+    """A GGML type by name (any llama.cpp type: Q4_K, Q8_0, F16, ...), or a Glm5labError listing the names."""
+    try:
+        return QT[str(qtype).strip().upper()]
+    except KeyError:
+        raise Glm5labError(f"unknown GGML type {qtype!r}; known: {', '.join(t.name for t in QT)}") from None
+
+
 def nbytes(shape: tuple[int, ...], qt: QT) -> int:
     block, size = gguf.GGML_QUANT_SIZES[qt]
     n = 1
@@ -151,7 +164,7 @@ def nbytes(shape: tuple[int, ...], qt: QT) -> int:
 
 def tensor_table_for_config(config, qtype: str = "Q8_0", nextn_layers: int = 0) -> pd.DataFrame:
     """The tensor table a glm-dsa GGUF of `config` at `qtype` would have (no file needed)."""
-    qt = QT[qtype.upper()]
+    qt = ggml_type(qtype)
     geom = N.Geometry.from_hf(config, nextn_layers=nextn_layers)
     rows = []
     for name, shape in N.gguf_tensor_specs(geom):

@@ -57,6 +57,8 @@ def _preamble(path: Path, size: int) -> str:
 def open_reader(path: Path | str) -> gguf.GGUFReader:
     """GGUFReader for one file, with bad input reported as Glm5labError (never a deep traceback)."""
     path = Path(path)
+    if path.is_dir():
+        raise Glm5labError(f"{path}: is a folder, not a GGUF file")
     if not path.is_file():
         raise Glm5labError(f"{path}: no such file")
     size = path.stat().st_size
@@ -76,6 +78,7 @@ def open_reader(path: Path | str) -> gguf.GGUFReader:
     for t in reader.tensors:
         if t.data.nbytes != int(t.n_bytes):
             raise Glm5labError(f"{path}: truncated tensor data at {t.name}")
+    reader.source_path = path
     return reader
 
 
@@ -83,7 +86,12 @@ def field_value(reader: gguf.GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except UnicodeDecodeError as exc:  # GGUF strings are UTF-8; a corrupt byte would surface from deep in gguf
+        where = getattr(reader, "source_path", "GGUF")
+        raise Glm5labError(f"{where}: metadata {key} is not valid UTF-8 (byte {exc.start} of the value): "
+                           f"a corrupt file") from None
 
 
 def architecture(reader: gguf.GGUFReader) -> str | None:
@@ -145,7 +153,7 @@ def open_gguf(path_or_paths, arch_check: bool = True) -> GgufSet:
         if arch_check:
             require_glm_dsa(paths[0], reader)
         if field_value(reader, SPLIT_COUNT, 1) not in (None, 1):
-            raise Glm5labError(f"{paths[0]}: is shard {field_value(reader, SPLIT_NO)} of a "
+            raise Glm5labError(f"{paths[0]}: is shard {int(field_value(reader, SPLIT_NO)) + 1} of a "
                                f"{field_value(reader, SPLIT_COUNT)}-file split set; open the whole set")
         s = GgufSet(paths=paths, readers=[reader])
     else:

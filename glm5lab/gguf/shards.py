@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import gguf
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import require_file_target, temp_beside
 from glm5lab.gguf import names as N
 from glm5lab.gguf.reader import (SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS, GgufSet, field_value,
                                  numpy_shape, open_reader, require_glm_dsa, shard_siblings)
@@ -42,8 +42,6 @@ def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
     count = field_value(readers[0], SPLIT_COUNT)
     if count is None:
         raise Glm5labError(f"{paths[0]}: not a split shard (no {SPLIT_COUNT} key)")
-    if arch_check:
-        require_glm_dsa(paths[0], readers[0])
     total = field_value(readers[0], SPLIT_TENSORS)
     by_no: dict[int, Path] = {}
     for p, r in zip(paths, readers):
@@ -60,11 +58,14 @@ def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
         absent = sorted(set(range(count)) - set(by_no))
         raise Glm5labError(f"{paths[0]}: shard set incomplete: {len(paths)} of {count} shards given, "
                            f"split.no {absent[:5]} missing")
+    if set(by_no) != set(range(count)):
+        odd = min(set(by_no) - set(range(count)))
+        raise Glm5labError(f"{by_no[odd]}: split.no {odd} is outside 0-{count - 1} (split.count {count})")
     order = sorted(range(len(paths)), key=lambda i: field_value(readers[i], SPLIT_NO))
-    if order[0] != 0 or field_value(readers[order[0]], SPLIT_NO) != 0:
-        raise Glm5labError(f"{paths[0]}: the first shard (split.no 0) is not first")
-    paths = [paths[i] for i in order]
+    paths = [paths[i] for i in order]  # any order given; shard 1 (split.no 0) holds the metadata
     readers = [readers[i] for i in order]
+    if arch_check:
+        require_glm_dsa(paths[0], readers[0])
     n_tensors = sum(len(r.tensors) for r in readers)
     if n_tensors != total:
         raise Glm5labError(f"{paths[-1]}: shard set holds {n_tensors} tensors but split.tensors.count is {total}")
@@ -164,6 +165,11 @@ def merge_shards(shards, out_path: Path | str, progress: bool = True) -> Path:
     if not s.is_split:
         raise Glm5labError(f"{s.paths[0]}: not a split shard set")
     out_path = Path(out_path)
+    for p in s.paths:
+        if out_path.exists() and os.path.samefile(out_path, p):
+            raise Glm5labError(f"{out_path}: is shard {s.paths.index(p) + 1} of the set being merged; "
+                               f"give another output name")
+    require_file_target(out_path)
     first = s.readers[0]
     kv = _raw_kv_records(first)
     tensors = [t for r in s.readers for t in r.tensors]
@@ -184,9 +190,18 @@ def split_gguf(path: Path | str, n_shards: int, out_path: Path | str | None = No
         raise Glm5labError(f"{s.paths[0]}: already a split shard set")
     reader = s.readers[0]
     tensors = list(reader.tensors)
+    if len(tensors) < 2:
+        raise Glm5labError(f"{s.paths[0]}: holds {len(tensors)} tensor(s); a split needs at least 2")
     if not 2 <= n_shards <= len(tensors):
-        raise Glm5labError(f"n_shards must be between 2 and {len(tensors)}, got {n_shards}")
-    targets = shard_paths(Path(out_path) if out_path else s.paths[0], n_shards)
+        raise Glm5labError(f"n_shards must be between 2 and {len(tensors)} (the tensor count), got {n_shards}")
+    base = Path(out_path) if out_path else s.paths[0]
+    if base.is_dir():  # --out FOLDER: the shards go in it, named after the input
+        base = base / s.paths[0].name
+    targets = shard_paths(base, n_shards)
+    for target in targets:
+        require_file_target(target)
+        if target.exists() and os.path.samefile(target, s.paths[0]):
+            raise Glm5labError(f"{target}: would overwrite the file being split")
     bounds = [round(i * len(tensors) / n_shards) for i in range(n_shards + 1)]
     kv_all = _raw_kv_records(reader)
     tmp_files: list[Path] = []
@@ -209,9 +224,7 @@ def split_gguf(path: Path | str, n_shards: int, out_path: Path | str | None = No
 
 
 def _atomic_write(out_path: Path, write, total: int, progress: bool, desc: str, rename: bool = True) -> Path:
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    tmp = Path(tmp_name)
+    fd, tmp = temp_beside(out_path)
     bar = None
     try:
         if progress:

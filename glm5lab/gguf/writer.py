@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import require_file_target, temp_beside
 from glm5lab.gguf import names as N
 
 WRITER_VERSION = 2  # bump when the bytes the writer produces change (ensure_tiny re-generates then)
@@ -138,17 +139,15 @@ def hf_tensor_loaders(hf_dir: Path) -> dict[str, Callable[[], np.ndarray]]:
     """Lazy float32 loaders for every tensor of an HF checkpoint directory (one or more safetensors)."""
     from safetensors import safe_open
 
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise Glm5labError(f"{hf_dir}: no *.safetensors files")
+    from glm5lab.model.checkpoint import safetensors_files, safetensors_keys
+
     loaders: dict[str, Callable[[], np.ndarray]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                def load(f=f, key=key):
-                    with safe_open(str(f), framework="pt") as s:
-                        return s.get_tensor(key).float().numpy()
-                loaders[key] = load
+    for f in safetensors_files(hf_dir):
+        for key in safetensors_keys(f):
+            def load(f=f, key=key):
+                with safe_open(str(f), framework="pt") as s:
+                    return s.get_tensor(key).float().numpy()
+            loaders[key] = load
     return loaders
 
 
@@ -283,6 +282,8 @@ def write_gguf(hf: Mapping[str, Callable[[], np.ndarray]], config, tokenizer_dir
     specs = N.gguf_tensor_specs(geom)
     if n_shards < 1 or n_shards > len(specs):
         raise Glm5labError(f"n_shards must be between 1 and {len(specs)} (the tensor count), got {n_shards}")
+    for target in shard_paths(out_path, n_shards):
+        require_file_target(target)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=".gguf-tmp-", dir=out_path.parent))
     w = None
@@ -334,12 +335,10 @@ def write_gguf(hf: Mapping[str, Callable[[], np.ndarray]], config, tokenizer_dir
 def convert_hf_to_gguf(hf_dir: Path | str, out_path: Path | str, qtype: str = "F16", n_shards: int = 1,
                        progress: bool = True, name: str = "GLM-5") -> list[Path]:
     """HF checkpoint directory (config.json, *.safetensors, tokenizer.json) -> glm-dsa GGUF file(s)."""
-    from transformers import AutoConfig
+    from glm5lab.model.checkpoint import read_hf_config
 
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").exists():
-        raise Glm5labError(f"{hf_dir}: not an HF checkpoint (no config.json)")
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = read_hf_config(hf_dir)
     if config.model_type != "glm_moe_dsa":
         raise Glm5labError(f"{hf_dir}: model_type {config.model_type!r} is not glm_moe_dsa")
     return write_gguf(hf_tensor_loaders(hf_dir), config, hf_dir, Path(out_path), qtype=qtype,
@@ -350,15 +349,13 @@ def write_skeleton_gguf(config, out_path: Path | str, qtype: str = "Q4_K", nextn
     """A glm-dsa GGUF with real metadata and tensor table but a SPARSE (all-zero, unallocated) data
     section: what a file of `config` at `qtype` looks like to anything that reads headers, e.g. a
     400 GB GLM-5-shaped file that costs a few MB of disk. For inspection tests and demos only."""
-    from glm5lab.gguf.inspect import nbytes, planned_type
+    from glm5lab.gguf.inspect import ggml_type, nbytes, planned_type
 
     out_path = Path(out_path)
-    qt = QT[qtype.upper()]
+    qt = ggml_type(qtype)
     geom = N.Geometry.from_hf(config, nextn_layers=nextn_layers)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    fd, tmp = temp_beside(out_path)
     os.close(fd)
-    tmp = Path(tmp_name)
     try:
         w = gguf.GGUFWriter(tmp, N.ARCH_NAME)
         add_model_metadata(w, config, qtype, name="GLM-5 skeleton (sparse, no weights)", nextn_layers=nextn_layers)

@@ -38,6 +38,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from glm5lab.errors import Glm5labError
+
 GENERATOR_VERSION = 2  # bump when the weights, tokenizer or file layout the generator writes change
 
 TINY_DEFAULTS: dict = dict(
@@ -294,6 +296,8 @@ def ensure_tiny(root: Path | str | None = None, qtypes=("F16", "Q8_0"), seed: in
     never leaves (or reads) a half-written checkpoint.
     """
     base = Path(root) if root is not None else cache_root()
+    if base.exists() and not base.is_dir():
+        raise Glm5labError(f"{base}: is a file; the cache root must be a folder")
     fp = generator_fingerprint(seed)
     paths = TinyPaths(root=base / "tiny" / fp, fingerprint=fp)
     paths.root.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,9 @@ def sparse_mla_reference(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
 
     q [T, H, D]; kv_cache [blocks, block_size, D] or [slots, D] (already dequantized); slots [T, K] int.
     Returns (out [T, H, kv_lora_rank], lse [T, H]) in `compute_dtype`. Duplicate slots count twice,
-    exactly as a kernel that reads each listed slot would.
+    exactly as a kernel that reads each listed slot would. A slot beyond the cache is an error here, where the
+    kernels skip it as they skip -1: the reference is strict so that a test's own indexing slip shows up
+    (the kernel tests that list such slots give the reference -1 in their place).
     """
     if q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, D], got shape {tuple(q.shape)}")

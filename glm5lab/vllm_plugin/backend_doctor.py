@@ -170,13 +170,9 @@ def load_model_config(model: Any):
     config_dir = path.parent if path.name == "config.json" else path
     if not (config_dir / "config.json").is_file():
         raise Glm5labError(f"{path}: no config.json there (expected an HF model directory or a .gguf)")
-    try:
-        from transformers import AutoConfig
+    from glm5lab.model.checkpoint import read_hf_config
 
-        cfg = AutoConfig.from_pretrained(str(config_dir))
-    except Exception as exc:
-        raise Glm5labError(f"{config_dir / 'config.json'}: transformers cannot read it "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})") from None
+    cfg = read_hf_config(config_dir)
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     if not hasattr(cfg, "kv_lora_rank"):
         raise Glm5labError(f"{config_dir / 'config.json'}: model type {getattr(cfg, 'model_type', '?')!r} "
@@ -237,6 +233,10 @@ def make_target(capability, dtype="bfloat16", kv_cache_dtype="auto", block_size=
         if not isinstance(getattr(hf, key, None), int):
             raise Glm5labError(f"model config has no integer {key}: not an MLA model")
     heads = int(getattr(hf, "num_attention_heads", 1) or 1)
+    tp = int(tensor_parallel_size)
+    if heads % tp:
+        # vLLM refuses it too (ModelConfig.verify_with_parallel_config): heads are split evenly across GPUs
+        raise Glm5labError(f"tensor parallel size {tp} does not divide the model's {heads} attention heads")
     name = model if isinstance(model, str) else getattr(hf, "model_type", "model")
     target = Target(
         capability=cap, dtype=dt, kv_cache_dtype=kv, block_size=block_size,
@@ -244,7 +244,7 @@ def make_target(capability, dtype="bfloat16", kv_cache_dtype="auto", block_size=
         sparse=hasattr(hf, "index_topk") if sparse is None else bool(sparse),
         model_name=name, qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim,
         kv_lora_rank=hf.kv_lora_rank, v_head_dim=int(getattr(hf, "v_head_dim", 0) or 0),
-        index_topk=getattr(hf, "index_topk", None), num_heads=max(1, heads // int(tensor_parallel_size)))
+        index_topk=getattr(hf, "index_topk", None), num_heads=heads // tp)
     return target, hf
 
 

@@ -123,9 +123,9 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16") -
     else:
         if not (target / "config.json").exists():
             raise Glm5labError(f"{target} has no config.json (pass a .gguf with --gguf, or an HF directory)")
-        from transformers import AutoConfig
+        from glm5lab.model.checkpoint import read_hf_config
 
-        config = AutoConfig.from_pretrained(str(target))
+        config = read_hf_config(target)
     return ModelSpec(name=model, model=str(target), tokenizer=tokenizer, gguf=gguf, hf_config=config)
 
 

@@ -26,6 +26,19 @@ def _run(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: refused at parse time, before an engine starts (~15 s) only for vLLM to reject it."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_command(sub) -> None:
     p = sub.add_parser("generate", help="generate greedily with vLLM through glm5lab's sparse-MLA backend "
                                         "and DSA indexer (CPU or GPU)")
@@ -34,7 +47,7 @@ def add_command(sub) -> None:
                                                         "vllm-gguf-plugin + glm5lab's adapter")
     p.add_argument("--qtype", default="F16", help="GGUF type of the tiny model with --gguf (F16, Q8_0)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=_at_least_one, default=8, help="tokens to generate a prompt (>= 1)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)

@@ -471,8 +471,8 @@ def synthesized_config_dir(gguf_path) -> Path:
     import hashlib
     import json
     import os
-    import tempfile
 
+    from glm5lab.files import temp_beside
     from glm5lab.model.tiny import cache_root
 
     gguf_path = Path(gguf_path).resolve()
@@ -482,7 +482,7 @@ def synthesized_config_dir(gguf_path) -> Path:
     if not (out / "config.json").exists():
         out.mkdir(parents=True, exist_ok=True)
         cfg = config_from_gguf(gguf_path)
-        fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".json", dir=out)
+        fd, tmp = temp_beside(out / "config.json")
         with os.fdopen(fd, "w") as f:
             json.dump(cfg.to_dict(), f, indent=2, default=str)
         os.replace(tmp, out / "config.json")

@@ -66,11 +66,9 @@ def error_bound(hf: np.ndarray, ggml_type: str, layout: str = "plain", heads: in
 def model_config_for(gguf_path, hf_dir=None):
     """The HF config vLLM would use: config.json from hf_dir, else built from the GGUF metadata."""
     if hf_dir is not None:
-        from transformers import AutoConfig
+        from glm5lab.model.checkpoint import read_hf_config
 
-        if not (Path(hf_dir) / "config.json").exists():
-            raise Glm5labError(f"{hf_dir}: no config.json")
-        return AutoConfig.from_pretrained(hf_dir)
+        return read_hf_config(hf_dir)
     from glm5lab.vllm_plugin.gguf_loader import config_from_gguf
 
     return config_from_gguf(gguf_path)
@@ -87,13 +85,11 @@ def adapter_weights(gguf_path, hf_config):
 
 
 def _hf_checkpoint(hf_dir) -> dict:
-    from safetensors.numpy import load_file
+    from glm5lab.model.checkpoint import load_safetensors, safetensors_files
 
     out = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    if not out:
-        raise Glm5labError(f"{hf_dir}: no *.safetensors")
+    for f in safetensors_files(hf_dir):
+        out.update(load_safetensors(f))
     return out
 
 
