@@ -24,6 +24,7 @@ import triton.language as tl
 
 from glm5lab.env import interpreter_mode
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.checks import index_vector, power_of_two
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2
 
@@ -78,6 +79,7 @@ def write_index_key_cache(cache: torch.Tensor, k: torch.Tensor, slot_mapping: to
     (vLLM layout) index-key cache, in place."""
     if k.dim() != 2:
         raise Glm5labError(f"keys must be [tokens, D], got shape {tuple(k.shape)}")
+    slot_mapping = index_vector("slot_mapping", slot_mapping, k.shape[0])
     D = k.shape[1]
     blocks, bs = cache.shape[0], cache.shape[1]
     keep = slot_mapping >= 0
@@ -213,7 +215,9 @@ def _decode_logits_kernel(Q, W, K, KSCALE, BT, SEQ, OUT,
         tl.store(OUT + t * stride_ot + offs_n, logit, mask=offs_n < out_cols)
 
 
-def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> None:
+def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> torch.Tensor:
+    """Check q and the head weights; returns the weights with unit stride along heads (the kernels assume it: a
+    transposed view would be read as another token's weights)."""
     if q.dim() != 3:
         raise Glm5labError(f"q must be [tokens, heads, D], got shape {tuple(q.shape)}")
     if q.dtype not in _KEY_DTYPES and not (fp8_q and q.dtype == torch.float8_e4m3fn):
@@ -222,6 +226,8 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> No
         raise Glm5labError(f"weights must be [tokens, heads] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
     if q.stride(-1) != 1:
         raise Glm5labError("q must be contiguous in its last dimension")
+    return weights.contiguous()
+
 
 
 # fp8 keys: 64-key tiles below this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
@@ -273,7 +279,8 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
 
     q [T, H, D] fp16/bf16/fp32 or e4m3 (below); weights [T, H] (scales folded in); k_cache plain [blocks, page, D]
     or fp8 uint8 [blocks, page, D+4]; block_table [T, max_blocks] int (row t's pages, in order); seq_lens [T] (row t
-    sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the output is written.
+    sees positions 0..seq_lens[t]-1). Columns >= seq_lens[t] are -inf. Every entry of the output is written. Block
+    ids are not checked against the cache (that needs a host sync every decode step, as vLLM's op would pay).
     soft_fp8 decodes fp8 keys with integer ops instead of the hardware conversion (default: only on GPUs before
     SM89, which have no e4m3 support). Tiling: block_n keys a tile, `tiles` tiles a program one after another
     (default one; FP8_DOT_TILES for an e4m3 q's 128-key tiles), num_stages how many tiles' loads in flight (default
@@ -287,7 +294,10 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     scale folded into the weights) meets fp8 keys in an fp8 x fp8 dot, neither converted, where the GPU has e4m3
     (SM89 on); elsewhere it is widened to bf16 (exact).
     """
-    _check_qw(q, weights, fp8_q=True)
+    weights = _check_qw(q, weights, fp8_q=True)
+    block_n = power_of_two("block_n", block_n, 16)
+    if (tiles is not None and tiles < 1) or num_stages < 1:
+        raise Glm5labError(f"tiles and num_stages must be >= 1, got {tiles} and {num_stages}")
     T, H, D = q.shape
     fp8 = is_fp8_cache(k_cache, D)
     if fp8:
@@ -303,17 +313,23 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     page = k_cache.shape[1]
     if block_table.dim() != 2 or block_table.shape[0] != T:
         raise Glm5labError(f"block_table must be [tokens={T}, max_blocks], got {tuple(block_table.shape)}")
-    if seq_lens.shape != (T,):
-        raise Glm5labError(f"seq_lens must be [{T}], got {tuple(seq_lens.shape)}")
-    if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise Glm5labError("block_table and seq_lens must be int32 or int64")
+    if block_table.dtype not in (torch.int32, torch.int64):
+        raise Glm5labError(f"block_table must be int32 or int64, got {block_table.dtype}")
+    seq_lens = index_vector("seq_lens", seq_lens, T)
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
     if max_len is None:
         max_len = int(seq_lens.max()) if T else 0
+    if max_len < 0:
+        raise Glm5labError(f"max_len must be >= 0, got {max_len}")
     if max_len > block_table.shape[1] * page:
         raise Glm5labError(f"max_len {max_len} exceeds the block table's reach "
                            f"({block_table.shape[1]} blocks x {page})")
     if out is None:
         out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
+    elif out.shape != (T, max_len) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise Glm5labError(f"out must be float32 [{T}, {max_len}] contiguous in its last dimension, got "
+                           f"{out.dtype} {tuple(out.shape)}")
     if T == 0 or max_len == 0:
         return out
     capability = cuda_capability(q.device) if q.is_cuda else None
@@ -417,7 +433,7 @@ def _prefill_keys(k, D: int):
                                f"{tuple(scales.shape)}")
         if values.stride(-1) != 1:
             raise Glm5labError("fp8 key values must be contiguous in their last dimension")
-        return values.view(torch.uint8), scales.reshape(-1), True
+        return values.view(torch.uint8), scales.reshape(-1).contiguous(), True
     if k.dim() != 2 or k.shape[1] != D or k.dtype not in _KEY_DTYPES:
         raise Glm5labError(f"k must be [keys, {D}] fp16/bf16/fp32 or an fp8 pair (values, scales), got {k.dtype} "
                            f"{tuple(k.shape)}")
@@ -465,7 +481,7 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     num_stages tiles' loads in flight); keys_as_m takes the dot as keys . q^T (default:
     prefill_keys_as_m_default). block_n, tiles and num_stages left out: prefill_tiling_default.
     """
-    _check_qw(q, weights, fp8_q=True)
+    weights = _check_qw(q, weights, fp8_q=True)
     if ((tiles is not None and tiles < 1) or (num_stages is not None and num_stages < 1)
             or (block_m is not None and block_m < 1)
             or (block_n is not None and (block_n < 16 or block_n & (block_n - 1)))):
@@ -474,8 +490,7 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     T, H, D = q.shape
     kt, kscale, fp8 = _prefill_keys(k, D)
     S = kt.shape[0]
-    if ks.shape != (T,) or ke.shape != (T,):
-        raise Glm5labError(f"ks and ke must be [{T}], got {tuple(ks.shape)} and {tuple(ke.shape)}")
+    ks, ke = index_vector("ks", ks, T), index_vector("ke", ke, T)
     if T and (bool((ks < 0).any()) or bool((ke > S).any()) or bool((ke < ks).any())):
         raise Glm5labError(f"key windows [ks, ke) must satisfy 0 <= ks <= ke <= {S}")
     if max_len is None:
@@ -865,8 +880,9 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     go to the lowest positions (see the tie rule in glm5lab.sparse.indexer_reference)."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise Glm5labError(f"logits must be float32 [rows, columns], got {logits.dtype} {tuple(logits.shape)}")
-    if k <= 0:
-        raise Glm5labError(f"k must be positive, got {k}")
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise Glm5labError(f"k must be a positive int, got {k!r}")
+    block = power_of_two("block", block, 16)
     if method not in TOPK_METHODS:
         raise Glm5labError(f"top-k method must be one of {TOPK_METHODS}, got {method!r}")
     if logits.stride(-1) != 1:
@@ -874,8 +890,7 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     T, C = logits.shape
     if lengths is None:
         lengths = torch.full((T,), C, dtype=torch.int32, device=logits.device)
-    if lengths.shape != (T,) or lengths.dtype not in (torch.int32, torch.int64):
-        raise Glm5labError(f"lengths must be int32/int64 [{T}], got {lengths.dtype} {tuple(lengths.shape)}")
+    lengths = index_vector("lengths", lengths, T)
     if out is None:
         out = torch.empty((T, k), dtype=torch.int32, device=logits.device)
     elif out.shape != (T, k) or out.dtype != torch.int32 or out.stride(-1) != 1:

@@ -30,9 +30,9 @@ SCALE_FLOOR = 1e-4
 
 def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
     """[..., 576] float tensor -> [..., 656] uint8 in the fp8_ds_mla layout."""
-    if kv.shape[-1] != LATENT + ROPE:
+    if kv.dim() == 0 or kv.shape[-1] != LATENT + ROPE:
         raise Glm5labError(f"fp8_ds_mla needs rows of {LATENT + ROPE} values (512 latent + 64 rope), "
-                           f"got last dim {kv.shape[-1]}")
+                           f"got shape {tuple(kv.shape)}")
     if not kv.dtype.is_floating_point:
         raise Glm5labError(f"fp8_ds_mla quantizes floating-point rows, got {kv.dtype}")
     lead = kv.shape[:-1]
@@ -50,9 +50,11 @@ def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
 def dequantize_fp8_ds_mla(cache: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., 656] uint8 -> [..., 576] in `dtype` (default float32, which holds every dequantized value
     exactly up to the one rounding of fp8 * scale)."""
-    if cache.dtype != torch.uint8 or cache.shape[-1] != ROW_BYTES:
+    if cache.dtype != torch.uint8 or cache.dim() == 0 or cache.shape[-1] != ROW_BYTES:
         raise Glm5labError(f"fp8_ds_mla cache must be uint8 [..., {ROW_BYTES}], "
-                           f"got {cache.dtype} [..., {cache.shape[-1] if cache.dim() else '?'}]")
+                           f"got {cache.dtype} {tuple(cache.shape)}")
+    if not dtype.is_floating_point:
+        raise Glm5labError(f"fp8_ds_mla dequantizes to a floating-point dtype, got {dtype}")
     lead = cache.shape[:-1]
     c = cache.reshape(-1, ROW_BYTES)
     q8 = c[:, :LATENT].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, NUM_TILES, TILE)

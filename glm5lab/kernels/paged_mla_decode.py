@@ -21,6 +21,7 @@ import triton.language as tl
 
 from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.checks import index_vector, power_of_two, require_finite_scale
 from glm5lab.kernels.host import cdiv, next_pow2, sm_count
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -161,8 +162,11 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         raise Glm5labError(f"block_table must be [rows={rows}, max_blocks], got shape {tuple(block_table.shape)}")
     if block_table.dtype not in (torch.int32, torch.int64):
         raise Glm5labError(f"block_table must be int32 or int64, got {block_table.dtype}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != rows or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise Glm5labError(f"seq_lens must be int32/int64 [rows={rows}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    seq_lens = index_vector("seq_lens", seq_lens, rows)
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    softmax_scale = require_finite_scale(softmax_scale)
+    block_h, block_n = power_of_two("block_h", block_h, 16), power_of_two("block_n", block_n, 16)
     if len({q.device, kv_cache.device, block_table.device, seq_lens.device}) != 1:
         raise Glm5labError("q, kv_cache, block_table and seq_lens must be on one device")
     if validate and rows:

@@ -36,6 +36,7 @@ from triton.runtime.errors import OutOfResources
 
 from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
+from glm5lab.kernels.checks import require_finite_scale
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2, shared_memory_per_block, sm_count
@@ -889,16 +890,18 @@ def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, co
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
     if layout not in LAYOUTS:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS}")
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() == 0:
+        raise Glm5labError(f"kv_cache must be a [blocks, block_size, W] or [slots, W] tensor, got "
+                           f"{type(kv_cache).__name__} {tuple(getattr(kv_cache, 'shape', ()))}")
     width = kv_cache.shape[-1]
     if layout == "auto":
         if kv_cache.dtype == torch.uint8 and width == FP8_ROW_BYTES:
             return "fp8_ds_mla"
-        if kv_cache.dtype == torch.bfloat16:
-            return "bf16"
-        if kv_cache.dtype == torch.float16:
-            return "fp16"
-        raise Glm5labError(f"cannot infer the KV layout from a {kv_cache.dtype} cache of width {width}; "
-                           "expected bf16/fp16 [.., 576] or uint8 [.., 656] (fp8_ds_mla)")
+        auto = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(kv_cache.dtype)
+        if auto is None:
+            raise Glm5labError(f"cannot infer the KV layout from a {kv_cache.dtype} cache of width {width}; "
+                               "expected bf16/fp16 [.., 576] or uint8 [.., 656] (fp8_ds_mla)")
+        layout = auto   # and its rows' width is checked as an explicit layout's is
     want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_ds_mla": torch.uint8}[layout]
     if kv_cache.dtype != want:
         raise Glm5labError(f"layout {layout!r} needs a {want} KV cache, got {kv_cache.dtype}")
@@ -969,10 +972,12 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     fp8 = layout == "fp8_ds_mla"
     if not fp8 and kv_cache.dtype != q.dtype:
         raise Glm5labError(f"q ({q.dtype}) and a {layout} KV cache must have the same dtype")
-    if slots.dim() != 2 or slots.shape[0] != T:
-        raise Glm5labError(f"slots must be [tokens={T}, topk], got {tuple(slots.shape)}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 2 or slots.shape[0] != T:
+        raise Glm5labError(f"slots must be a [tokens={T}, topk] tensor, got "
+                           f"{type(slots).__name__} {tuple(getattr(slots, 'shape', ()))}")
     if slots.dtype not in (torch.int32, torch.int64):
         raise Glm5labError(f"slots must be int32 (or int64), got {slots.dtype}")
+    softmax_scale = require_finite_scale(softmax_scale)
     if q.device != kv_cache.device or q.device != slots.device:
         raise Glm5labError(f"q, kv_cache and slots must be on one device, got {q.device}, "
                            f"{kv_cache.device}, {slots.device}")
@@ -998,7 +1003,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if q.stride(-1) != 1:
         q = q.contiguous()
     if slots.dtype != torch.int32:
-        slots = slots.to(torch.int32)
+        # int64 slots beyond the cache (even >= 2**31, which the cast would wrap onto real slots) become -1 on the
+        # device first: skipped, as the kernels skip out-of-range int32 slots, and no host sync
+        slots = torch.where((slots >= 0) & (slots < num_slots), slots, -1).to(torch.int32)
     if slots.stride(-1) != 1:
         slots = slots.contiguous()
 

@@ -68,18 +68,14 @@ def req_index_to_global_slots(token_indices: torch.Tensor, req_id: torch.Tensor,
     _check_int("block_table", block_table, 2)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise Glm5labError(f"block_size must be a positive int, got {block_size!r}")
-    stride = block_size if block_stride_rows is None else int(block_stride_rows)
+    if block_stride_rows is not None and (isinstance(block_stride_rows, bool) or not isinstance(block_stride_rows, int)):
+        raise Glm5labError(f"block_stride_rows must be an int, got {block_stride_rows!r}")
+    stride = block_size if block_stride_rows is None else block_stride_rows
     if stride < block_size:
         raise Glm5labError(f"block_stride_rows {stride} is smaller than block_size {block_size}")
     num_tokens, _ = token_indices.shape
     if req_id.shape[0] != num_tokens:
         raise Glm5labError(f"req_id has {req_id.shape[0]} entries but token_indices has {num_tokens} rows")
-    devices = {t.device for t in (token_indices, req_id, block_table)}
-    for extra in (seq_lens, query_positions):
-        if extra is not None:
-            devices.add(extra.device)
-    if len(devices) > 1:
-        raise Glm5labError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
     num_reqs, max_blocks = block_table.shape
     if seq_lens is not None:
         _check_int("seq_lens", seq_lens, 1)
@@ -89,6 +85,9 @@ def req_index_to_global_slots(token_indices: torch.Tensor, req_id: torch.Tensor,
         _check_int("query_positions", query_positions, 1)
         if query_positions.shape[0] != num_tokens:
             raise Glm5labError(f"query_positions has {query_positions.shape[0]} entries, expected {num_tokens}")
+    devices = {t.device for t in (token_indices, req_id, block_table, seq_lens, query_positions) if t is not None}
+    if len(devices) > 1:
+        raise Glm5labError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
 
     if num_tokens and (int(req_id.min()) < 0 or int(req_id.max()) >= num_reqs):
         raise Glm5labError(f"req_id values must be in [0, {num_reqs}), got range "
@@ -163,6 +162,8 @@ def build_virtual_block_table(token_indices: torch.Tensor, req_id: torch.Tensor,
 def page_size_one_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """[blocks, page, D] or [slots, D] -> [slots, 1, D], a view when the layout allows (a copy otherwise),
     so that virtual block id == global slot == row of `flatten_kv_cache`."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise Glm5labError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dim() == 3:
         return kv_cache.reshape(-1, 1, kv_cache.shape[-1])
     if kv_cache.dim() == 2:
@@ -183,9 +184,10 @@ def virtual_block_table_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots
     """
     from glm5lab.kernels.paged_mla_decode import paged_mla_decode
 
-    if slots.dim() != 2 or q.dim() != 3 or slots.shape[0] != q.shape[0]:
-        raise Glm5labError(f"slots must be [tokens={q.shape[0] if q.dim() == 3 else '?'}, topk], "
-                           f"got shape {tuple(slots.shape)} for q {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise Glm5labError(f"q must be [tokens, heads, D], got shape {tuple(q.shape)}")
+    if slots.dim() != 2 or slots.shape[0] != q.shape[0]:
+        raise Glm5labError(f"slots must be [tokens={q.shape[0]}, topk], got shape {tuple(slots.shape)}")
     view = page_size_one_view(kv_cache)
     if validate and slots.numel() and int(slots.max()) >= view.shape[0]:
         raise Glm5labError(f"slot index {int(slots.max())} is beyond the cache ({view.shape[0]} slots)")

@@ -1,0 +1,44 @@
+"""Argument checks the kernels' wrappers share: one line that names the problem before a launch, and no host sync.
+
+A kernel reads what it is given: a strided view of a small index tensor is read as its neighbours, a NaN scale
+turns every output into NaN. These checks and copies keep such inputs from reaching a launch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from glm5lab.errors import Glm5labError
+
+
+def require_finite_scale(scale, name: str = "softmax_scale") -> float:
+    """The scale as a float; NaN, infinities, strings and None are refused."""
+    if isinstance(scale, (str, bytes)) or scale is None:
+        raise Glm5labError(f"{name} must be a finite number, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise Glm5labError(f"{name} must be a finite number, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise Glm5labError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def index_vector(name: str, t: torch.Tensor, length: int) -> torch.Tensor:
+    """A [length] int32/int64 tensor with unit stride: a column view of a wider tensor is copied, not misread."""
+    if not isinstance(t, torch.Tensor) or t.shape != (length,):
+        raise Glm5labError(f"{name} must be a [{length}] tensor, got {type(t).__name__} "
+                           f"{tuple(getattr(t, 'shape', ()))}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise Glm5labError(f"{name} must be int32 or int64, got {t.dtype}")
+    return t.contiguous()
+
+
+def power_of_two(name: str, value, least: int = 1) -> int | None:
+    """A tiling knob Triton's tl.arange needs as a power of two (None passes: the wrapper's default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        raise Glm5labError(f"{name} must be a power of two >= {least}, got {value!r}")
+    return value
