@@ -81,6 +81,10 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
     profile = profile or detect_profile()
     if profile not in PROFILES:
         raise Glm5labError(f"unknown profile {profile!r}; expected one of {PROFILES}")
+    if profile == "gpu" and detect_profile() != "gpu":
+        # the notebooks' gpu cells launch CUDA kernels; without a device they fail deep in Triton's driver lookup
+        raise Glm5labError("profile 'gpu' needs a CUDA device and torch sees none; run --profile cpu (the default "
+                           "here)")
     notebook_dir = Path(notebook_dir or REPO_ROOT / "notebooks").resolve()
     results_dir = Path(results_dir or REPO_ROOT / "results").resolve()
     out_dir = results_dir / "notebooks" / profile

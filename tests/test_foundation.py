@@ -264,6 +264,15 @@ def test_runner_rejects_unknown_profile(tmp_path):
         run_all("tpu", notebook_dir=tmp_path, results_dir=tmp_path)
 
 
+def test_runner_refuses_the_gpu_profile_without_a_device(tmp_path, monkeypatch):
+    import glm5lab.notebooks
+
+    monkeypatch.setattr(glm5lab.notebooks, "detect_profile", lambda: "cpu")   # what torch says on a CPU machine
+    with pytest.raises(Glm5labError, match="profile 'gpu' needs a CUDA device"):
+        run_all("gpu", notebook_dir=ROOT / "notebooks", results_dir=tmp_path / "results", progress=False)
+    assert not (tmp_path / "results").exists()
+
+
 def test_runner_refuses_a_folder_without_notebooks(tmp_path):
     """A wrong --notebooks used to 'pass' with nothing run (and rewrite provenance.json), or crash on its temp file."""
     results = tmp_path / "results"
