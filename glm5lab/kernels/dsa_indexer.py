@@ -229,7 +229,6 @@ def _check_qw(q: torch.Tensor, weights: torch.Tensor, fp8_q: bool = False) -> to
     return weights.contiguous()
 
 
-
 # fp8 keys: 64-key tiles below this many keys a call (v52, H100, CUDA graphs, scripts/logits_ab.py, two boards:
 # 1.08-1.23x faster at 4k x 1-128 rows and 64k x 1 row, 1.01-1.04x at 64k x 32; 0.95-0.96x at 64k x 128 rows; more
 # tiles a program, pipelined, or 8 warps were slower in every cell, bf16 is the same at 64 and 128 keys). v55, against
