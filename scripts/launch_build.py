@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from sass_report import resource_usage  # noqa: E402
-from glm5lab.cli import first_paragraph
+from glm5lab.cli import first_paragraph  # noqa: E402
 from glm5lab.kernels.host import SHARED_MEMORY_PER_BLOCK, shared_memory_per_block  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402

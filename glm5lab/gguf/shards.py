@@ -165,10 +165,10 @@ def merge_shards(shards, out_path: Path | str, progress: bool = True) -> Path:
     if not s.is_split:
         raise Glm5labError(f"{s.paths[0]}: not a split shard set")
     out_path = Path(out_path)
-    for p in s.paths:
-        if out_path.exists() and os.path.samefile(out_path, p):
-            raise Glm5labError(f"{out_path}: is shard {s.paths.index(p) + 1} of the set being merged; "
-                               f"give another output name")
+    if out_path.exists():
+        for i, p in enumerate(s.paths, 1):
+            if os.path.samefile(out_path, p):
+                raise Glm5labError(f"{out_path}: is shard {i} of the set being merged; give another output name")
     require_file_target(out_path)
     first = s.readers[0]
     kv = _raw_kv_records(first)
