@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from glm5lab.errors import Glm5labError
 
@@ -27,10 +29,26 @@ def require_file_target(path: Path) -> None:
 
 
 def temp_beside(path: Path | str) -> tuple[int, Path]:
-    """(descriptor, path) of a new temporary file in `path`'s folder (created if needed), with the usual mode."""
+    """(descriptor, path) of a new temporary file in `path`'s folder (created if needed), with the usual mode.
+    Its name is unique (two writers of one target never share it) and ends in `.tmp` plus the target's suffix,
+    so writers that pick a format by suffix (matplotlib, pandas' compression) pick the target's."""
     path = Path(path)
     require_file_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
     os.fchmod(fd, usual_mode())
     return fd, Path(name)
+
+
+@contextmanager
+def replacing(path: Path | str) -> Iterator[Path]:
+    """Write `path` whole: yields a temporary path beside it (see temp_beside) for the caller to write, renames it
+    over `path` when the block ends without an error and removes it otherwise, so `path` is never half-written."""
+    path = Path(path)
+    fd, tmp = temp_beside(path)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

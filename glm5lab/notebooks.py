@@ -18,6 +18,7 @@ from pathlib import Path
 
 from glm5lab.bench import records
 from glm5lab.errors import Glm5labError
+from glm5lab.files import replacing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ("cpu", "gpu")
@@ -128,10 +129,8 @@ def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:
     notebooks = book.get("notebooks", {})
     notebooks.update({p.name: run for p in executed})
     book = {"profile": profile, "notebooks": dict(sorted(notebooks.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(book, indent=2) + "\n")
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps(book, indent=2) + "\n")
     return book
 
 

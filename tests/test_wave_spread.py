@@ -69,7 +69,7 @@ def test_programs_csv_appends_runs_and_plots_the_latest(tmp_path):
     frame = pd.read_csv(path)
     assert len(frame) == 12 and {"gpu", "git_sha", "command"} <= set(frame.columns)
     assert wave_spread.plot(str(path), str(png)) == str(png) and png.stat().st_size > 10_000
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_resident_pairs_compare_the_second_program_of_each_wave_with_the_first():

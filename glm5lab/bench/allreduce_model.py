@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from glm5lab.bench import records
-from glm5lab.files import temp_beside
+from glm5lab.files import replacing
 
 MODEL_LABEL = "MODEL (paper projection, not measured)"
 GLM5_HIDDEN = 6144
@@ -157,14 +157,8 @@ def plot(df: pd.DataFrame, path: str | os.PathLike | None = None, measured: pd.D
 
 
 def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
-    fd, tmp = temp_beside(path)
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         df.to_csv(tmp, index=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
@@ -181,10 +175,8 @@ def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     info = collect()
     fig.text(0.01, 0.005, f"glm5lab {info.get('glm5lab')}, git {info.get('git_sha')}, {info.get('timestamp')}; "
              f"inputs: {paths['assumptions'].name}", fontsize=6, color="gray")
-    fd, tmp = temp_beside(paths["png"])
-    os.close(fd)
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, paths["png"])
+    with replacing(paths["png"]) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from glm5lab.bench import records
+from glm5lab.files import replacing
 
 
 def _num(df: pd.DataFrame) -> pd.DataFrame:
@@ -32,10 +33,8 @@ def provenance_line(df: pd.DataFrame, profile: str) -> str:
 
 def save_figure(fig, out: Path) -> Path:
     """PNG written to a temporary name, then renamed (no half-written files)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(out)
+    with replacing(out) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
     return out
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from glm5lab.env import collect
+from glm5lab.files import replacing
 
 MEASUREMENT_COLUMNS = ["suite", "implementation", "shape", "dtype", "layout", "metric", "value", "unit",
                        "p20", "p50", "p80"]
@@ -80,12 +81,8 @@ def _conform_header(path: Path) -> None:
     import pandas as pd
 
     df = _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with replacing(path) as tmp:
         df.to_csv(tmp, index=False, lineterminator="\r\n")       # (as csv.writer)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # provenance columns that are text even when they look like numbers: a git SHA such as 7e8792557537 parses as a
@@ -144,10 +141,11 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
     if old.empty:
         return 0
     history = history_path(path)
-    tmp_hist, tmp_csv = history.with_name(history.name + ".tmp"), path.with_name(path.name + ".tmp")
     # the history's one header must be COLUMNS too: one written before a provenance column existed is rewritten
     earlier = history.exists() and _header(history) == COLUMNS
-    try:
+    # both or neither; the history (inner block) is renamed first, so a crash between the renames leaves rows in
+    # both files, never in neither
+    with replacing(path) as tmp_csv, replacing(history) as tmp_hist:
         with open(tmp_hist, "wb") as fh:
             moving = old
             if earlier:
@@ -157,11 +155,6 @@ def _move_to_history(path: Path, df, moving_mask) -> int:
             with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz:
                 gz.write(moving.to_csv(index=False, header=not earlier, lineterminator="\r\n").encode())
         df[~moving_mask].to_csv(tmp_csv, index=False, lineterminator="\r\n")  # (as csv.writer)
-        os.replace(tmp_hist, history)
-        os.replace(tmp_csv, path)
-    finally:
-        for t in (tmp_hist, tmp_csv):
-            t.unlink(missing_ok=True)
     return len(old)
 
 

@@ -200,17 +200,16 @@ def write_programs(path: str, programs: list, command: str) -> None:
     import pandas as pd
 
     from glm5lab.bench.records import provenance
+    from glm5lab.files import replacing
 
     frame = pd.DataFrame(programs)
     for k, v in provenance(command).items():
         frame[k] = v
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     old = pd.read_csv(path, dtype=str) if path.exists() else None
     out = frame if old is None else pd.concat([old, frame.astype(str)], ignore_index=True)
-    tmp = path.with_name(path.name + ".tmp")
-    out.to_csv(tmp, index=False, compression="gzip" if path.suffix == ".gz" else None)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        out.to_csv(tmp, index=False, compression="gzip" if path.suffix == ".gz" else None)
 
 
 def plot(programs_csv: str, png: str) -> str:

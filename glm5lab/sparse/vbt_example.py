@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from glm5lab.files import replacing
+
 import torch
 
 from glm5lab.sparse.virtual_block_table import (
@@ -107,11 +109,11 @@ def draw_example(ex: dict, path: str | Path, caption: str = "") -> Path:
         fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, color="#444444")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 

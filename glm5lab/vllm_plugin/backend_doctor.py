@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import replacing
 
 # Verdicts, best first. "pass, needs library" = the target's constraints hold; only a library that a
 # CUDA install of vLLM normally ships is missing on this machine.
@@ -891,17 +892,13 @@ def _in_notebook() -> bool:
 
 
 def _atomic_savefig(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=130)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=130)
 
 
 def _atomic_csv(df, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    df.to_csv(tmp, index=False)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        df.to_csv(tmp, index=False)
 
 
 def write_matrix_results(results_dir="results", model: str = "glm-5", include_glm5lab: bool = False,
