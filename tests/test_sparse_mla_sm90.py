@@ -607,6 +607,25 @@ def test_kernel_choice_by_capability_heads_layout_and_call():
         kernel_for(8, "fp4", bf16, (9, 0))
 
 
+@pytest.mark.parametrize("call, match", [
+    (dict(capability=9), r"capability must be a \(major, minor\) tuple.*got 9"),
+    (dict(capability=(9, "0")), r"capability must be a \(major, minor\) tuple"),
+    (dict(num_heads=0), "head count must be 1..128, got 0"),
+    (dict(num_heads=129), "head count must be 1..128, got 129"),
+    (dict(num_heads=8.0), "head count must be 1..128, got 8.0"),
+    (dict(q_dtype=torch.float32), "q must be float16 or bfloat16, got torch.float32"),
+    (dict(layout="fp16"), r"q \(torch.bfloat16\) and a fp16 KV cache must have the same dtype"),
+    (dict(merge="both"), "merge must be 'auto', 'fused' or 'separate', got 'both'"),
+])
+def test_kernel_choice_refuses_what_the_attention_call_refuses(call, match):
+    """kernel_for names a kernel only for a call sparse_mla_attention would run, in the same words it refuses."""
+    from glm5lab.kernels.sparse_mla import kernel_for
+
+    args = dict(num_heads=8, layout="bf16", q_dtype=torch.bfloat16, capability=(9, 0), merge="auto") | call
+    with pytest.raises(Glm5labError, match=match):
+        kernel_for(**args)
+
+
 def test_gluon_unavailable_names_the_reason():
     """The one rule behind kernel_for and the refusal of _config={"impl": "gluon"}: each reason in words."""
     from glm5lab.kernels.sparse_mla import gluon_unavailable

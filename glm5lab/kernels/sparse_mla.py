@@ -858,6 +858,19 @@ def gluon_unavailable(num_heads: int, fp8: bool, q_dtype: torch.dtype, capabilit
     return None
 
 
+def _require_call(num_heads: int, q_dtype: torch.dtype, layout: str, merge: str) -> None:
+    """What sparse_mla_attention refuses of a call's heads, dtypes and merge, so that kernel_for never names a
+    kernel for a call that would be refused (one wording for both)."""
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        raise Glm5labError(f"q must be float16 or bfloat16, got {q_dtype}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or not 1 <= num_heads <= MAX_HEADS:
+        raise Glm5labError(f"head count must be 1..{MAX_HEADS}, got {num_heads!r}")
+    if layout != "fp8_ds_mla" and {"bf16": torch.bfloat16, "fp16": torch.float16}[layout] != q_dtype:
+        raise Glm5labError(f"q ({q_dtype}) and a {layout} KV cache must have the same dtype")
+    if merge not in ("auto", "fused", "separate"):
+        raise Glm5labError(f"merge must be 'auto', 'fused' or 'separate', got {merge!r}")
+
+
 def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tuple[int, int] | None,
                merge: str = "auto", config: dict | None = None, kv_cache: torch.Tensor | None = None) -> str:
     """Which kernel sparse_mla_attention runs by itself: "gluon" (glm5lab.kernels.sparse_mla_sm90) or "triton".
@@ -869,8 +882,17 @@ def kernel_for(num_heads: int, layout: str, q_dtype: torch.dtype, capability: tu
     1.05-1.4x at 1-32 tokens; v12: its warp-specialized form (the default) 1.15-1.19x more at 128-512 tokens."""
     if layout not in LAYOUTS[1:]:
         raise Glm5labError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS[1:]}")
-    if merge == "fused" or config or gluon_unavailable(num_heads, layout == "fp8_ds_mla", q_dtype, capability,
-                                                       kv_cache):
+    _require_call(num_heads, q_dtype, layout, merge)
+    if capability is not None and not (isinstance(capability, tuple) and len(capability) == 2
+                                       and all(isinstance(c, int) for c in capability)):
+        raise Glm5labError(f"capability must be a (major, minor) tuple, or None for no compiled NVIDIA launch; "
+                           f"got {capability!r}")
+    return _kernel_choice(num_heads, layout == "fp8_ds_mla", q_dtype, capability, merge, config, kv_cache)
+
+
+def _kernel_choice(num_heads, fp8, q_dtype, capability, merge, config, kv_cache) -> str:
+    """kernel_for() without its argument checks: sparse_mla_attention has made them already."""
+    if merge == "fused" or config or gluon_unavailable(num_heads, fp8, q_dtype, capability, kv_cache):
         return "triton"
     return "gluon"
 
@@ -883,8 +905,7 @@ def _compiled_capability(device: torch.device) -> tuple[int, int] | None:
 def _gluon_by_default(q: torch.Tensor, fp8: bool, num_heads: int, merge: str, config: dict | None,
                       kv_cache: torch.Tensor | None = None) -> bool:
     """kernel_for() for this call's device (and cache)."""
-    return kernel_for(num_heads, "fp8_ds_mla" if fp8 else "bf16", q.dtype, _compiled_capability(q.device), merge,
-                      config, kv_cache) == "gluon"
+    return _kernel_choice(num_heads, fp8, q.dtype, _compiled_capability(q.device), merge, config, kv_cache) == "gluon"
 
 
 def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> str:
@@ -966,12 +987,9 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     T, H, D = q.shape
     if D != LATENT + ROPE:
         raise Glm5labError(f"q width must be {LATENT + ROPE} (512 latent + 64 rope), got {D}")
-    if not 1 <= H <= MAX_HEADS:
-        raise Glm5labError(f"head count must be 1..{MAX_HEADS}, got {H}")
     layout = _resolve_layout(kv_cache, layout, kv_lora_rank)
+    _require_call(H, q.dtype, layout, merge)
     fp8 = layout == "fp8_ds_mla"
-    if not fp8 and kv_cache.dtype != q.dtype:
-        raise Glm5labError(f"q ({q.dtype}) and a {layout} KV cache must have the same dtype")
     if not isinstance(slots, torch.Tensor) or slots.dim() != 2 or slots.shape[0] != T:
         raise Glm5labError(f"slots must be a [tokens={T}, topk] tensor, got "
                            f"{type(slots).__name__} {tuple(getattr(slots, 'shape', ()))}")
@@ -981,8 +999,6 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if q.device != kv_cache.device or q.device != slots.device:
         raise Glm5labError(f"q, kv_cache and slots must be on one device, got {q.device}, "
                            f"{kv_cache.device}, {slots.device}")
-    if merge not in ("auto", "fused", "separate"):
-        raise Glm5labError(f"merge must be 'auto', 'fused' or 'separate', got {merge!r}")
     num_slots, kv_row_stride = _kv_rows(kv_cache)
     if num_slots >= 2**31:
         raise Glm5labError(f"cache of {num_slots} slots does not fit int32 slot indices")
