@@ -363,6 +363,35 @@ def test_topk_constructed_ties(method):
     assert topk_sets_agree(wrong, logits, 16, lengths) != []
 
 
+def _bit_order_key(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in the order of the float's bits (sign, then magnitude), -0.0 as +0.0: a NaN with its
+    sign bit clear lands above +inf, one with it set below -inf."""
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    b = x.view(torch.int32).long()
+    return torch.where(b >= 0, b, -(b & 0x7FFFFFFF) - 1)
+
+
+@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_topk_orders_nan_by_its_bits(method, on):
+    """NaN has no place in the order of values; the radix passes give it the place of its bits. The contract
+    (indexer_topk's docstring): a positive NaN ranks above +inf, a negative one below -inf, ties lowest first."""
+    gen = torch.Generator().manual_seed(33)
+    logits = torch.randn(5, 200, generator=gen)
+    logits[0, [3, 150]] = float("nan")
+    logits[1, [7, 9]] = -float("nan")
+    logits[1, 11] = float("-inf")
+    logits[2, :] = float("nan")
+    logits[3, ::2] = -float("nan")
+    logits[4, [0, 1]] = torch.tensor([float("inf"), float("nan")])
+    lengths = torch.tensor([200, 200, 200, 21, 150])
+    assert logits.isnan().any(dim=1).all()
+    out = indexer_topk(logits.to(on), 12, lengths.to(on), method=method).cpu()
+    assert torch.equal(out, indexer_topk_reference(_bit_order_key(logits).double(), 12, lengths)), out
+    assert 3 in out[0] and 150 in out[0] and 7 not in out[1] and 9 not in out[1]
+    assert out[2].tolist() == list(range(12)) and 1 in out[4] and 0 in out[4]
+
+
 @pytest.mark.parametrize("whole_row_max", [4096, 0], ids=["registers", "streaming"])
 @pytest.mark.parametrize("method", TOPK_METHODS)
 def test_topk_when_the_k_largest_end_exactly_at_a_digit(method, whole_row_max, monkeypatch):

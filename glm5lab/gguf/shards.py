@@ -26,7 +26,11 @@ CHUNK = 64 << 20
 
 
 def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
-    """Check a shard set is complete, unique, in order and from one model; return it opened."""
+    """Check a shard set is complete, unique, in order and from one model; return it opened.
+
+    Not caught: a shard from another quantization of the same model split the same way. Later shards carry no
+    metadata but the split keys, and a quantization mixes tensor types by design, so the types prove nothing;
+    the merged file would hold both types, under shard 1's `file_type`."""
     paths = [Path(p) for p in paths]
     seen: dict[str, Path] = {}
     for p in paths:

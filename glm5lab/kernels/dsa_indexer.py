@@ -875,8 +875,10 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     segments of `seg` columns handled by separate programs, global histograms: for small batches);
     all exact and identical in output.
 
-    logits [T, C] float32 (NaN is not allowed: it has no place in the order). Ties at the k-th score
-    go to the lowest positions (see the tie rule in glm5lab.sparse.indexer_reference)."""
+    logits [T, C] float32. Ties at the k-th score go to the lowest positions (see the tie rule in
+    glm5lab.sparse.indexer_reference); -0.0 ties with +0.0. NaN has no place in the order of values: the digit
+    passes give it the place of its bits, so a NaN with the sign bit clear ranks above +inf and one with it set
+    below -inf (torch.topk ranks every NaN first). No check: finding one would cost a pass and a host sync."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise Glm5labError(f"logits must be float32 [rows, columns], got {logits.dtype} {tuple(logits.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
