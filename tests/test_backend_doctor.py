@@ -175,11 +175,54 @@ def test_glm5lab_column_is_absent_unless_registered(bd):
     with_ours = bd.diagnose("12.0", "float16", model="glm-5", include_glm5lab=True)
     if with_ours.attrs["plugin_note"] is None and "TRITON_MLA_SPARSE" in set(with_ours["backend"]):
         row = with_ours.set_index("backend").loc["TRITON_MLA_SPARSE"]
-        assert row["source"] == "glm5lab" and not row["considered"]
+        assert row["source"] == "glm5lab" and row["considered"]
+        assert row["priority"] == with_ours["priority"].max()       # last: the plugin's CUDA fallback
         if row["verdict"] in (bd.PASS, bd.PASS_NEEDS_LIBRARY):
-            assert "--attention-backend TRITON_MLA_SPARSE" in bd.advice(with_ours)
+            assert bd.advice(with_ours) == "vLLM 0.32.0 would pick TRITON_MLA_SPARSE."
+        # without include_glm5lab: vLLM's own order, the registered backend selectable by name only
+        plain = bd.diagnose("12.0", "float16", model="glm-5").set_index("backend")
+        assert not plain.loc["TRITON_MLA_SPARSE", "considered"]
+        assert "--attention-backend TRITON_MLA_SPARSE" in bd.advice(bd.diagnose("12.0", "float16", model="glm-5"))
     else:  # registration failed or did not add the backend: the doctor says so and fakes nothing
         assert "TRITON_MLA_SPARSE" not in set(with_ours["backend"]) or with_ours.attrs["plugin_note"]
+
+
+@pytest.mark.parametrize("cap, dtype, kv", [("12.0", "float16", "auto"), ("8.6", "bfloat16", "fp8_ds_mla"),
+                                            ("9.0", "bfloat16", "auto"), ("12.0", "bfloat16", "auto")])
+def test_doctor_with_glm5lab_picks_what_vllm_picks_with_the_plugin_on_cuda(bd, cap, dtype, kv):
+    """--with-glm5lab models a CUDA host where the plugin also made TRITON_MLA_SPARSE vLLM's last resort: its
+    pick is the real selector's, asked with that patch applied to vLLM's CUDA platform. A backend whose library
+    this CPU host lacks can be the doctor's pick; the selector here skips it (its import fails), and neither picks
+    glm5lab's backend."""
+    import importlib
+
+    import torch
+
+    from glm5lab.vllm_plugin import sparse_backend as sb
+    from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME, BACKEND_PATH
+
+    df = bd.diagnose(cap, dtype, kv, model="glm-5", include_glm5lab=True)
+    assert df.attrs["plugin_note"] is None
+    sb.cuda_platform_for(cap)
+    cuda = importlib.import_module("vllm.platforms.cuda")
+    original = cuda._get_backend_priorities
+    try:
+        sb._apply_cuda_fallback(cuda)
+        got = sb.select_backend(cap, dtype=getattr(torch, dtype), kv_cache_dtype=kv, requested=None)
+    finally:
+        cuda._get_backend_priorities = original
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    pick = df.attrs["pick"]
+    assert got["reason"] is None, got
+    if not pick["needs"]:
+        assert pick["backend"] == BACKEND_NAME and got["path"] == BACKEND_PATH, (pick, got)
+    else:   # vLLM's own backend keeps priority; here, lacking its library, the selector takes a later passing one
+        assert pick["backend"] != BACKEND_NAME
+        rows = df.set_index("backend")
+        chosen = next(n for n in rows.index if AttentionBackendEnum[n].get_path() == got["path"])
+        assert rows.loc[chosen, "verdict"] in (bd.PASS, bd.PASS_NEEDS_LIBRARY)
+        assert rows.loc[chosen, "priority"] > rows.loc[pick["backend"], "priority"]
 
 
 def test_other_platform_backends_are_marked_not_passing(bd):
@@ -301,6 +344,8 @@ def test_cli_prints_table_and_one_line(bd, capsys):
     (["--capability", "12.x"], "unknown compute capability '12.x'"),
     (["--model", "/no/such/model.gguf"], "neither tiny"),
     (["--dtype", "fp64"], "unknown dtype"),
+    (["--matrix", "--capability", "9.0"], "--matrix spans every capability x dtype x KV-cache dtype"),
+    (["--matrix", "--kv-cache-dtype", "auto", "--all"], "drop --kv-cache-dtype, --all"),
 ])
 def test_cli_errors_are_one_line_exit_1(argv, match, capsys):
     from glm5lab.cli import main
@@ -311,6 +356,28 @@ def test_cli_errors_are_one_line_exit_1(argv, match, capsys):
 
 
 # ------------------------------------------------------------------------- matrix, plot, seed
+def test_matrix_cli_applies_every_cell_setting_and_names_its_files_by_them(bd, tmp_path, tiny_paths, capsys):
+    """--sparse, --block-size and --tensor-parallel-size hold in every cell (they used to be dropped), the file
+    names say so (a default matrix is not overwritten), and a model given as a path names the files by its stem."""
+    from glm5lab.cli import main
+
+    gguf = tiny_paths.gguf("F16")
+    assert main(["doctor", "--matrix", "--model", str(gguf), "--sparse", "no", "--block-size", "16",
+                 "--tensor-parallel-size", "2", "--results-dir", str(tmp_path)]) == 0
+    ver = bd.vllm_version()
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    stem = f"doctor/backend_matrix_{gguf.stem}_sparse-no_block16_tp2_vllm-{ver}"
+    assert files == [f"{stem}.csv", f"{stem}.png", f"{stem}_backends.csv"], files
+    import pandas as pd
+
+    cells = pd.read_csv(tmp_path / f"{stem}.csv", keep_default_na=False)
+    assert len(cells) == 6 * 2 * 3 and not cells["pick"].str.contains("SPARSE").any()   # dense MLA in every cell
+    assert cells["pick"].str.len().gt(0).any()
+    capsys.readouterr()
+    assert main(["doctor", "--matrix", "--tensor-parallel-size", "3", "--results-dir", str(tmp_path)]) == 1
+    assert "tensor parallel size 3 does not divide the model's 64 attention heads" in capsys.readouterr().err
+
+
 def test_matrix_files_carry_the_vllm_version(bd, tmp_path):
     out = bd.write_matrix_results(tmp_path, progress=False)
     ver = bd.vllm_version()

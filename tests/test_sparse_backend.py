@@ -58,6 +58,12 @@ def test_selector_picks_it_when_asked(cap, dtype, kv):
     assert got["path"] == BACKEND_PATH
 
 
+@pytest.mark.parametrize("dtype, kv", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
+def test_selector_takes_a_named_cache_dtype_equal_to_the_model_dtype(dtype, kv):
+    got = sb.select_backend("12.0", dtype=dtype, kv_cache_dtype=kv)
+    assert got["reason"] is None and got["path"] == BACKEND_PATH, got
+
+
 def test_sm120_fp16_without_glm5lab_has_no_backend():
     """The seed's wall, from vLLM's own priority list: nothing serves SM120 + fp16 + sparse MLA."""
     got = sb.select_backend("12.0", dtype=torch.float16, requested=None)
@@ -89,6 +95,8 @@ def test_cuda_fallback_makes_vllm_choose_it_only_where_nothing_else_serves():
     (dict(use_sparse=False), "non-sparse not supported"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype not supported"),
     (dict(head_size=512), "head_size not supported"),
+    (dict(dtype=torch.bfloat16, kv_cache_dtype="float16"), "a float16 KV cache needs a float16 model"),
+    (dict(dtype=torch.float16, kv_cache_dtype="bfloat16"), "a bfloat16 KV cache needs a bfloat16 model"),
 ])
 def test_selector_reports_why_not(kwargs, reason):
     got = sb.select_backend("12.0", **kwargs)

@@ -39,6 +39,7 @@ from typing import Any, Iterable
 
 from glm5lab.errors import Glm5labError
 from glm5lab.files import replacing
+from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME
 
 # Verdicts, best first. "pass, needs library" = the target's constraints hold; only a library that a
 # CUDA install of vLLM normally ships is missing on this machine.
@@ -288,8 +289,12 @@ def _device_capability(cap: tuple[int, int]):
     return DeviceCapability(*cap)
 
 
-def cuda_priorities(target: Target) -> tuple[list[str], str | None]:
-    """Names of the MLA backends vLLM's CUDA selector tries for this target, in its order."""
+def cuda_priorities(target: Target, glm5lab_last: bool = False) -> tuple[list[str], str | None]:
+    """Names of the MLA backends vLLM's CUDA selector tries for this target, in its order. glm5lab_last: the
+    order glm5lab's plugin leaves on a CUDA host, TRITON_MLA_SPARSE last (its CUDA fallback patch, which a host
+    without CUDA never applies to its own vLLM); needs the backend registered."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     cuda, note = _cuda_platform_module()
     if cuda is None:
         return [], note
@@ -298,9 +303,13 @@ def cuda_priorities(target: Target) -> tuple[list[str], str | None]:
             use_mla=True, device_capability=_device_capability(target.capability),
             num_heads=target.num_heads, kv_cache_dtype=target.kv_cache_dtype,
             use_non_causal=False, head_size=target.head_size, use_mm_prefix=False)
-        return [b.name for b in order], note
     except Exception as exc:
         return [], f"_get_backend_priorities failed: {type(exc).__name__}: {exc}"
+    if glm5lab_last and BACKEND_NAME in AttentionBackendEnum.__members__:
+        from glm5lab.vllm_plugin.sparse_backend import last_resort_priorities
+
+        order = last_resort_priorities(order, use_mla=True)
+    return [b.name for b in order], note
 
 
 def _selector_config(target: Target):
@@ -658,8 +667,11 @@ def diagnose(capability="12.0", dtype="bfloat16", kv_cache_dtype="auto", block_s
 
     scope='considered': the backends vLLM's CUDA selector tries for this capability, in its order,
     plus backends registered from outside vLLM (e.g. glm5lab's). scope='all': also every other MLA
-    backend in the registry (other platforms marked, not asked). `df.attrs` holds the target, the
-    vLLM version and the pick; `advice(df)` gives the one line. Raises Glm5labError only for bad input."""
+    backend in the registry (other platforms marked, not asked). include_glm5lab: vLLM as glm5lab's plugin
+    leaves it on a CUDA host, TRITON_MLA_SPARSE registered and last in the priority order (picked only where none
+    of vLLM's own backends is valid); without it, vLLM's own order, a registered TRITON_MLA_SPARSE listed as
+    selectable by name only. `df.attrs` holds the target, the vLLM version and the pick; `advice(df)` gives the
+    one line. Raises Glm5labError only for bad input."""
 
     if scope not in ("considered", "all"):
         raise Glm5labError(f"scope must be 'considered' or 'all', got {scope!r}")
@@ -668,7 +680,7 @@ def diagnose(capability="12.0", dtype="bfloat16", kv_cache_dtype="auto", block_s
     plugin_note = None
     if include_glm5lab:
         plugin_note = register_glm5lab()
-    return _diagnose_target(target, hf, scope, plugin_note)
+    return _diagnose_target(target, hf, scope, plugin_note, glm5lab_last=include_glm5lab and plugin_note is None)
 
 
 def register_glm5lab() -> str | None:
@@ -682,11 +694,12 @@ def register_glm5lab() -> str | None:
         return f"glm5lab plugin registration failed: {type(exc).__name__}: {exc}"
 
 
-def _diagnose_target(target: Target, hf, scope: str = "considered", plugin_note: str | None = None):
+def _diagnose_target(target: Target, hf, scope: str = "considered", plugin_note: str | None = None,
+                     glm5lab_last: bool = False):
     import pandas as pd
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    order, order_note = cuda_priorities(target)
+    order, order_note = cuda_priorities(target, glm5lab_last)
     extras = [n for n in _extras() if n not in order]
     rows = [_diagnose_one(n, target, hf, i, True) for i, n in enumerate(order)]
     rows += [_diagnose_one(n, target, hf, None, False) for n in extras]
@@ -702,6 +715,7 @@ def _diagnose_target(target: Target, hf, scope: str = "considered", plugin_note:
     df.attrs["vllm_version"] = vllm_version()
     df.attrs["priority_note"] = order_note
     df.attrs["plugin_note"] = plugin_note
+    df.attrs["glm5lab_last"] = glm5lab_last
     df.attrs["pick"] = pick(df)
     df.attrs["hf_config"] = hf  # advice() re-asks vLLM with alternatives for the same model
     return df
@@ -761,16 +775,16 @@ def advice(df, try_alternatives: bool = True) -> str:
     if p["explicit_only"]:
         fixes.append(f"--attention-backend {p['explicit_only'][0]} (registered, passes)")
     if try_alternatives:
-        fixes.extend(_alternatives(t, df.attrs.get("hf_config")))
+        fixes.extend(_alternatives(t, df.attrs.get("hf_config"), df.attrs.get("glm5lab_last", False)))
     if fixes:
         line += " Change: " + " | ".join(fixes[:3])
-    elif not df.attrs.get("plugin_note") and "TRITON_MLA_SPARSE" not in set(df["backend"]):
+    elif not df.attrs.get("plugin_note") and BACKEND_NAME not in set(df["backend"]):
         line += (" Nothing in vLLM serves it: use glm5lab's TRITON_MLA_SPARSE (check with `glm5lab doctor "
                  "--with-glm5lab`, serve with --attention-backend TRITON_MLA_SPARSE).")
     return line
 
 
-def _alternatives(t: dict, hf) -> list[str]:
+def _alternatives(t: dict, hf, glm5lab_last: bool = False) -> list[str]:
     """Single changes to the target after which vLLM would pick a backend (each asked for real)."""
     if hf is None:
         return []
@@ -786,7 +800,7 @@ def _alternatives(t: dict, hf) -> list[str]:
     out = []
     for label, alt in tries:
         try:
-            alt_df = _diagnose_target(alt, hf)
+            alt_df = _diagnose_target(alt, hf, glm5lab_last=glm5lab_last)
         except Exception:
             continue
         if alt_df.attrs["pick"]["backend"]:
@@ -804,10 +818,11 @@ def pick_grid(cells, column: str = "pick"):
 
 
 def matrix(capabilities: Iterable[str] = MATRIX_CAPABILITIES, dtypes: Iterable[str] = MATRIX_DTYPES,
-           kv_cache_dtypes: Iterable[str] = MATRIX_KV_DTYPES, model: str = "glm-5", sparse: bool = True,
-           block_size=None, include_glm5lab: bool = False, progress: bool = True):
+           kv_cache_dtypes: Iterable[str] = MATRIX_KV_DTYPES, model: str = "glm-5", sparse: bool | None = None,
+           block_size=None, include_glm5lab: bool = False, progress: bool = True, tensor_parallel_size: int = 1):
     """(cells, long): one row per capability x dtype x KV dtype with vLLM's pick, and the long table
-    of every backend's verdict per cell. Both carry the vLLM version."""
+    of every backend's verdict per cell. Both carry the vLLM version. sparse, block_size and
+    tensor_parallel_size hold for every cell, as in diagnose()."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -816,9 +831,10 @@ def matrix(capabilities: Iterable[str] = MATRIX_CAPABILITIES, dtypes: Iterable[s
     grid = [(c, d, k) for c in capabilities for d in dtypes for k in kv_cache_dtypes]
     cells, long = [], []
     for cap, dt, kv in tqdm(grid, desc="asking vLLM", disable=not progress):
-        target, _ = make_target(cap, dt, kv, block_size, hf, sparse)
+        target, _ = make_target(cap, dt, kv, block_size, hf, sparse, tensor_parallel_size)
         target = dataclasses.replace(target, model_name=model if isinstance(model, str) else target.model_name)
-        df = _diagnose_target(target, hf, "considered", plugin_note)
+        df = _diagnose_target(target, hf, "considered", plugin_note,
+                              glm5lab_last=include_glm5lab and plugin_note is None)
         p = df.attrs["pick"]
         status = ("picked" if p["backend"] and not p["needs"] else
                   "picked, needs library here" if p["backend"] else
@@ -901,18 +917,40 @@ def _atomic_csv(df, path: Path) -> None:
         df.to_csv(tmp, index=False)
 
 
+def _file_part(model) -> str:
+    """A model name as one safe file-name part: a path gives its file (less .gguf) or folder name."""
+    name = str(model)
+    if "/" in name or name.endswith(".gguf"):
+        path = Path(name)
+        name = path.stem if path.suffix == ".gguf" else path.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def _settings_part(include_glm5lab: bool, sparse: bool | None = None, block_size=None, tensor_parallel_size: int = 1,
+                   **_) -> str:
+    parts = ["with_glm5lab"] if include_glm5lab else []
+    if sparse is not None:
+        parts.append(f"sparse-{'yes' if sparse else 'no'}")
+    if block_size is not None:
+        parts.append(f"block{int(block_size)}")
+    if int(tensor_parallel_size) != 1:
+        parts.append(f"tp{int(tensor_parallel_size)}")
+    return "".join("_" + p for p in parts)
+
+
 def write_matrix_results(results_dir="results", model: str = "glm-5", include_glm5lab: bool = False,
                          progress: bool = True, **kw) -> dict:
-    """Compute the matrix and write results/doctor/backend_matrix_<model>_vllm-<ver>.{csv,png} plus
-    the per-backend long CSV, each row with provenance columns. Returns the paths and frames."""
+    """Compute the matrix and write results/doctor/backend_matrix_<model>[_<settings>]_vllm-<ver>.{csv,png} plus
+    the per-backend long CSV, each row with provenance columns. Returns the paths and frames. <model> is the
+    name, or a path's file / folder name; <settings> names what differs from the defaults (--with-glm5lab,
+    sparse, block size, tensor parallel size), so one matrix never overwrites another's files."""
     from glm5lab.env import collect
 
     cells, long = matrix(model=model, include_glm5lab=include_glm5lab, progress=progress, **kw)
     prov = collect()
     ver = cells.attrs["vllm_version"]
-    suffix = "_with_glm5lab" if include_glm5lab else ""
     out = Path(results_dir) / "doctor"
-    stem = f"backend_matrix_{model}{suffix}_vllm-{ver}"
+    stem = f"backend_matrix_{_file_part(model)}{_settings_part(include_glm5lab, **kw)}_vllm-{ver}"
     for d in (cells, long):
         for key in ("vllm", "torch", "glm5lab", "git_sha", "timestamp", "gpu"):
             d[f"prov_{key}"] = prov.get(key)

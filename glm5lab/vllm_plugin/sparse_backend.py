@@ -119,7 +119,12 @@ class TritonMLASparseBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
                              use_sparse, use_mm_prefix, device_capability) -> str | None:
-        """The model's own geometry, read from the current vLLM config when there is one."""
+        """A 16-bit cache in the model's dtype (the kernel reads q and the cache in one dtype), and the model's own
+        geometry, read from the current vLLM config when there is one."""
+        cache_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
+        if cache_dtype is not None and dtype is not None and cache_dtype != dtype:
+            return (f"a {kv_cache_dtype} KV cache needs a {kv_cache_dtype} model, got {dtype}: use "
+                    "--kv-cache-dtype auto or fp8_ds_mla, or --dtype " + kv_cache_dtype)
         try:
             model_config = get_current_vllm_config().model_config
         except Exception:  # no current config (a bare selector query): head_size was already checked
@@ -374,23 +379,29 @@ def _apply_cuda_fallback(cuda_module=None) -> None:
     first still wins wherever it is valid; glm5lab's is chosen only where none is (SM120 + fp16, SM8x)."""
     import importlib
 
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
     cuda = cuda_module or importlib.import_module("vllm.platforms.cuda")
     original = cuda._get_backend_priorities
     if getattr(original, "_glm5lab_fallback", False):
         return
 
     def _get_backend_priorities(use_mla, *args, **kwargs):
-        priorities = list(original(use_mla, *args, **kwargs))
-        ours = AttentionBackendEnum[BACKEND_NAME]
-        if use_mla and ours not in priorities:
-            priorities.append(ours)
-        return priorities
+        return last_resort_priorities(original(use_mla, *args, **kwargs), use_mla)
 
     _get_backend_priorities._glm5lab_fallback = True
     _get_backend_priorities._glm5lab_original = original
     cuda._get_backend_priorities = _get_backend_priorities
+
+
+def last_resort_priorities(priorities, use_mla: bool) -> list:
+    """vLLM's CUDA priority list as the fallback patch leaves it: for MLA, TRITON_MLA_SPARSE appended last (once).
+    The doctor asks it too, to show what vLLM with this plugin does on a CUDA host from a machine without one."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    priorities = list(priorities)
+    ours = AttentionBackendEnum[BACKEND_NAME]
+    if use_mla and ours not in priorities:
+        priorities.append(ours)
+    return priorities
 
 
 def _ledger_cuda_fallback():
