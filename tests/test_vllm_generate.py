@@ -195,6 +195,10 @@ def test_wall_without_glm5lab_is_data():
 def test_plugin_excluded_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "gguf")
     assert "excludes glm5lab" in G.plugin_problem()
+    monkeypatch.setenv("VLLM_PLUGINS", "gguf, glm5lab")      # vLLM reads " glm5lab", which names no plugin
+    assert "does not strip the spaces" in G.plugin_problem()
+    monkeypatch.setenv("VLLM_PLUGINS", "gguf,glm5lab")
+    assert G.plugin_problem() is None
     monkeypatch.delenv("VLLM_PLUGINS")
     assert G.plugin_problem() is None
 
@@ -217,6 +221,28 @@ def test_model_without_index_topk_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no index_topk" in err[0] and "Traceback" not in err[0]
+
+
+def test_gguf_without_a_tokenizer_is_refused_before_the_engine_starts(tmp_path, tiny_paths, capsys):
+    """A GGUF alone in its folder: vLLM cannot build GLM-5's tokenizer from it, and a text prompt used to die
+    inside vLLM's tokenize after ~20 s of engine start-up. --tokenizer names the folder instead."""
+    import os
+    import time
+
+    from glm5lab.cli import main
+
+    lone = tmp_path / "lone" / "glm5-tiny-F16.gguf"
+    lone.parent.mkdir()
+    os.symlink(tiny_paths.gguf("F16"), lone)
+    t0 = time.perf_counter()
+    assert main(["generate", "--model", str(lone), "--max-tokens", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tokenizer to encode a text prompt" in err[0] and "--tokenizer DIR" in err[0]
+    assert time.perf_counter() - t0 < 10
+    assert G.resolve_model(str(lone)).tokenizer is None
+    assert G.resolve_model(str(lone), tokenizer=str(tiny_paths.hf_dir)).tokenizer == str(tiny_paths.hf_dir)
+    assert main(["generate", "--model", str(lone), "--tokenizer", str(tmp_path / "none")]) == 1
+    assert "not a folder" in capsys.readouterr().err
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

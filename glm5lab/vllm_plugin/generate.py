@@ -78,7 +78,10 @@ def plugin_problem() -> str | None:
         return ("glm5lab's vLLM plugin is not installed (no 'glm5lab' entry point in vllm.general_plugins): "
                 "install glm5lab into this environment (pip install -e .) so vLLM loads it")
     allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN_NAME not in [p.strip() for p in allowed.split(",")]:
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):    # vLLM splits on "," and strips nothing
+        if PLUGIN_NAME in [p.strip() for p in allowed.split(",")]:
+            return (f"VLLM_PLUGINS={allowed!r}: vLLM does not strip the spaces around its names, so it reads "
+                    f"no plugin named 'glm5lab'; write the list without spaces")
         return (f"VLLM_PLUGINS={allowed!r} excludes glm5lab's plugin: unset VLLM_PLUGINS or add 'glm5lab' "
                 "to it")
     return None
@@ -100,8 +103,12 @@ def version_problem() -> str | None:
     return None
 
 
-def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16") -> ModelSpec:
-    """'tiny' (glm5lab's tiny GLM-5; with gguf=True its GGUF of `qtype`), an HF directory, or a .gguf."""
+def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
+                  tokenizer: str | None = None) -> ModelSpec:
+    """'tiny' (glm5lab's tiny GLM-5; with gguf=True its GGUF of `qtype`), an HF directory, or a .gguf. The
+    tokenizer: `tokenizer` (a folder vLLM reads it from) when given; else the HF directory, or the folder of a
+    GGUF that has a tokenizer.json beside it; else None (token-id prompts only)."""
+    given_tokenizer = tokenizer
     if model == "tiny":
         from glm5lab.model.tiny import ensure_tiny
 
@@ -116,6 +123,11 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16") -
         tokenizer = None if gguf else str(target)
         if gguf and (target.parent / "tokenizer.json").exists():
             tokenizer = str(target.parent)
+    if given_tokenizer is not None:
+        folder = Path(given_tokenizer).expanduser()
+        if not folder.is_dir():
+            raise Glm5labError(f"tokenizer {folder}: not a folder (give the folder holding tokenizer.json)")
+        tokenizer = str(folder)
     if gguf:
         from glm5lab.vllm_plugin.gguf_loader import config_from_gguf
 
@@ -165,10 +177,10 @@ def _last_line(exc: BaseException) -> str:
 
 
 def start_engine(model: str = "tiny", *, gguf: bool = False, qtype: str = "F16", dtype: str = "float16",
-                 **engine_args) -> Engine:
+                 tokenizer: str | None = None, **engine_args) -> Engine:
     """A vllm.LLM on `model` with glm5lab's plugin, in this process (V1 multiprocessing off: the CPU
     engine is small, and a failure is an exception here rather than a dead worker)."""
-    spec = resolve_model(model, gguf=gguf, qtype=qtype)
+    spec = resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer)
     preflight(spec)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # effective if vLLM is not imported yet
@@ -227,6 +239,8 @@ def describe(engine: Engine) -> dict:
 
 
 def tokenize(engine: Engine, prompt: str) -> list[int]:
+    if engine.spec.tokenizer is None:
+        raise Glm5labError(no_tokenizer(engine.spec))
     tok = engine.llm.get_tokenizer()
     return list(tok(prompt)["input_ids"])
 
@@ -261,11 +275,23 @@ def generate(engine: Engine, prompts, max_tokens: int | list[int] = 8, logprobs:
         dtype=engine.dtype, seconds=seconds)
 
 
+def no_tokenizer(spec: ModelSpec) -> str:
+    return (f"{spec.model}: no tokenizer to encode a text prompt (vLLM cannot build this model's tokenizer from "
+            f"a GGUF, and no tokenizer.json lies beside it): pass the original model's folder as tokenizer "
+            f"(--tokenizer DIR), or prompts as token ids")
+
+
 def run(model: str = "tiny", prompts=("The model reads a prompt",), max_tokens: int = 8, *, gguf: bool = False,
-        qtype: str = "F16", dtype: str = "float16") -> GenerationResult:
-    """Start an engine and generate once (the `glm5lab generate` command and notebooks)."""
-    engine = start_engine(model, gguf=gguf, qtype=qtype, dtype=dtype)
-    return generate(engine, list(prompts), max_tokens=max_tokens)
+        qtype: str = "F16", dtype: str = "float16", tokenizer: str | None = None) -> GenerationResult:
+    """Start an engine and generate once (the `glm5lab generate` command and notebooks). Text prompts need a
+    tokenizer: without one the call is refused before the engine starts."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if any(isinstance(p, str) for p in prompts):
+        spec = resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer)
+        if spec.tokenizer is None:
+            raise Glm5labError(no_tokenizer(spec))
+    engine = start_engine(model, gguf=gguf, qtype=qtype, dtype=dtype, tokenizer=tokenizer)
+    return generate(engine, prompts, max_tokens=max_tokens)
 
 
 def try_run(*args, **kwargs) -> tuple[GenerationResult | None, str | None]:

@@ -12,7 +12,7 @@ def _run(args) -> int:
 
     with stdout_to_stderr(args.json):
         result = run(args.model, prompts=args.prompt or ["The model reads a prompt"], max_tokens=args.max_tokens,
-                     gguf=args.gguf, qtype=args.qtype, dtype=args.dtype)
+                     gguf=args.gguf, qtype=args.qtype, dtype=args.dtype, tokenizer=args.tokenizer)
     if args.json:
         out = {k: v for k, v in result.__dict__.items() if k != "first_step_logprobs"}
         print(json.dumps(out, indent=2))
@@ -46,6 +46,8 @@ def add_command(sub) -> None:
     p.add_argument("--gguf", action="store_true", help="with --model tiny: load its GGUF through "
                                                         "vllm-gguf-plugin + glm5lab's adapter")
     p.add_argument("--qtype", default="F16", help="GGUF type of the tiny model with --gguf (F16, Q8_0)")
+    p.add_argument("--tokenizer", default=None, help="folder with the model's tokenizer (default: the HF "
+                                                         "directory, or a tokenizer.json beside the .gguf)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--max-tokens", type=_at_least_one, default=8, help="tokens to generate a prompt (>= 1)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
