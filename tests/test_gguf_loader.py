@@ -298,6 +298,63 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("halves", [("k",), ("v",), ("k", "v")])
+def test_unquantized_modules_name_the_rebuilt_kv_b_proj_from_either_half(halves):
+    """attn_k_b / attn_v_b are rebuilt into kv_b_proj, which must load unquantized. Chained replaces turned
+    `k_b_proj` into `kkv_b_proj` (kv_b_proj contains v_b_proj), and a file with only attn_k_b got that name alone."""
+    from glm5lab.vllm_plugin.gguf_loader import unquantized_modules
+
+    types = {f"blk.0.attn_{h}_b.weight": "Q8_0" for h in halves}
+    mapping = {f"blk.0.attn_{h}_b.weight": f"model.layers.0.self_attn.{h}_b_proj.weight" for h in halves}
+    assert unquantized_modules(types, mapping) == ["model.layers.0.self_attn.kv_b_proj"]
+
+
+def _rewritten_gguf(src, dst, drop: str | None = None, extra: str | None = None):
+    """A copy of a GGUF (metadata and tensors through gguf's writer) less the tensor `drop`, plus an F32 `extra`."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    for t in r.tensors:
+        if t.name != drop:
+            data = np.array(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    if extra:
+        w.add_tensor(extra, np.ones((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_cli_adapter_check_without_a_checkpoint_checks_names_and_shapes(tmp_path, tiny_paths, capsys):
+    """`loader check X.gguf --no-vllm` without --hf-dir used to check nothing and print OK. It now maps every
+    tensor through the adapter and compares the file's tensors with what its own metadata implies."""
+    from glm5lab.cli import main
+
+    src = tiny_paths.gguf("F16")
+    assert main(["loader", "check", str(src), "--no-vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "0 missing, 0 with another shape" in out and out.strip().endswith("OK")
+    extra = _rewritten_gguf(src, tmp_path / "extra.gguf", extra="blk.0.totally_unknown.weight")
+    assert main(["loader", "check", str(extra), "--no-vllm"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "1 tensors have no GLM-5 name" in err and "totally_unknown" in err and err.count("\n") == 0
+    short = _rewritten_gguf(src, tmp_path / "short.gguf", drop="blk.1.attn_q_a.weight")
+    assert main(["loader", "check", str(short), "--no-vllm"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING blk.1.attn_q_a.weight" in out and out.strip().endswith("FAILED")
+
+
 def test_fix_table_names_existing_tests():
     """Every test the notebook's fix table cites exists (keeps the table from drifting from the suite)."""
     import re

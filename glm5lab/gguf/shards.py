@@ -86,18 +86,28 @@ def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
     return s
 
 
-def _check_geometry(s: GgufSet) -> None:
-    """Every tensor's shape must be what shard 1's metadata implies: catches a shard of another model
-    that happens to have the same shard and tensor counts."""
+def geometry_mismatches(s: GgufSet) -> tuple[list[str], dict[str, tuple[tuple, tuple]]]:
+    """(tensors the metadata implies that the file set lacks, {name: (shape found, shape implied)}), from the
+    GLM-5 geometry of the set's own metadata. Reads no tensor data."""
     from glm5lab.gguf.config import hf_config_from_gguf
 
     cfg = hf_config_from_gguf(s)
     nextn = int(s.arch_key("nextn_predict_layers", 0) or 0)
-    expected = dict(N.gguf_tensor_specs(N.Geometry.from_hf(cfg, nextn_layers=nextn)))
-    for name, (i, t) in s.tensor_index.items():
-        if name in expected and tuple(expected[name]) != numpy_shape(t):
-            raise Glm5labError(f"{s.paths[i]}: tensor {name} has shape {numpy_shape(t)}, the set's metadata "
-                               f"implies {tuple(expected[name])} (shard from another model)")
+    expected = {name: tuple(shape) for name, shape in N.gguf_tensor_specs(N.Geometry.from_hf(cfg, nextn_layers=nextn))}
+    missing = [name for name in expected if name not in s.tensor_index]
+    wrong = {name: (numpy_shape(t), expected[name]) for name, (_, t) in s.tensor_index.items()
+             if name in expected and expected[name] != numpy_shape(t)}
+    return missing, wrong
+
+
+def _check_geometry(s: GgufSet) -> None:
+    """Every tensor's shape must be what shard 1's metadata implies: catches a shard of another model
+    that happens to have the same shard and tensor counts."""
+    _, wrong = geometry_mismatches(s)
+    for name, (found, implied) in wrong.items():
+        i = s.tensor_index[name][0]
+        raise Glm5labError(f"{s.paths[i]}: tensor {name} has shape {found}, the set's metadata "
+                           f"implies {implied} (shard from another model)")
 
 
 # ---------------------------------------------------------------- low-level GGUF assembly

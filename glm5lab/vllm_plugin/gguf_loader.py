@@ -240,8 +240,8 @@ def unquantized_modules(tensor_types: dict[str, str], mapping: dict[str, str]) -
     for gguf_name, hf in mapping.items():
         if not hf.endswith(".weight"):
             continue
-        if hf.endswith(("k_b_proj.weight", "v_b_proj.weight")):
-            hf = hf.replace("k_b_proj", "kv_b_proj").replace("v_b_proj", "kv_b_proj")
+        if hf.endswith(("k_b_proj.weight", "v_b_proj.weight")):     # either half names the rebuilt kv_b_proj
+            hf = hf.rsplit(".", 2)[0] + ".kv_b_proj.weight"
         if tensor_types.get(gguf_name) in ("F32", "F16", "BF16") or hf.endswith(FLOAT_ONLY_SUFFIXES):
             mods.add(hf[: -len(".weight")])
     return sorted(mods)

@@ -84,6 +84,24 @@ def adapter_weights(gguf_path, hf_config):
     return list(adapter.prepare_weights(mc)), adapter, spec
 
 
+def adapter_names_report(gguf_path) -> dict:
+    """Without an HF checkpoint: the adapter's name map over every tensor (a tensor with no GLM-5 name is a
+    Glm5labError, as when vLLM loads the file), and the file's tensors against the names and shapes its own
+    metadata implies. Reads no tensor data, so it suits a file too large to load here."""
+    from glm5lab.gguf.reader import open_gguf
+    from glm5lab.gguf.shards import geometry_mismatches
+    from glm5lab.vllm_plugin.gguf_loader import adapter_class
+
+    s = open_gguf(gguf_path)
+    hf_config = model_config_for(gguf_path)
+    adapter = adapter_class()(hf_config)
+    spec = adapter.prepare_loading(str(gguf_path), types.SimpleNamespace(hf_config=hf_config, trust_remote_code=False))
+    missing, wrong = geometry_mismatches(s)
+    return {"tensors": len(s.tensor_index), "mapped": len(spec.gguf_to_hf_name_map),
+            "skipped": dict(adapter.skipped), "missing": missing,
+            "wrong_shape": {name: f"{found} (metadata implies {implied})" for name, (found, implied) in wrong.items()}}
+
+
 def _hf_checkpoint(hf_dir) -> dict:
     from glm5lab.model.checkpoint import load_safetensors, safetensors_files
 

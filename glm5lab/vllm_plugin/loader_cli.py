@@ -24,11 +24,15 @@ def _check(args) -> int:
         raise Glm5labError(f"{hf_dir}: not an HF checkpoint (no config.json)")
     open_gguf(gguf_path)  # one-line errors for bad / non-glm-dsa / incomplete shard sets
 
-    from glm5lab.vllm_plugin.loader_check import adapter_report, vllm_load_report
+    from glm5lab.vllm_plugin.loader_check import adapter_names_report, adapter_report, vllm_load_report
 
     result: dict = {"gguf": str(gguf_path), "hf_dir": str(hf_dir) if hf_dir else None}
     ok = True
-    if hf_dir is not None:
+    if hf_dir is None:
+        names = adapter_names_report(gguf_path)
+        result["names"] = names
+        ok &= not names["missing"] and not names["wrong_shape"]
+    else:
         df = adapter_report(gguf_path, hf_dir)
         bad = df[~df["ok"]]
         result["adapter"] = {
@@ -55,6 +59,15 @@ def _check(args) -> int:
 
 def _print(result: dict) -> None:
     print(f"GGUF: {result['gguf']}")
+    n = result.get("names")
+    if n:
+        print(f"adapter names: {n['mapped']} of {n['tensors']} tensors mapped to GLM-5 names, {len(n['skipped'])} "
+              f"skipped by design; against the metadata: {len(n['missing'])} missing, {len(n['wrong_shape'])} "
+              f"with another shape (no --hf-dir: values not compared)")
+        for name in n["missing"][:20]:
+            print(f"  MISSING {name}")
+        for name, why in list(n["wrong_shape"].items())[:20]:
+            print(f"  SHAPE {name}: {why}")
     a = result.get("adapter")
     if a:
         print(f"adapter: {a['tensors']} tensors; missing {len(a['missing (in checkpoint, not delivered)'])}, "
@@ -86,6 +99,8 @@ def add_command(sub) -> None:
                                     "the config comes from the GGUF metadata and values are not compared")
     c.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"],
                    help="vLLM model dtype (default bfloat16, see glm5lab.vllm_plugin.gguf_loader)")
-    c.add_argument("--no-vllm", action="store_true", help="only the adapter-level check (fast, no vLLM model)")
+    c.add_argument("--no-vllm", action="store_true", help="only the adapter-level check (fast, no vLLM model): "
+                                                          "values against --hf-dir, or without it the names and "
+                                                          "shapes against the GGUF's own metadata")
     c.add_argument("--json", action="store_true", help="print the full report as JSON")
     c.set_defaults(func=_check)
