@@ -849,8 +849,12 @@ def matrix(capabilities: Iterable[str] = MATRIX_CAPABILITIES, dtypes: Iterable[s
             long.append({"capability": target.capability_str, "dtype": target.dtype,
                          "kv_cache_dtype": kv, **{c: r[c] for c in COLUMNS}})
     cells_df, long_df = pd.DataFrame(cells), pd.DataFrame(long)
+    settings = f"sparse={'yes' if target.sparse else 'no'}" if grid else ""   # as resolved: the model's own rule
+    settings += f", block size {block_size}" if block_size is not None else ""
+    settings += f", TP {tensor_parallel_size}" if int(tensor_parallel_size) != 1 else ""
     for d in (cells_df, long_df):
-        d.attrs.update(vllm_version=vllm_version(), model=str(model), sparse=sparse, plugin_note=plugin_note)
+        d.attrs.update(vllm_version=vllm_version(), model=str(model), sparse=sparse, plugin_note=plugin_note,
+                       settings=settings)
     return cells_df, long_df
 
 
@@ -893,7 +897,7 @@ def plot_heatmap(cells, path: str | Path | None = None, title_extra: str = ""):
     ax.set_xticks(range(len(cols)), [f"{d}\nKV {k}" for d, k in cols], fontsize=8)
     ax.set_yticks(range(len(caps)), [f"SM {c}" for c in caps])
     ax.set_title(f"MLA backend vLLM {cells.attrs.get('vllm_version', '?')} would pick "
-                 f"({cells.attrs.get('model', '?')}, sparse={cells.attrs.get('sparse')}){title_extra}\n"
+                 f"({cells.attrs.get('model', '?')}, {cells.attrs.get('settings', '')}){title_extra}\n"
                  f"grey = none; '?' = an earlier backend could not be asked here; "
                  f"'--attention-backend' = registered, passes, not in vLLM's automatic order",
                  fontsize=9)
@@ -959,7 +963,8 @@ def write_matrix_results(results_dir="results", model: str = "glm-5", include_gl
              "png": out / f"{stem}.png"}
     _atomic_csv(cells, paths["cells_csv"])
     _atomic_csv(long, paths["long_csv"])
-    registered = " + glm5lab plugin registered" if include_glm5lab and not cells.attrs.get("plugin_note") else ""
+    registered = (" + glm5lab's plugin (TRITON_MLA_SPARSE last in vLLM's order)"
+                  if include_glm5lab and not cells.attrs.get("plugin_note") else "")
     fig = plot_heatmap(cells, paths["png"], title_extra=f"{registered}\n{prov.get('timestamp')}, "
                                                         f"git {prov.get('git_sha')}, GPU here: {prov.get('gpu')}")
     return {**paths, "cells": cells, "long": long, "figure": fig}
