@@ -10,6 +10,7 @@ import pytest
 from glm5lab.bench import attention_stack, suites
 from glm5lab.bench.records import COLUMNS
 from glm5lab.cli import main
+from glm5lab.errors import Glm5labError
 
 
 @pytest.fixture
@@ -54,6 +55,28 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatc
     by = dict(zip(status.implementation, status.unit))
     assert by["gemm_streaming"].startswith("failed: RuntimeError: simulated CUDA error")
     assert by["projection"] == "ok"
+
+
+def test_a_part_that_fails_shows_no_earlier_run_and_fails_the_run(tmp_path, monkeypatch):
+    """Notebook 06 used to show a failed part's table from the previous run's rows, and end green. Its tables now
+    read the status rows' run only, and require_parts_passed fails the run naming the part."""
+    first = suites.run_suite("cpu", tmp_path, parts=["projection", "plots"], isolate=False, progress=False)
+    suites.require_parts_passed(first)                                        # all ok: no error
+    assert not suites.read_results(tmp_path, "cpu", "projection", run=suites.run_id_of(first)).empty
+    import time
+
+    time.sleep(1.1)                                                           # run ids are per second
+    monkeypatch.setenv("GLM5LAB_BENCH_INJECT_FAILURE", "projection")
+    second = suites.run_suite("cpu", tmp_path, parts=["projection", "plots"], isolate=False, progress=False)
+    run = suites.run_id_of(second)
+    assert run and run != suites.run_id_of(first)
+    assert suites.run_id_of(suites.read_results(tmp_path, "cpu", "suite")) == run     # as notebook 06 reads a GPU run
+    assert suites.read_results(tmp_path, "cpu", "projection", run=run).empty
+    assert not suites.read_results(tmp_path, "cpu", "projection").empty        # (the latest rows are the first run's)
+    with pytest.raises(Glm5labError, match=rf"bench run {run}: projection failed: RuntimeError: injected failure"):
+        suites.require_parts_passed(second)
+    skipped = suites.run_suite("cpu", tmp_path, parts=["attention_stack"], budget_s=0, isolate=False, progress=False)
+    suites.require_parts_passed(skipped)                                      # a budget skip is not a failure
 
 
 def test_spent_budget_skips_device_parts_but_not_the_projection(tmp_path):

@@ -306,3 +306,20 @@ def test_a_named_config_is_a_name_and_a_json_object():
     for bad in ("n16", '={"a": 1}', "n16=[16]", "n16={block_n: 16}"):
         with pytest.raises(Glm5labError, match="config 'n16|config '="):
             kernel_bench.parse_named_config(bad)
+
+
+def test_summary_reads_the_last_run_only(tmp_path):
+    """Notebook 05 draws the CSV before the run's archiving: an implementation that failed in the last run used to
+    show the earlier run's time under the last run's provenance."""
+    from glm5lab.bench.records import append_rows
+
+    csv = tmp_path / "kernels.csv"
+
+    def rows(impls, value):
+        return [{"suite": "sparse_mla_kernel", "implementation": impl, "shape": "H8_T1_K64", "dtype": "bfloat16",
+                 "layout": "bf16", "metric": "time", "value": value, "unit": "us"} for impl in impls]
+
+    append_rows(csv, rows(["glm5lab", "torch-gather"], 111.0), command="bench run=A")
+    append_rows(csv, rows(["torch-gather"], 222.0), command="bench run=B")      # glm5lab failed in run B
+    w = summary(csv)
+    assert w.implementation.tolist() == ["torch-gather"] and w.time.tolist() == [222.0]

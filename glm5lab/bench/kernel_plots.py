@@ -19,15 +19,15 @@ LABEL = {("glm5lab", "bf16"): "glm5lab bf16 KV", ("glm5lab", "fp8_ds_mla"): "glm
 
 
 def summary(csv_path):
-    """One row per (implementation, layout, shape): H, T, every metric as a column, plus provenance."""
-    df = records.read(csv_path)
-    df = df[df.suite == "sparse_mla_kernel"]
+    """One row per (implementation, layout, shape) of the CSV's last run (last_run: a CSV may hold several, and
+    an implementation that failed in the last one must not show an earlier run's numbers under its provenance):
+    H, T, every metric as a column, plus provenance."""
+    df, _ = last_run(csv_path)
     shapes = df[df.implementation != "copy"]
     wide = shapes.pivot_table(index=["implementation", "layout", "shape"], columns="metric", values="value",
                               aggfunc="last").reset_index()
     hw = wide["shape"].str.extract(r"H(\d+)_T(\d+)_K(\d+)").astype(int)
     wide["H"], wide["tokens"], wide["topk"] = hw[0], hw[1], hw[2]
-    # a CSV may hold several runs: keep the last value of each metric (pivot_table 'last')
     for col in ("gpu", "gpu_uuid", "timestamp", "git_sha", "triton_interpret"):
         wide[col] = df[col].iloc[-1] if col in df and len(df) else ""
     copy = df[df.metric == "copy_bandwidth"]["value"]
@@ -116,6 +116,10 @@ def last_run(csv_path):
     from glm5lab.errors import Glm5labError
 
     df = records.read(csv_path)
+    if len(df.columns) == 0:   # an empty file: no run
+        import pandas as pd
+
+        return pd.DataFrame(columns=COLUMNS), {}
     if not set(COLUMNS) <= set(df.columns):
         raise Glm5labError(f"{csv_path} is not a benchmark CSV (columns {list(df.columns)[:5]}...)")
     df = df[df.suite == "sparse_mla_kernel"]

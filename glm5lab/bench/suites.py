@@ -202,6 +202,9 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
 
     if suite not in SUITES:
         raise Glm5labError(f"unknown suite {suite!r}; expected one of {sorted(SUITES)}")
+    from glm5lab.files import require_folder_target
+
+    require_folder_target(results_dir)
     profile = SUITES[suite]
     if profile == "gpu":
         import torch
@@ -265,7 +268,30 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
     append_rows(d / "suite.csv", statuses, command=cmd)
     _log(f"bench {suite}: {sum(s['value'] == 1.0 for s in statuses)}/{len(statuses)} parts ok in "
          f"{time.time() - t0:.0f} s; results in {d}")
-    return pd.DataFrame(statuses)
+    frame = pd.DataFrame(statuses)
+    frame["command"] = cmd
+    return frame
+
+
+def run_id_of(status) -> str | None:
+    """The run id of a suite's status rows (run_suite's result, or suite.csv's latest run)."""
+    if status is None or status.empty or "command" not in status:
+        return None
+    ids = status["command"].astype(str).str.extract(r"run=(\S+)")[0].dropna()
+    return ids.iloc[-1] if not ids.empty else None
+
+
+def require_parts_passed(status) -> None:
+    """Raise (one line naming each) when a part of this run failed or timed out: the main job must not end green
+    on a failed measurement. A part skipped for the suite's time budget is not a failure."""
+    from glm5lab.errors import Glm5labError
+
+    if status is None or status.empty:
+        return
+    bad = status[status["unit"].astype(str).str.startswith(("failed", "timeout"))]
+    if not bad.empty:
+        raise Glm5labError(f"bench run {run_id_of(status)}: " + "; ".join(
+            f"{r.implementation} {r.unit}" for r in bad.itertuples()) + " (the tables above show this run only)")
 
 
 def latest_run(df):
@@ -278,14 +304,19 @@ def latest_run(df):
     return df[ids == ids.dropna().max()]
 
 
-def read_results(results_dir: str | Path, profile: str, part: str, latest: bool = True):
-    """One part's CSV as a DataFrame (latest run only by default); empty DataFrame when absent."""
+def read_results(results_dir: str | Path, profile: str, part: str, latest: bool = True, run: str | None = None):
+    """One part's CSV as a DataFrame: the rows of run `run` when given (empty when that run wrote none: a part
+    that failed in it must not show an earlier run's rows), else the latest run's, or all with latest=False;
+    an empty DataFrame when the CSV is absent."""
     import pandas as pd
 
     p = out_dir(results_dir, profile) / f"{part}.csv"
     if not p.exists():
         return pd.DataFrame()
     df = records.read(p)
+    if run is not None:
+        ids = df["command"].astype(str).str.extract(r"run=(\S+)")[0] if "command" in df else None
+        return df[ids == run] if ids is not None else df.iloc[0:0]
     return latest_run(df) if latest else df
 
 
