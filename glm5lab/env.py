@@ -72,17 +72,27 @@ def gpu_slug(name: str) -> str:
     return slug or "gpu"
 
 
+# what makes results: a change here that is not committed makes HEAD's SHA a false claim ("-dirty"); changes under
+# results/ (which every run makes) and tests/ do not
+CODE_PATHS = ("glm5lab", "scripts", "notebooks", "pyproject.toml")
+
+
 def git_sha(root: Path | None = None) -> str | None:
-    """HEAD of the checkout, or GLM5LAB_GIT_SHA where the tree travelled without .git (the GPU run)."""
+    """HEAD of the checkout, with "-dirty" when the code (CODE_PATHS) differs from it; or GLM5LAB_GIT_SHA where
+    the tree travelled without .git (the GPU run)."""
     if os.environ.get("GLM5LAB_GIT_SHA"):
         return os.environ["GLM5LAB_GIT_SHA"]
     root = root or Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
                              capture_output=True, text=True, timeout=5)
+        if out.returncode != 0 or not out.stdout.strip():
+            return None
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                  *CODE_PATHS], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
 def collect() -> dict:

@@ -28,6 +28,14 @@ def require_file_target(path: Path) -> None:
         raise Glm5labError(f"{path}: is a folder; give the output file's name")
 
 
+def require_folder_target(path: Path | str, what: str = "results folder") -> Path:
+    """A folder outputs go under: refused at once when a file stands there (mkdir would fail after the work)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise Glm5labError(f"{path}: is a file; the {what} must be a folder")
+    return path
+
+
 def temp_beside(path: Path | str) -> tuple[int, Path]:
     """(descriptor, path) of a new temporary file in `path`'s folder (created if needed), with the usual mode.
     Its name is unique (two writers of one target never share it) and ends in `.tmp` plus the target's suffix,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from glm5lab.bench import records
 from glm5lab.errors import Glm5labError
-from glm5lab.files import replacing
+from glm5lab.files import replacing, require_folder_target
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ("cpu", "gpu")
@@ -67,9 +67,18 @@ def run_notebook(src: Path, out_dir: Path, parameters: dict, *, kernel_name: str
             f"(execution count {exc.exec_count}, source {first_line[:80]!r}): "
             f"{exc.ename}: {exc.evalue.splitlines()[0] if exc.evalue else ''} "
             f"-- executed copy with the error: {failed}") from None
-    except Exception:
-        partial.unlink(missing_ok=True)
-        raise
+    except Exception as exc:
+        # the kernel died (out of memory, a crash) or a cell ran past its time: keep what ran, name the notebook
+        from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+        if not isinstance(exc, (CellTimeoutError, DeadKernelError)) or not partial.exists():
+            partial.unlink(missing_ok=True)
+            raise
+        partial.replace(failed)
+        what = "its kernel died" if isinstance(exc, DeadKernelError) else "a cell ran past its time limit"
+        raise Glm5labError(f"notebook {src.name} failed: {what} ({type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}) -- executed copy "
+                           f"up to there: {failed}") from None
     partial.replace(final)
     failed.unlink(missing_ok=True)
     return final
@@ -87,7 +96,7 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
         raise Glm5labError("profile 'gpu' needs a CUDA device and torch sees none; run --profile cpu (the default "
                            "here)")
     notebook_dir = Path(notebook_dir or REPO_ROOT / "notebooks").resolve()
-    results_dir = Path(results_dir or REPO_ROOT / "results").resolve()
+    results_dir = require_folder_target(Path(results_dir or REPO_ROOT / "results").resolve())
     out_dir = results_dir / "notebooks" / profile
     if profile == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # inherited by the notebook kernels
@@ -99,8 +108,9 @@ def run_all(profile: str | None = None, *, notebook_dir: Path | None = None,
         t0 = time.time()
         params = {"profile": profile, "results_dir": str(results_dir)}
         done.append(run_notebook(book, out_dir, params, progress=progress))
+        # at once: an executed copy must never sit beside another run's provenance, even if a later notebook fails
+        record_provenance(out_dir / "provenance.json", profile, done[-1:])
         print(f"[{i}/{len(books)}] {book.name} done in {time.time() - t0:.0f} s", file=sys.stderr)
-    record_provenance(out_dir / "provenance.json", profile, done)
     archive_earlier_runs(results_dir, rows_before)
     return done
 

@@ -8,7 +8,8 @@
 # Writes everything under $OUT (device tool) or ./gpu-out as gpu_results_<parts>.tar.gz.
 # The tree travels without its .git (a .git found there may be a stale one, from an earlier call): name the commit it
 # was taken from, so every result row names it -- either GLM5LAB_GIT_SHA=<sha> in the command, or, before the call,
-#   git rev-parse --short=12 HEAD > .gpu_sha      (git-ignored; carry it: [".whl", ".anchor", ".gpu_sha"])
+#   python3 -m glm5lab env --sha > .gpu_sha      (HEAD, "-dirty" when the code differs from it; git-ignored;
+#                                                 carry it: [".whl", ".anchor", ".gpu_sha"])
 # Without either, rows say "unrecorded" rather than whatever a stale .git answers.
 # Parts run one after another and each is isolated: a failing part is logged, the others still run.
 set -uo pipefail
@@ -18,7 +19,7 @@ stage=$(mktemp -d)/gpu
 mkdir -p "$stage"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export GLM5LAB_CACHE=/tmp/glm5lab-cache GLM5LAB_FLASHMLA_DIR=${GLM5LAB_FLASHMLA_DIR:-$PWD/.anchor}
-[ -z "${GLM5LAB_GIT_SHA:-}" ] && [ -s .gpu_sha ] && GLM5LAB_GIT_SHA=$(head -c 40 .gpu_sha | tr -cd '0-9a-f')
+[ -z "${GLM5LAB_GIT_SHA:-}" ] && [ -s .gpu_sha ] && GLM5LAB_GIT_SHA=$(head -c 48 .gpu_sha | tr -cd '0-9a-z-')
 export GLM5LAB_GIT_SHA=${GLM5LAB_GIT_SHA:-unrecorded}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

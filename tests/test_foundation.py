@@ -109,6 +109,28 @@ def test_env_slug_cli_names_this_machine():
     assert out.stdout.strip() == gpu_slug(gpu_info()["gpu"]) and out.stdout.strip().isalnum()
 
 
+def test_git_sha_marks_uncommitted_code_but_not_results(tmp_path, monkeypatch):
+    """Rows made from uncommitted code used to name HEAD as if it had made them; a run's own result files
+    (tracked under results/) must not mark it."""
+    from glm5lab.env import git_sha
+
+    monkeypatch.delenv("GLM5LAB_GIT_SHA", raising=False)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    (tmp_path / "glm5lab").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "glm5lab" / "k.py").write_text("x = 1\n")
+    (tmp_path / "results" / "r.csv").write_text("a\n")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert git_sha(tmp_path) == head
+    (tmp_path / "results" / "r.csv").write_text("a\n1\n")
+    assert git_sha(tmp_path) == head
+    (tmp_path / "glm5lab" / "k.py").write_text("x = 2\n")
+    assert git_sha(tmp_path) == head + "-dirty"
+    assert _cli("env", "--sha").stdout.strip().split("-")[0] == git_sha().split("-")[0]
+
+
 def test_unknown_subcommand_fails_cleanly():
     out = _cli("no-such-command")
     assert out.returncode != 0 and "Traceback" not in out.stderr
@@ -202,6 +224,25 @@ def test_runner_failure_names_notebook_and_cell_and_keeps_earlier_outputs(tmp_pa
     assert (out / "notebooks" / "cpu" / "01_ok.ipynb").exists()
     assert (out / "notebooks" / "cpu" / "02_bad.failed.ipynb").exists()
     assert not list((out / "notebooks" / "cpu").glob("*.partial.ipynb"))
+
+
+def test_runner_names_a_notebook_whose_kernel_died_and_records_what_passed_before(tmp_path):
+    """A kernel killed mid-notebook (out of memory, a crash) used to end the main job in nbclient's traceback with
+    the executed copy deleted; provenance.json was written only when every notebook passed, so a rewritten
+    01 sat beside the previous run's provenance."""
+    books = tmp_path / "notebooks"
+    books.mkdir()
+    _write_notebook(books / "01_ok.ipynb", "print('first cell ran')")
+    _write_notebook(books / "02_dies.ipynb", "import os\nos._exit(137)")
+    out = tmp_path / "results"
+    with pytest.raises(Glm5labError) as err:
+        run_all("cpu", notebook_dir=books, results_dir=out, progress=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "notebook 02_dies.ipynb failed: its kernel died" in msg
+    nbs = out / "notebooks" / "cpu"
+    assert (nbs / "02_dies.failed.ipynb").exists() and not list(nbs.glob("*.partial.ipynb"))
+    prov = json.loads((nbs / "provenance.json").read_text())
+    assert sorted(prov["notebooks"]) == ["01_ok.ipynb"]
 
 
 def test_runner_leaves_each_csv_it_appended_to_with_its_own_run_and_archives_the_earlier_ones(tmp_path):
