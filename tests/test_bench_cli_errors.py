@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5lab.bench import gather_ceiling, kernel_bench, latency_anatomy, tensor_parallel
+from glm5lab.bench import gather_ceiling, indexer_bench, kernel_bench, latency_anatomy, tensor_parallel
 from glm5lab.errors import Glm5labError, one_line_errors
 
 merge_probe = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "merge_probe.py"))["main"]
@@ -17,9 +17,12 @@ CASES = [
     (latency_anatomy.main, ["--sweep", "--configs", "[1]"], "--configs takes JSON objects"),
     (latency_anatomy.main, ["--sweep", "--configs", "{impl: gluon}"], "--configs takes JSON objects"),
     (gather_ceiling.main, ["--tiles", "32x3"], "--tiles takes ROWSxWARPS pairs"),
+    (kernel_bench.main, ["--heads", "0"], "--heads takes numbers >= 1"),                 # wrote a 0-head bench before
+    (kernel_bench.main, ["--tokens", "-1"], "--tokens takes numbers >= 1"),
 ]
 if not torch.cuda.is_available():
-    CASES += [(latency_anatomy.main, [], "needs a GPU"), (latency_anatomy.main, ["--kernels"], "needs a GPU"),
+    CASES += [(indexer_bench.main, ["--profile", "gpu"], "needs a CUDA device"),        # a traceback before
+              (latency_anatomy.main, [], "needs a GPU"), (latency_anatomy.main, ["--kernels"], "needs a GPU"),
               (gather_ceiling.main, [], "a GPU measurement"), (merge_probe, [], "needs a GPU"),
               (merge_probe, ["--heads", "8", "--columns"], "needs a GPU")]
 
@@ -51,6 +54,7 @@ def test_one_line_errors_passes_other_exceptions_and_results_through():
     (["generate", "--max-tokens", "0"], "--max-tokens: must be at least 1, got 0"),   # before a ~15 s engine start
     (["env", "--json", "--slug"], "not allowed with argument"),                         # --slug printed alone before
     (["notebooks", "run", "--only"], "expected at least one argument"),                 # ran every notebook before
+    (["bench", "--suite", "cpu", "--parts"], "expected at least one argument"),          # ran every part before
 ])
 def test_cli_refuses_meaningless_arguments_at_parse_time(argv, message, capsys):
     from glm5lab.cli import main
@@ -87,3 +91,59 @@ def test_script_help_descriptions_end_a_sentence():
     for name, doc in docs.items():
         text = " ".join(first_paragraph(doc).split())
         assert text.endswith((".", ":", ")")), (name, text[-60:])
+
+
+def test_results_given_as_a_file_is_one_line_before_any_work(tmp_path, capsys):
+    from glm5lab.cli import main
+
+    file = tmp_path / "results"
+    file.write_text("not a folder")
+    for argv in (["bench", "--suite", "cpu", "--parts", "projection", "--results", str(file)],
+                 ["notebooks", "run", "--results", str(file), "--only", "01"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is a file; the results folder must be a folder" in err[0], err
+    assert file.read_text() == "not a folder"
+
+
+def test_an_empty_kernels_csv_holds_no_run(tmp_path, capsys):
+    from glm5lab.cli import main
+
+    csv = tmp_path / "bench" / "gpu" / "kernels.csv"
+    csv.parent.mkdir(parents=True)
+    csv.write_text("")
+    for flag in ("--targets", "--headline"):
+        assert main(["bench", "--suite", "full", flag, "--results", str(tmp_path)]) == 1
+        assert "holds no benchmark run" in capsys.readouterr().err
+
+
+def test_append_rows_checks_every_row_before_writing(tmp_path):
+    from glm5lab.bench import records
+
+    csv = tmp_path / "half.csv"
+    good = dict(suite="s", implementation="i", shape="x", metric="m", value=1.0, unit="u")
+    with pytest.raises(ValueError, match=r"unknown benchmark columns \['typo'\]"):
+        records.append_rows(csv, [good, {**good, "typo": 1}], command="c")
+    assert not csv.exists()                        # it used to hold the header and the first row
+
+
+def test_row_counts_pass_over_files_that_are_not_text_csv(tmp_path):
+    from glm5lab.bench import records
+
+    good = tmp_path / "a" / "k.csv"
+    records.append_rows(good, [dict(suite="s", implementation="i", shape="x", metric="m", value=1.0, unit="u")],
+                        command="c")
+    (tmp_path / "a" / "binary.csv").write_bytes(b"\xff\xfe\x00\x81 not utf-8")
+    assert list(records.row_counts(tmp_path)) == [good]
+
+
+def test_a_cpu_benchmark_without_the_interpreter_is_refused(monkeypatch):
+    from glm5lab.bench.timing import pick_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels are compiled: nothing to refuse")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(Glm5labError, match="start Python with TRITON_INTERPRET=1"):
+        pick_profile({"cpu": {}}, "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pick_profile({"cpu": {}}, "cpu") == ({}, "cpu")

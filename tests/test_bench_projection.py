@@ -149,6 +149,9 @@ def test_projection_plot_marks_projected_values(projections, tmp_path):
     assert any("PROJECTION" in t for t in texts)
     assert any(lab.startswith("PROJECTED") for lab in labels)
     assert any(lab.startswith("upper bound") for lab in labels)
+    # the title names the GPU whose efficiencies fed it (it said "H200" whatever had measured them)
+    measured_on = meas["measured_on"].iloc[0]
+    assert measured_on and f"fed by {measured_on} efficiencies" in fig.axes[0].get_title()
 
 
 def test_the_indexer_efficiency_is_the_e4m3_q_logits_where_the_run_has_them():

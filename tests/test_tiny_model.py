@@ -102,3 +102,21 @@ def test_ensure_tiny_writes_once_and_reuses(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(p.hf_dir).state_dict()
     ref = tiny.build_tiny_model(0).state_dict()
     assert all(torch.equal(loaded[k], ref[k]) for k in ref)
+
+
+def test_fingerprint_follows_the_generating_code_and_template(monkeypatch):
+    """ensure_tiny reuses a cached model by this fingerprint; a changed init rule or chat template used to keep
+    the fingerprint, so a stale model was reused."""
+    from glm5lab.model import tiny
+
+    base = tiny.generator_fingerprint()
+    assert tiny.generator_fingerprint() == base and tiny.generator_fingerprint(seed=1) != base
+
+    def wider_init(name, hidden):
+        return ("normal", 0.5)
+
+    monkeypatch.setattr(tiny, "_init_std", wider_init)
+    assert tiny.generator_fingerprint() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(tiny, "CHAT_TEMPLATE", tiny.CHAT_TEMPLATE + " ")
+    assert tiny.generator_fingerprint() != base

@@ -80,7 +80,7 @@ def add_command(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks and accuracy (notebook 06): --suite full on a GPU, cpu for CI")
     p.add_argument("--suite", choices=("full", "cpu"), required=True,
                    help="full: the H200 run (profile gpu); cpu: tiny shapes under the interpreter")
-    p.add_argument("--parts", nargs="*", choices=PART_NAMES, default=None,
+    p.add_argument("--parts", nargs="+", choices=PART_NAMES, default=None,
                    help=f"run only these parts (default: all, in order: {' '.join(PART_NAMES)})")
     p.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results/)")
     p.add_argument("--budget", type=float, default=None,

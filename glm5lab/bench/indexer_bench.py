@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from glm5lab.cli import first_paragraph
+from glm5lab.errors import one_line_errors
 
 SUITE = "dsa_indexer"
 
@@ -410,6 +411,7 @@ def run(csv_path, profile: str = "gpu", *, contexts=None, batches=None, command:
     return df
 
 
+@one_line_errors
 def main(argv=None) -> int:
     import torch
 

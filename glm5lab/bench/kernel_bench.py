@@ -857,6 +857,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.interleave < 0:
         p.error(f"--interleave takes a number of rounds >= 0, got {args.interleave}")
+    for flag, values in (("--heads", args.heads), ("--tokens", args.tokens)):
+        if values is not None and (not values or min(values) < 1):
+            raise Glm5labError(f"{flag} takes numbers >= 1, got {values}")
     import torch
 
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")

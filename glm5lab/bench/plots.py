@@ -121,7 +121,9 @@ def plot_projection(df: pd.DataFrame, profile: str):
     ax.legend(fontsize=6, loc="lower right")
     missing = df[df.metric == "missing_inputs"]
     note = "" if missing.empty else "\nmeasured efficiencies missing: only the efficiency-1.0 upper bound is drawn"
-    ax.set_title("GLM-5 on 8x RTX PRO 6000 Blackwell, TP8 (roofline model fed by H200 efficiencies)\n"
+    source = df.loc[df.metric == "measured_on", "unit"]
+    fed = f"{source.iloc[-1]} efficiencies" if len(source) else "measured efficiencies"
+    ax.set_title(f"GLM-5 on 8x RTX PRO 6000 Blackwell, TP8 (roofline model fed by {fed})\n"
                  + provenance_line(df, profile) + note, fontsize=8)
     return fig
 

@@ -273,6 +273,8 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
                                     eff_indexer=e["indexer"], missing_inputs=""))
     res = pd.DataFrame(out)
     res["label"] = "PROJECTION for 8x RTX PRO 6000 Blackwell (not measured)"
+    # the GPU(s) whose measured efficiencies fed it (the committed H200 tree, or an H100's, ...)
+    res["measured_on"] = ", ".join(sorted(set(df["gpu"].astype(str)))) if len(df) and "gpu" in df else ""
     return res
 
 
@@ -289,4 +291,8 @@ def projection_rows(proj: pd.DataFrame) -> list[dict]:
                         ("indexer_ms", "ms"), ("topk_ms", "ms"), ("allreduce_ms", "ms"), ("compute_floor_ms", "ms"),
                         ("resident_gb", "GB")):
             rows.append({**base, "metric": m, "value": float(getattr(r, m)), "unit": unit})
+    measured_on = str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
+    if measured_on:   # one row naming the GPU(s) of the measured inputs, for the plots drawn from the CSV
+        rows.append({"suite": "projection", "implementation": "inputs", "shape": "-", "dtype": "-", "layout": "TP8",
+                     "metric": "measured_on", "value": float("nan"), "unit": measured_on[:300]})
     return rows

@@ -36,6 +36,9 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
     rows = list(rows)
     if not rows:
         return 0
+    extra = set().union(*rows) - set(COLUMNS)
+    if extra:   # before the file is touched: a half-appended run would read as a whole one
+        raise ValueError(f"unknown benchmark columns {sorted(extra)}")
     prov = provenance(command)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,9 +50,6 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
         if new:
             writer.writeheader()
         for row in rows:
-            extra = set(row) - set(COLUMNS)
-            if extra:
-                raise ValueError(f"unknown benchmark columns {sorted(extra)}")
             writer.writerow({**prov, **row})
     return len(rows)
 
@@ -95,7 +95,10 @@ def read(path: str | os.PathLike):
     before a provenance column existed gets that column, empty."""
     import pandas as pd
 
-    df = pd.read_csv(path, dtype=dict.fromkeys(TEXT_COLUMNS, str))
+    try:
+        df = pd.read_csv(path, dtype=dict.fromkeys(TEXT_COLUMNS, str))
+    except pd.errors.EmptyDataError:   # an empty file: no rows, no columns (callers say "holds no benchmark run")
+        return pd.DataFrame()
     if set(MEASUREMENT_COLUMNS) <= set(df.columns):
         for col in PROVENANCE_COLUMNS:
             if col not in df.columns:
@@ -181,12 +184,15 @@ def row_counts(root: str | os.PathLike) -> dict[Path, tuple[int, str]]:
     its rows and the mark of its last row (`_row_mark`), i.e. what a run may append to and where it began."""
     counts = {}
     for p in sorted(Path(root).rglob("*.csv")):
-        with open(p, newline="") as fh:
-            rows = csv.reader(fh)
-            header = next(rows, [])
-            if _conformable(header):
-                n, last = _count_to_last(rows)
-                counts[p] = (n, _row_mark(header, last))
+        try:
+            with open(p, newline="") as fh:
+                rows = csv.reader(fh)
+                header = next(rows, [])
+                if _conformable(header):
+                    n, last = _count_to_last(rows)
+                    counts[p] = (n, _row_mark(header, last))
+        except (UnicodeDecodeError, csv.Error, OSError):   # not a text CSV (or unreadable): not a benchmark CSV
+            continue
     return counts
 
 

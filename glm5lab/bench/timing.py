@@ -85,6 +85,12 @@ def pick_profile(profiles: dict, profile: str):
     cuda = torch.cuda.is_available()
     if profile == "gpu" and not cuda:
         raise Glm5labError("the gpu benchmark profile needs a CUDA device; use profile 'cpu'")
+    if not cuda:
+        from glm5lab.env import interpreter_mode
+
+        if not interpreter_mode():   # Triton picks interpreter or compiler as it loads: too late to set it here
+            raise Glm5labError("without a GPU the Triton kernels run in Triton's interpreter: start Python with "
+                               "TRITON_INTERPRET=1 (glm5lab bench --suite cpu and notebooks run set it)")
     return profiles[profile], ("cuda" if cuda else "cpu")
 
 

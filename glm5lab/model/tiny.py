@@ -222,13 +222,23 @@ def build_tiny_model(seed: int = 0, config=None):
 
 
 def generator_fingerprint(seed: int = 0) -> str:
-    """Content hash of everything that determines the generated files (config, tokenizer, seed, version)."""
+    """Content hash of everything that determines the generated files: config, tokenizer, chat template, seed,
+    version, the generating functions' own source (a changed init rule is a new model even where nobody bumped
+    GENERATOR_VERSION) and the libraries whose code shapes the files (transformers names the parameters, in whose
+    order the random draws are made; gguf writes the GGUFs)."""
+    import inspect
+    from importlib.metadata import version
+
     from glm5lab.gguf.writer import WRITER_VERSION
 
     tok = build_tiny_tokenizer()
+    code = "".join(inspect.getsource(f) for f in (tiny_config, _token_ids, build_tiny_tokenizer, _init_std,
+                                                  build_tiny_model, hf_state_dict_on_disk, write_hf_checkpoint))
     payload = json.dumps(
         dict(version=GENERATOR_VERSION, writer=WRITER_VERSION, seed=seed, config=TINY_DEFAULTS,
-             tokenizer=hashlib.sha256(tok.to_str().encode()).hexdigest()),
+             tokenizer=hashlib.sha256(tok.to_str().encode()).hexdigest(), chat_template=CHAT_TEMPLATE,
+             code=hashlib.sha256(code.encode()).hexdigest(),
+             libraries={name: version(name) for name in ("transformers", "gguf")}),
         sort_keys=True, default=str,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
