@@ -149,9 +149,14 @@ def test_projection_plot_marks_projected_values(projections, tmp_path):
     assert any("PROJECTION" in t for t in texts)
     assert any(lab.startswith("PROJECTED") for lab in labels)
     assert any(lab.startswith("upper bound") for lab in labels)
-    # the title names the GPU whose efficiencies fed it (it said "H200" whatever had measured them)
+    # the title names the GPU whose efficiencies fed it (it said "H200" whatever had measured them); rows of a
+    # CSV from before a provenance column existed have no GPU (NaN), which must not break the name
     measured_on = meas["measured_on"].iloc[0]
     assert measured_on and f"fed by {measured_on} efficiencies" in fig.axes[0].get_title()
+    rows = _measured()
+    rows = pd.concat([rows, rows.iloc[:1].assign(gpu=float("nan"), metric="unrelated")], ignore_index=True)
+    assert projection.project(measurements=rows, qtypes=("Q4_K",), batches=(1,), contexts=(4096,)).measured_on.iloc[
+        0] == measured_on
 
 
 def test_the_indexer_efficiency_is_the_e4m3_q_logits_where_the_run_has_them():

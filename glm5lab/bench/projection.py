@@ -274,7 +274,7 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
     res = pd.DataFrame(out)
     res["label"] = "PROJECTION for 8x RTX PRO 6000 Blackwell (not measured)"
     # the GPU(s) whose measured efficiencies fed it (the committed H200 tree, or an H100's, ...)
-    res["measured_on"] = ", ".join(sorted(set(df["gpu"].astype(str)))) if len(df) and "gpu" in df else ""
+    res["measured_on"] = ", ".join(sorted(set(df["gpu"].dropna().astype(str)))) if len(df) and "gpu" in df else ""
     return res
 
 
