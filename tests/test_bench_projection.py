@@ -115,25 +115,26 @@ def test_efficiencies_come_from_cuda_graph_time_where_the_run_has_it():
 
 def test_the_indexer_top_k_time_is_the_measured_kernel_s_that_the_indexer_op_runs_at_that_context():
     """The top-k is bound by latency, not by memory: the projection adds, per layer, the time measured for the kernel
-    glm5lab's indexer op picks (`fastest_topk_method`: hist at 4k x 1 row, split at 64k x 1); its upper bound reads
-    the logits once."""
+    glm5lab's indexer op picks (`fastest_topk_method`: hist at 4k x 32 rows, split at 4k x 1 and 64k x 32); its
+    upper bound reads the logits once."""
     from glm5lab.bench.projection import model_bytes
 
     df = _measured(topk_us={"hist": 30.0, "split": 130.0, "radix16": 700.0})
-    assert projection.topk_time_us(df, 1, 4096) == 30.0 and projection.topk_time_us(df, 1, 65536) == 130.0
+    assert projection.topk_time_us(df, 32, 4096) == 30.0 and projection.topk_time_us(df, 32, 65536) == 130.0
+    assert projection.topk_time_us(df, 1, 4096) == 130.0
     layers = model_bytes("Q4_K")["layers"]
-    p = projection.project(measurements=df, qtypes=("Q4_K",), batches=(1,), contexts=(4096, 65536))
+    p = projection.project(measurements=df, qtypes=("Q4_K",), batches=(32,), contexts=(4096, 65536))
     proj = p[p.kind == "projection"].set_index("context")
     assert proj.topk_ms.tolist() == pytest.approx([layers * 30e-3, layers * 130e-3])
     parts = proj.weights_ms + proj.kv_ms + proj.indexer_ms + proj.topk_ms
     assert (proj.step_ms - proj.allreduce_ms).tolist() == pytest.approx(parts.tolist())
     bound = p[p.kind != "projection"].set_index("context")
-    assert bound.topk_ms.tolist() == pytest.approx([layers * L * 4 / 1792e9 * 1e3 for L in (4096, 65536)])
+    assert bound.topk_ms.tolist() == pytest.approx([32 * layers * L * 4 / 1792e9 * 1e3 for L in (4096, 65536)])
     # graph-timed rows of the kernel, where the run has them (the multi-launch split loses most of its do_bench time)
     graph = df[(df.metric == "topk_time") & (df.implementation == "glm5lab-triton-split")]
     graph = graph.assign(metric="topk_time_graph", value=40.0)
-    assert projection.topk_time_us(pd.concat([df, graph]), 1, 65536) == 40.0
-    assert projection.topk_time_us(pd.concat([df, graph]), 1, 4096) == 30.0      # (no graph rows of hist)
+    assert projection.topk_time_us(pd.concat([df, graph]), 32, 65536) == 40.0
+    assert projection.topk_time_us(pd.concat([df, graph]), 32, 4096) == 30.0      # (no graph rows of hist)
     no_topk = df[df.metric != "topk_time"]
     assert "top-k" in projection.efficiencies(no_topk, 1, 4096)[1][0]
     assert projection.project(measurements=no_topk, qtypes=("Q4_K",), batches=(1,), contexts=(4096,)).query(

@@ -507,8 +507,8 @@ def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
     from glm5lab.kernels.dsa_indexer import fastest_topk_method
 
     assert fastest_topk_method(65536, 1, on_gpu=False) == "radix16"
-    assert [fastest_topk_method(L, B) for L, B in ((4096, 1), (16384, 1), (4096, 256), (65536, 128))] == [
-        "hist", "split", "hist", "split"]
+    assert [fastest_topk_method(L, B) for L, B in ((4096, 1), (16384, 1), (4096, 32), (4096, 256), (65536, 128))] == [
+        "split", "split", "hist", "hist", "split"]
     shapes = 0
     for csv in sorted((Path(__file__).resolve().parents[1] / "results").glob("**/bench/gpu/indexer.csv")):
         d = pd.read_csv(csv)

@@ -848,17 +848,18 @@ TOPK_METHODS = ("radix16", "hist", "split")
 
 def fastest_topk_method(columns: int, rows: int = 1, on_gpu: bool = True) -> str:
     """Which top-k kernel for `rows` rows of `columns` logits: the one a cost model fitted to CUDA-graph times says
-    is faster (H100, top-k 2048; v51 results/h100/bench/gpu/indexer.csv, refitted to v52's kernels). "hist" runs one
-    program per row: ~11 us for a row held in registers (up to HIST_WHOLE_ROW_MAX columns), else ~4.1 ns a column
-    (24 us at least), x (1 + rows / 400) while the rows fit the SMs (1.3x at 128 rows) and ~rows / 130 beyond, where
-    they queue. "split" cuts each row over many programs: ~12 us of fixed cost (five dependent launches and a memset),
-    ~80 ps a column of one row (its segments' atomics and counts) and ~27 ps a logit. So hist for rows of up to 4k
-    columns, split for longer ones; past ~250 rows the two run within a few percent of each other. do_bench times,
-    which charge split for its several launches, had put the boundary at 16k whatever the batch. The CPU interpreter
-    runs the simplest kernel."""
+    is faster (H100, top-k 2048; v51 results/h100/bench/gpu/indexer.csv, refitted to v52's kernels; v63: hist's
+    in-register row refitted to the H100s' and H200s' 12.8-13.2 us). "hist" runs one program per row: ~13 us for a
+    row held in registers (up to HIST_WHOLE_ROW_MAX columns), else ~4.1 ns a column (24 us at least), x (1 + rows /
+    400) while the rows fit the SMs (1.3x at 128 rows) and ~rows / 130 beyond, where they queue. "split" cuts each row
+    over many programs: ~12 us of fixed cost (five dependent launches and a memset), ~80 ps a column of one row (its
+    segments' atomics and counts) and ~27 ps a logit. So split for one row (or a few) of any length and for longer
+    rows, hist for batches of 4k rows (from ~10 rows); past ~250 rows the two run within a few percent of each other.
+    do_bench times, which charge split for its several launches, had put the boundary at 16k whatever the batch. The
+    CPU interpreter runs the simplest kernel."""
     if not on_gpu:
         return "radix16"
-    hist_us = ((11.0 if columns <= HIST_WHOLE_ROW_MAX else max(24.0, 4.1e-3 * columns))
+    hist_us = ((13.0 if columns <= HIST_WHOLE_ROW_MAX else max(24.0, 4.1e-3 * columns))
                * max(1 + rows / 400, rows / 130))
     split_us = 12.0 + 8e-5 * columns + 2.7e-5 * rows * columns
     return "split" if split_us < hist_us else "hist"
