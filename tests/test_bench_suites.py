@@ -75,8 +75,12 @@ def test_a_part_that_fails_shows_no_earlier_run_and_fails_the_run(tmp_path, monk
     assert not suites.read_results(tmp_path, "cpu", "projection").empty        # (the latest rows are the first run's)
     with pytest.raises(Glm5labError, match=rf"bench run {run}: projection failed: RuntimeError: injected failure"):
         suites.require_parts_passed(second)
+    assert suites.read_part(tmp_path, "cpu", "projection", second).empty       # as notebook 06 reads it
     skipped = suites.run_suite("cpu", tmp_path, parts=["attention_stack"], budget_s=0, isolate=False, progress=False)
     suites.require_parts_passed(skipped)                                      # a budget skip is not a failure
+    # a part the run did not include shows its latest run's rows, named
+    latest = suites.read_part(tmp_path, "cpu", "projection", skipped)
+    assert not latest.empty and latest.attrs["run"] == suites.run_id_of(first)
 
 
 def test_spent_budget_skips_device_parts_but_not_the_projection(tmp_path):

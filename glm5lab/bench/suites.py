@@ -281,6 +281,19 @@ def run_id_of(status) -> str | None:
     return ids.iloc[-1] if not ids.empty else None
 
 
+def read_part(results_dir: str | Path, profile: str, part: str, status):
+    """A part's rows as the notebook shows them beside the status rows of one suite run: that run's rows when the
+    run had the part (none when it failed there: an earlier run's numbers must not pass for this one's), else the
+    latest run's (a run of some parts leaves the others' last results standing). attrs["run"] names the run."""
+    run = run_id_of(status)
+    ran = status is not None and not status.empty and part in set(status["implementation"])
+    df = read_results(results_dir, profile, part, run=run if ran else None)
+    if not ran and not df.empty:
+        run = run_id_of(df)
+    df.attrs["run"] = run
+    return df
+
+
 def require_parts_passed(status) -> None:
     """Raise (one line naming each) when a part of this run failed or timed out: the main job must not end green
     on a failed measurement. A part skipped for the suite's time budget is not a failure."""
