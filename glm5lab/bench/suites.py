@@ -273,11 +273,16 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
     return frame
 
 
+def _run_ids(df):
+    """Each row's run id, from the run=<id> tag of its `command` (NaN where it has none)."""
+    return df["command"].astype(str).str.extract(r"run=(\S+)")[0]
+
+
 def run_id_of(status) -> str | None:
     """The run id of a suite's status rows (run_suite's result, or suite.csv's latest run)."""
     if status is None or status.empty or "command" not in status:
         return None
-    ids = status["command"].astype(str).str.extract(r"run=(\S+)")[0].dropna()
+    ids = _run_ids(status).dropna()
     return ids.iloc[-1] if not ids.empty else None
 
 
@@ -311,7 +316,7 @@ def latest_run(df):
     """Rows of the most recent run in an appended CSV (by the run=<id> tag in `command`)."""
     if df is None or df.empty or "command" not in df:
         return df
-    ids = df["command"].astype(str).str.extract(r"run=(\S+)")[0]
+    ids = _run_ids(df)
     if ids.isna().all():
         return df
     return df[ids == ids.dropna().max()]
@@ -328,8 +333,7 @@ def read_results(results_dir: str | Path, profile: str, part: str, latest: bool 
         return pd.DataFrame()
     df = records.read(p)
     if run is not None:
-        ids = df["command"].astype(str).str.extract(r"run=(\S+)")[0] if "command" in df else None
-        return df[ids == run] if ids is not None else df.iloc[0:0]
+        return df[_run_ids(df) == run] if "command" in df else df.iloc[0:0]
     return latest_run(df) if latest else df
 
 

@@ -104,10 +104,10 @@ def _check_geometry(s: GgufSet) -> None:
     """Every tensor's shape must be what shard 1's metadata implies: catches a shard of another model
     that happens to have the same shard and tensor counts."""
     _, wrong = geometry_mismatches(s)
-    for name, (found, implied) in wrong.items():
-        i = s.tensor_index[name][0]
-        raise Glm5labError(f"{s.paths[i]}: tensor {name} has shape {found}, the set's metadata "
-                           f"implies {implied} (shard from another model)")
+    if wrong:
+        name, (found, implied) = next(iter(wrong.items()))
+        raise Glm5labError(f"{s.paths[s.tensor_index[name][0]]}: tensor {name} has shape {found}, the set's "
+                           f"metadata implies {implied} (shard from another model)")
 
 
 # ---------------------------------------------------------------- low-level GGUF assembly

@@ -47,6 +47,7 @@ LATENT = 512
 ROPE = 64
 MAX_HEADS = 128
 LAYOUTS = ("auto", "bf16", "fp16", "fp8_ds_mla")
+CACHE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_ds_mla": torch.uint8}   # each layout's storage
 # Private fp8_ds_mla code paths, chosen with _config={"fp8_path": ...} (NOTES.md "v4": the lead measures them
 # beside the default before any becomes the default). Each maps to the kernel's (RELOAD, FP8_DIAG, WORDS).
 #   "default": one read of each 128-value chunk feeds both Q.K^T and P.V. In the sm90 build of the <= 32-head
@@ -865,7 +866,7 @@ def _require_call(num_heads: int, q_dtype: torch.dtype, layout: str, merge: str)
         raise Glm5labError(f"q must be float16 or bfloat16, got {q_dtype}")
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or not 1 <= num_heads <= MAX_HEADS:
         raise Glm5labError(f"head count must be 1..{MAX_HEADS}, got {num_heads!r}")
-    if layout != "fp8_ds_mla" and {"bf16": torch.bfloat16, "fp16": torch.float16}[layout] != q_dtype:
+    if layout != "fp8_ds_mla" and CACHE_DTYPE[layout] != q_dtype:
         raise Glm5labError(f"q ({q_dtype}) and a {layout} KV cache must have the same dtype")
     if merge not in ("auto", "fused", "separate"):
         raise Glm5labError(f"merge must be 'auto', 'fused' or 'separate', got {merge!r}")
@@ -923,7 +924,7 @@ def _resolve_layout(kv_cache: torch.Tensor, layout: str, kv_lora_rank: int) -> s
             raise Glm5labError(f"cannot infer the KV layout from a {kv_cache.dtype} cache of width {width}; "
                                "expected bf16/fp16 [.., 576] or uint8 [.., 656] (fp8_ds_mla)")
         layout = auto   # and its rows' width is checked as an explicit layout's is
-    want = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_ds_mla": torch.uint8}[layout]
+    want = CACHE_DTYPE[layout]
     if kv_cache.dtype != want:
         raise Glm5labError(f"layout {layout!r} needs a {want} KV cache, got {kv_cache.dtype}")
     need = FP8_ROW_BYTES if layout == "fp8_ds_mla" else kv_lora_rank + ROPE

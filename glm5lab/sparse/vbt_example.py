@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm5lab.files import replacing
-
 import torch
 
+from glm5lab.files import replacing
 from glm5lab.sparse.virtual_block_table import (
     VirtualBlockTable,
     req_index_to_global_slots,

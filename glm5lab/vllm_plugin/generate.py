@@ -180,7 +180,11 @@ def start_engine(model: str = "tiny", *, gguf: bool = False, qtype: str = "F16",
                  tokenizer: str | None = None, **engine_args) -> Engine:
     """A vllm.LLM on `model` with glm5lab's plugin, in this process (V1 multiprocessing off: the CPU
     engine is small, and a failure is an exception here rather than a dead worker)."""
-    spec = resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer)
+    return _start(resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer), dtype, **engine_args)
+
+
+def _start(spec: ModelSpec, dtype: str, **engine_args) -> Engine:
+    """start_engine on a resolved model."""
     preflight(spec)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # effective if vLLM is not imported yet
@@ -286,12 +290,10 @@ def run(model: str = "tiny", prompts=("The model reads a prompt",), max_tokens: 
     """Start an engine and generate once (the `glm5lab generate` command and notebooks). Text prompts need a
     tokenizer: without one the call is refused before the engine starts."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if any(isinstance(p, str) for p in prompts):
-        spec = resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer)
-        if spec.tokenizer is None:
-            raise Glm5labError(no_tokenizer(spec))
-    engine = start_engine(model, gguf=gguf, qtype=qtype, dtype=dtype, tokenizer=tokenizer)
-    return generate(engine, prompts, max_tokens=max_tokens)
+    spec = resolve_model(model, gguf=gguf, qtype=qtype, tokenizer=tokenizer)
+    if spec.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise Glm5labError(no_tokenizer(spec))
+    return generate(_start(spec, dtype), prompts, max_tokens=max_tokens)
 
 
 def try_run(*args, **kwargs) -> tuple[GenerationResult | None, str | None]:
