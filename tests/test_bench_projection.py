@@ -168,3 +168,12 @@ def test_the_indexer_efficiency_is_the_e4m3_q_logits_where_the_run_has_them():
     q8 = df[(df.implementation == "glm5lab-triton") & (df.metric == "fraction_of_copy_ceiling")]
     q8 = q8.assign(implementation="glm5lab-triton-q8", value=0.93)
     assert projection.efficiencies(pd.concat([df, q8]), 32, 16384)[0]["indexer"] == pytest.approx(0.93)
+
+
+def test_assumptions_name_the_gpu_that_measured_the_inputs():
+    a = projection.assumptions(measured_on="NVIDIA H100 80GB HBM3").set_index("quantity")
+    for q in ("indexer top-k time", "efficiencies"):
+        assert a.loc[q, "value"] == "NVIDIA H100 80GB HBM3 full suite"
+        assert "H200" not in a.loc[q, "value"] + a.loc[q, "source"]
+    unnamed = projection.assumptions().set_index("quantity")
+    assert "H200" not in unnamed.loc["efficiencies", "value"]

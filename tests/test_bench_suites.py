@@ -374,3 +374,19 @@ def test_a_csv_from_before_gpu_uuid_is_read_appended_and_archived_with_the_new_h
     with pytest.raises(ValueError, match="is not a benchmark CSV"):
         records.append_rows(bad, [{**row, "value": 1.0}])
     assert bad.read_text() == ",".join(old_cols + ["mystery"]) + "\n"
+
+
+def test_projection_assumptions_csv_names_the_gpu_of_its_inputs(tmp_path, monkeypatch):
+    from glm5lab.bench import projection
+
+    real = projection.project
+
+    def fed_by_an_h100(**kw):
+        proj = real(**kw)
+        proj["measured_on"] = "NVIDIA H100 80GB HBM3"
+        return proj
+
+    monkeypatch.setattr(projection, "project", fed_by_an_h100)
+    suites.run_suite("cpu", tmp_path, parts=["projection"], isolate=False, progress=False)
+    a = pd.read_csv(tmp_path / "bench" / "cpu" / "projection_assumptions.csv").set_index("quantity")
+    assert a.loc["efficiencies", "value"] == "NVIDIA H100 80GB HBM3 full suite"

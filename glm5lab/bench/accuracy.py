@@ -410,7 +410,8 @@ def model_accuracy(profile: str = "cpu", *, log=print, qtypes=None, variants=Non
             "fraction", layout=qtypes[0])
         with torch.no_grad():
             r = ref_model(prompt[None]).logits[0]
-        add("dense-vs-sparse", shape, "dense_vs_transformers_max_abs_err", (ld - r).abs().max(), "abs", layout=qtypes[0])
+        add("dense-vs-sparse", shape, "dense_vs_transformers_sparse_max_abs_err", (ld - r).abs().max(), "abs",
+            layout=qtypes[0])   # transformers runs DSA: how far turning it off moves from the sparse reference
         log(f"  dense vs sparse: max logits change {float((ls - ld)[beyond].abs().max()):.3g} beyond position {k}, "
             f"{float((ls - ld)[:k].abs().max()):.2g} within it")
     except Exception as exc:  # noqa: BLE001

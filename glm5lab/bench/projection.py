@@ -44,7 +44,10 @@ class Knobs:
     topk: int = 2048
 
 
-def assumptions(card: Card = Card(), knobs: Knobs = Knobs()) -> pd.DataFrame:
+def assumptions(card: Card = Card(), knobs: Knobs = Knobs(), measured_on: str = "") -> pd.DataFrame:
+    """The projection's inputs and their sources; `measured_on` names the GPU(s) whose suite fed the measured ones
+    (`project(...)["measured_on"]`), so the table does not claim an H200 when an H100's tree fed it."""
+    suite = f"{measured_on} full suite" if measured_on else "GPU full suite (results/bench/gpu/)"
     rows = [
         ("memory bandwidth per GPU", card.mem_bw_gbps, "GB/s", "published", f"{DATASHEET}; {SPEC_ARTICLE}"),
         ("memory capacity per GPU", card.capacity_gb, "GB", "published", f"{DATASHEET} (GDDR7 ECC)"),
@@ -67,11 +70,11 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs()) -> pd.DataFrame:
          "uniform routing: distinct experts per layer = 256*(1-(1-8/256)^B)"),
         ("model sizes", "glm5lab.gguf.inspect.estimate_real_glm5", "-", "derived",
          "GLM-5 config (78 layers, 256 experts), uniform GGUF quantization (notebook 01)"),
-        ("indexer top-k time", "H200 full suite", "us per layer", "assumption",
-         "measured on the H200 (indexer_bench topk_time, graph-timed where the suite has it, of the kernel glm5lab's "
+        ("indexer top-k time", suite, "us per layer", "assumption",
+         f"measured on {measured_on or 'the GPU'} (indexer_bench topk_time, graph-timed where the suite has it, of the kernel glm5lab's "
          "indexer op picks for the batch and context) and carried over unscaled: one program per row or segment, "
          "bound by latency rather than by memory"),
-        ("efficiencies", "H200 full suite", "fraction of copy bandwidth", "measured",
+        ("efficiencies", suite, "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "
          "time where the suite has it (a captured decode step has no launch overhead), else do_bench time"),
     ]
