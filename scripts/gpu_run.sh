@@ -77,8 +77,11 @@ if [ $seed = 1 ]; then for d in bench kernels indexer tp notebooks; do
 fi
 
 # 1. kernel correctness at real shapes (pytest -m gpu; files that need vLLM are not collected here)
+# (every test file with a `gpu` test: tests/test_gpu_run_script.py checks the list; the two tests that need vLLM too
+#  report themselves skipped on a GPU machine without it, such as the lent H200)
 gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_sparse_mla_sm90.py tests/test_fp8_ds_mla.py tests/test_paged_mla_decode.py \
-  tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py}
+  tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py tests/test_tail_split.py \
+  tests/test_wave_spread.py tests/test_tma_gather_probe.py tests/test_gguf_loader_dtype.py}
 part tests ${GPU_TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
   --junitxml="$stage/gpu_tests.xml" $gpu_tests
 # 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)

@@ -1,6 +1,8 @@
 """Shared test setup. Without a GPU, Triton kernels run in the interpreter: TRITON_INTERPRET must be
 set before any kernel module is imported, so it is set here, first."""
 import os
+import tempfile
+from pathlib import Path
 
 try:
     import torch
@@ -12,6 +14,14 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
+
+# no example database: a property test's verdict must not depend on failures replayed from earlier local runs, so a
+# developer's checkout behaves as CI's fresh clone; hypothesis's other caches go to the temp dir, not the working tree
+settings.register_profile("glm5lab", database=None)
+settings.load_profile("glm5lab")
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "glm5lab-hypothesis")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,3 +49,23 @@ def tiny_paths():
     from glm5lab.model.tiny import ensure_tiny
 
     return ensure_tiny()
+
+
+# ------------------------------------------------------------------------------------------- fresh seeds
+# Kernel tests draw fresh random inputs each run (tests/seeds.py: fresh_seed). The seeds a failing test drew are
+# printed with its report, and GLM5LAB_TEST_SEEDS=s1,s2,... replays them, so a failure seen once can be rerun.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from tests.seeds import DRAWN
+
+    DRAWN.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    from tests.seeds import DRAWN
+
+    if report.failed and DRAWN:
+        report.sections.append(("fresh seeds", "GLM5LAB_TEST_SEEDS=" + ",".join(map(str, DRAWN))))

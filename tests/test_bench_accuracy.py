@@ -44,9 +44,12 @@ def test_model_accuracy_rows_show_exact_path_and_a_real_sparse_effect():
     assert val[("reference", "top1_agreement")] == 1.0
     assert val[("reference", "topk_flip_positions")] == 0
     assert val[("reference", "logits_max_abs_err")] < 1e-3
-    assert 0 <= val[("reference", "top1_agreement_vs_checkpoint")] <= 1
+    # F16 rounds the float32 checkpoint's weights at 2^-11: the top-1 token moves only at near-ties (1.0 measured)
+    assert val[("reference", "top1_agreement_vs_checkpoint")] >= 0.9
     assert val[("reference", "topk_selected_last")] < val[("reference", "context_last")]
     assert val[("dense-vs-sparse", "logits_max_abs_change")] > 0.1
     assert val[("dense-vs-sparse", "logits_max_abs_change_within_topk")] < 1e-4
     table = accuracy.model_accuracy_table(df)
-    assert not table.empty
+    ref = table.xs("reference", level="implementation").iloc[0]
+    assert ref["greedy_identical"] == 1.0 and ref["logits_max_abs_err"] == val[("reference", "logits_max_abs_err")]
+    assert table.xs("dense-vs-sparse", level="implementation").iloc[0]["logits_max_abs_change"] > 0.1

@@ -343,3 +343,15 @@ def test_package_scripts_and_tests_are_pyflakes_clean():
     res = subprocess.run([sys.executable, "-m", "pyflakes", "glm5lab", "scripts", "tests"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_the_gpu_runs_test_part_covers_every_test_file_with_gpu_tests():
+    """scripts/gpu_run.sh's `tests` part names its files (the device has no vLLM, so files that need it at import are
+    left out): a new file of `gpu` tests left off that list would never run anywhere, CI deselecting it."""
+    tests = Path(__file__).parent
+    script = (tests.parent / "scripts" / "gpu_run.sh").read_text()
+    listed = set(re.findall(r"tests/(test_\w+\.py)", script.split("gpu_tests=${GPU_TESTS:-", 1)[1].split("}", 1)[0]))
+    marked = {p.name for p in tests.glob("test_*.py") if re.search(r"^@pytest\.mark\.gpu\b|marks=pytest\.mark\.gpu\b", p.read_text(), re.M)}
+    assert marked, "no gpu tests found: the marker's spelling changed?"
+    assert marked - listed == set(), f"gpu tests that gpu_run.sh's tests part never runs: {sorted(marked - listed)}"
+    assert listed <= {p.name for p in tests.glob("test_*.py")}

@@ -22,10 +22,12 @@ def test_gather_sum_matches_torch(layout, block_rows, warps, device):
         assert torch.equal(got[:, b, words:], torch.zeros_like(got[:, b, words:]))
 
 
-def test_gather_ceiling_refuses_without_a_gpu(tmp_path):
+def test_gather_ceiling_refuses_without_a_gpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU refusal")
     assert gather_ceiling.main(["--out", str(tmp_path / "g.csv")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a GPU measurement (no CUDA device here)" in err[0], err
     assert not (tmp_path / "g.csv").exists()
 
 

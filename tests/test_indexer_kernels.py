@@ -81,6 +81,28 @@ def test_decode_logits_match_reference(dtype, fp8, device):
         torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_decode_logits_of_empty_rows_and_padded_block_tables(dtype, fp8, device):
+    """vLLM pads a block table past a row's last block with -1 and a row may hold no keys yet: the kernel must not
+    read through a -1 block id (it would index before the cache) and must write -inf across an empty row."""
+    gen = torch.Generator().manual_seed(31 + DTYPES.index(dtype) + 7 * fp8)
+    T, H, D, page, max_len = 3, 5, 128, 16, 45
+    q, w, cache, bt, lengths = _paged_case(gen, T=T, H=H, D=D, page=page, num_blocks=7, max_len=max_len, dtype=dtype,
+                                           fp8=fp8, device=device, lengths=torch.tensor([max_len, 10, 0]))
+    bt[1, 1:] = -1      # 10 keys: one block, the rest padding
+    bt[2] = -1          # no keys: nothing but padding
+    ref = _decode_reference(q, w, cache, bt, lengths, max_len).cpu()
+    assert torch.isfinite(ref[1, :10]).all() and torch.isneginf(ref[1, 10:]).all() and torch.isneginf(ref[2]).all()
+    for tiling in ({}, {"block_n": 16, "tiles": 3, "num_stages": 2}, {"keys_as_m": True}, {"keys_as_m": False}):
+        out = torch.full((T, max_len), float("nan"), device=device)
+        indexer_logits_decode(q, w, cache, bt, lengths, max_len=max_len, out=out, **tiling)
+        out = out.cpu()
+        assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), tiling
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(out[finite].double(), ref[finite], atol=_tol(dtype, ref), rtol=0)
+
+
 @pytest.mark.parametrize("D", [40, 128])
 def test_the_sum_over_d_in_fragment_order_is_the_same_sum(D, device):
     """permute_d reorders q's and the keys' last dimension alike (padded to a power of two: D = 40 sums 64 columns,

@@ -28,17 +28,25 @@ def test_blocker_names_the_cpu_reason_here():
     assert reason is not None and "CPU" in reason and "2048" in reason
 
 
-def test_register_follows_the_blocker_and_the_oot_hook_is_vllms():
+def test_register_follows_the_blocker_and_the_oot_hook_is_vllms(monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 
     from glm5lab.vllm_plugin import PARTS, ledger
 
     assert ("glm5lab.vllm_plugin.indexer_op", "register") in PARTS
+    # from a process where nothing registered it yet (other tests apply the patch; monkeypatch restores both)
+    monkeypatch.setattr(ledger, "APPLIED", set())
+    monkeypatch.delitem(op_registry_oot, indexer_op.OOT_NAME, raising=False)
     reason = indexer_op.vllm_indexer_blocker()
     indexer_op.register()
-    indexer_op.register()                       # idempotent
+    first = (set(ledger.APPLIED), dict(op_registry_oot))
+    indexer_op.register()                       # idempotent: the same state after a second call
+    assert (set(ledger.APPLIED), dict(op_registry_oot)) == first
     if reason is not None:                      # this platform needs glm5lab's indexer
         assert indexer_op.PATCH_NAME in ledger.APPLIED
+        assert op_registry_oot[indexer_op.OOT_NAME] is indexer_op.oot_class()
+    else:                                       # vLLM's own indexer serves it: nothing registered
+        assert indexer_op.PATCH_NAME not in ledger.APPLIED and indexer_op.OOT_NAME not in op_registry_oot
     ledger.apply(indexer_op.PATCH_NAME)         # the mechanism itself, on any platform
     cls = op_registry_oot[indexer_op.OOT_NAME]
     assert cls is indexer_op.oot_class()

@@ -58,8 +58,10 @@ def test_int64_slots_beyond_int32_are_skipped_not_wrapped_onto_real_slots():
     ref_slots[(ref_slots < 0) | (ref_slots >= 32)] = -1
     out, lse = sparse_mla_attention(q, kv, wide, SCALE)
     ref_out, ref_lse = sparse_mla_reference(q, kv, ref_slots, SCALE)
+    # bf16 output rounding (2e-2, as test_paged_mla_decode.TOL); the lse is float32 (2e-5, the sparse kernel test's
+    # bound): a wrapped slot would add a real key to the row and move its lse by roughly that key's weight, >> 2e-5
     torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
 
 
 def test_strided_index_and_weight_views_read_as_their_values():

@@ -154,13 +154,26 @@ def test_float32_compute_dtype():
     torch.testing.assert_close(l32.double(), l64, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", ["q_dim", "width", "rank", "slots_rows", "slots_dim", "slots_dtype",
-                                 "beyond", "kv_dim", "dense_flat"])
+# each bad input and the words its error must use to name it
+BAD_INPUTS = {
+    "q_dim": r"q must be \[tokens, heads, D\], got shape \(2, 16\)",
+    "width": r"q width 16 != kv row width 15",
+    "rank": r"kv_lora_rank 17 out of range for width 16",
+    "slots_rows": r"slots must be \[tokens=2, topk\], got shape \(1, 2\)",
+    "slots_dim": r"slots must be \[tokens=2, topk\], got shape \(2,\)",
+    "slots_dtype": r"slots must be int32 or int64, got torch.float32",
+    "beyond": r"slot index 12 is beyond the cache \(12 slots\)",
+    "kv_dim": r"kv_cache must be .* got shape \(1, 3, 4, 16\)",
+    "dense_flat": r"dense_mla_reference needs the paged layout",
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_INPUTS))
 def test_bad_inputs_raise_one_line_error(bad):
     q, kv = _rand(19, 2, 2, 16), _rand(20, 3, 4, 16)
     slots = torch.tensor([[0, 1], [2, -1]])
     if bad == "dense_flat":
-        with pytest.raises(Glm5labError):
+        with pytest.raises(Glm5labError, match=BAD_INPUTS[bad]):
             dense_mla_reference(q, kv.reshape(12, 16), torch.zeros(2, 1, dtype=torch.int32),
                                 torch.ones(2, dtype=torch.int32), 0.5, kv_lora_rank=8)
         return
@@ -181,6 +194,6 @@ def test_bad_inputs_raise_one_line_error(bad):
         slots = torch.tensor([[0, 12], [2, -1]])
     elif bad == "kv_dim":
         kv = kv[None]
-    with pytest.raises(Glm5labError) as err:
+    with pytest.raises(Glm5labError, match=BAD_INPUTS[bad]) as err:
         sparse_mla_reference(q, kv, slots, 0.5, **kwargs)
     assert "\n" not in str(err.value)

@@ -25,6 +25,7 @@ from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla, quantize_fp8_ds_ml
 from glm5lab.kernels.host import next_pow2
 from glm5lab.kernels.sparse_mla import default_config_for, sparse_mla_attention, stored_column
 from glm5lab.sparse.reference import mla_softmax_scale, sparse_mla_reference
+from tests.seeds import fresh_seed
 
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SCALE = mla_softmax_scale()
@@ -34,7 +35,7 @@ def make_case(T, H, topk, num_slots, dtype, layout, device, block_size=16, seed=
     """Fresh random q / cache / slots with -1 padding scattered through rows, one all-invalid row (when
     T > 1), duplicate slots and a few slots beyond the cache (skipped by the kernel, so the reference
     sees them as -1)."""
-    g = torch.Generator(device="cpu").manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    g = torch.Generator(device="cpu").manual_seed(seed if seed is not None else fresh_seed())
     nblocks = -(-num_slots // block_size)
     q = (torch.randn(T, H, 576, generator=g) * 1.5).to(dtype)
     kv = torch.randn(nblocks, block_size, 576, generator=g).to(dtype if layout != "fp8_ds_mla" else torch.bfloat16)
@@ -227,7 +228,7 @@ def test_gpu_both_merges_at_real_split_counts(T, H, splits):
 def _random_partials(T, H, splits, dtype=torch.float32):
     """Random partials [T, splits, H, 512] and their log2-sum-exp [T, splits, H] (a whole split of the first token
     and the last head of the last token empty: lse -inf), and the generator for anything else the case draws."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     part_o = torch.randn(T, splits, H, 512, generator=g, dtype=dtype)
     part_lse = torch.randn(T, splits, H, generator=g, dtype=dtype) * 4
     part_lse[0, splits // 2] = float("-inf")
@@ -410,7 +411,7 @@ def test_128_heads_two_tiles_and_flat_cache(device):
 def _raw_fp8_case(device, T=3, H=8, topk=96, num_slots=128):
     """fp8_ds_mla cache of RANDOM BYTES (every e4m3 pattern but NaN: subnormals, +-448, -0), random scales:
     checks the in-kernel fp8 -> bf16/fp16 conversion on values quantization rarely produces."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
     nan = (cache[:, :512] & 0x7F) == 0x7F
     cache[:, :512][nan] = 0x3C
@@ -463,7 +464,7 @@ def test_fp8_path_q_and_scale_ranges(device, path, q_mag, scale_range):
     65504) or below its normals (~1e-6 < 6.1e-5), and chunk scales spanning 100x at 1e-8 or 1e2, must
     give the bf16 reference's accuracy -- a missing power-of-two scaling of q overflows to inf or loses
     the small values; a missing normalization of p * scale loses small scales to fp16 subnormals."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     num_slots, T, H, topk = 128, 3, 8, 96
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
     cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C                      # no NaN patterns

@@ -16,6 +16,7 @@ from glm5lab.kernels.fp8_ds_mla import dequantize_fp8_ds_mla
 from glm5lab.kernels.sparse_mla import sparse_mla_attention
 from glm5lab.sparse.reference import sparse_mla_reference
 from tests import offline_build
+from tests.seeds import fresh_seed
 from tests.test_sparse_mla_kernel import SCALE, UNIT, _raw_fp8_case, check, make_case, run_poisoned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,7 +359,7 @@ def test_gpu_gluon_dual_tiles_rows_sorted_by_scale(pcfg):
     to its next -- with P^T against the kept max (NOTES.md v31) past its slack of 16 on some steps (P^T redone),
     within it on others (kept), both asserted on the data; the dual-consumer forms match the reference."""
     H = 16 if pcfg.get("block_h") == 16 else 8
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     num_slots, T, topk = 4096, 3, 2048
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
@@ -433,7 +434,7 @@ def _range_case(q_mag, scale_range, H, T=3, num_slots=4096, topk=512):
     scale_range, rope values ~0.1, q's latent part of magnitude q_mag (its rope part ~1)."""
     import math
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
     cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C
     lo, hi = math.log(scale_range[0]), math.log(scale_range[1])
@@ -927,7 +928,7 @@ def test_gpu_gluon_fp16_tile_keeps_other_steps_of_an_outlier_split(outlier_scale
     others' -- leaves the other steps of the split as the tile's reference has them (v28's form, P relative to 2^e,
     lost them to fp16's subnormals: a CPU emulation put it at 63% error at 2^30). One split a token, so that the
     outlier's step is one of 32 in its program (the default's 32 splits of one step each had no other steps)."""
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(fresh_seed())
     num_slots, T, H, topk = 4096, 2, 64, 2048
     cache = torch.randint(0, 256, (num_slots, 656), generator=g, dtype=torch.uint8)
     cache[:, :512][(cache[:, :512] & 0x7F) == 0x7F] = 0x3C

@@ -45,10 +45,10 @@ def test_build_is_deterministic_and_seed_dependent():
     assert sa["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
 
 
-def test_tokenizer_is_deterministic_and_sized():
+def test_tokenizer_is_deterministic_and_sized(monkeypatch):
     tok = tiny.build_tiny_tokenizer()
     assert tok.get_vocab_size() == tiny.tiny_config().vocab_size
-    tiny._TOKENIZER_CACHE = None
+    monkeypatch.setattr(tiny, "_TOKENIZER_CACHE", None)
     again = tiny.build_tiny_tokenizer()
     assert again.to_str() == tok.to_str()
     ids = tok.encode("Hello world").ids
@@ -71,9 +71,32 @@ def test_indexer_topk_is_strict_subset_with_clear_margins(model, prompt_ids):
         assert (gaps > 0).all(), f"layer {layer}: exact tie at the top-k boundary"
         rel = gaps / spread
         assert (rel > 1e-3).float().mean() >= 0.8, f"layer {layer}: top-k boundary gaps too small: {rel}"
-        # probe reproduces the model's own selection
+    # the probe's scores reproduce the model's own selection on every row that selects a strict subset
+    own = _indexer_outputs(model, prompt_ids)
+    for layer, s in enumerate(scores):
+        s = s[0]
+        rows = torch.nonzero(torch.arange(1, s.shape[0] + 1) > k).flatten()
         sel = s.topk(k, dim=-1).indices
-        assert sel.shape == (64, k)
+        got = own[layer][0].long()
+        assert got.shape == sel.shape == (64, k)
+        for r in rows.tolist():
+            assert set(sel[r].tolist()) == set(got[r].tolist()), f"layer {layer} row {r}"
+
+
+def _indexer_outputs(model, prompt_ids):
+    """The top-k indices each layer's own DSA indexer returned in a forward pass."""
+    got, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if layer.self_attn.indexer is not None:
+            hooks.append(layer.self_attn.indexer.register_forward_hook(
+                lambda mod, args, out, i=i: got.__setitem__(i, out)))
+    try:
+        with torch.no_grad():
+            model(prompt_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [got.get(i) for i in range(len(model.model.layers))]
 
 
 def test_attention_is_not_near_uniform(model, prompt_ids):
