@@ -351,7 +351,8 @@ def test_the_gpu_runs_test_part_covers_every_test_file_with_gpu_tests():
     tests = Path(__file__).parent
     script = (tests.parent / "scripts" / "gpu_run.sh").read_text()
     listed = set(re.findall(r"tests/(test_\w+\.py)", script.split("gpu_tests=${GPU_TESTS:-", 1)[1].split("}", 1)[0]))
-    marked = {p.name for p in tests.glob("test_*.py") if re.search(r"^@pytest\.mark\.gpu\b|marks=pytest\.mark\.gpu\b", p.read_text(), re.M)}
+    gpu_mark = re.compile(r"^@pytest\.mark\.gpu\b|marks=pytest\.mark\.gpu\b", re.M)
+    marked = {p.name for p in tests.glob("test_*.py") if gpu_mark.search(p.read_text())}
     assert marked, "no gpu tests found: the marker's spelling changed?"
     assert marked - listed == set(), f"gpu tests that gpu_run.sh's tests part never runs: {sorted(marked - listed)}"
     assert listed <= {p.name for p in tests.glob("test_*.py")}
