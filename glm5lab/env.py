@@ -77,6 +77,15 @@ def gpu_slug(name: str) -> str:
 CODE_PATHS = ("glm5lab", "scripts", "notebooks", "pyproject.toml")
 
 
+def default_results_dir() -> Path:
+    """The results folder commands default to: the checkout's results/ when glm5lab runs from a checkout (so `bench
+    --targets` or `doctor --matrix` give the same answer from any folder), else ./results (an installed package)."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "results").is_dir():
+        return root / "results"
+    return Path("results")
+
+
 def git_sha(root: Path | None = None) -> str | None:
     """HEAD of the checkout, with "-dirty" when the code (CODE_PATHS) differs from it; or GLM5LAB_GIT_SHA where
     the tree travelled without .git (the GPU run)."""

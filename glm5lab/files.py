@@ -28,6 +28,16 @@ def require_file_target(path: Path) -> None:
         raise Glm5labError(f"{path}: is a folder; give the output file's name")
 
 
+def require_not_an_input(target: Path | str, inputs, what: str) -> None:
+    """Refuse an output that is one of the files the command reads: it would be replaced by what it produced."""
+    target = Path(target)
+    if not target.exists():
+        return
+    for src in inputs:
+        if Path(src).exists() and os.path.samefile(target, src):
+            raise Glm5labError(f"{target}: is {what} this command reads; give another output name")
+
+
 def require_folder_target(path: Path | str, what: str = "results folder") -> Path:
     """A folder outputs go under: refused at once when a file stands there (mkdir would fail after the work)."""
     path = Path(path)
@@ -36,14 +46,32 @@ def require_folder_target(path: Path | str, what: str = "results folder") -> Pat
     return path
 
 
+def make_folder(path: Path | str) -> Path:
+    """`mkdir -p` for an output folder, refused in one line when it cannot be made (a file in the way, a read-only
+    or missing mount) instead of an OSError from deep inside the writer."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Glm5labError(f"{path}: cannot make the output folder ({exc.strerror or exc})") from None
+    return path
+
+
+def cannot_write_there(folder: Path, exc: OSError) -> Glm5labError:
+    return Glm5labError(f"{folder}: cannot write there ({exc.strerror or exc})")
+
+
 def temp_beside(path: Path | str) -> tuple[int, Path]:
     """(descriptor, path) of a new temporary file in `path`'s folder (created if needed), with the usual mode.
     Its name is unique (two writers of one target never share it) and ends in `.tmp` plus the target's suffix,
     so writers that pick a format by suffix (matplotlib, pandas' compression) pick the target's."""
     path = Path(path)
     require_file_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
+    make_folder(path.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
+    except OSError as exc:
+        raise cannot_write_there(path.parent, exc) from None
     os.fchmod(fd, usual_mode())
     return fd, Path(name)
 

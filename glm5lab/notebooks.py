@@ -18,7 +18,7 @@ from pathlib import Path
 
 from glm5lab.bench import records
 from glm5lab.errors import Glm5labError
-from glm5lab.files import replacing, require_folder_target
+from glm5lab.files import make_folder, replacing, require_folder_target
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ("cpu", "gpu")
@@ -51,7 +51,7 @@ def run_notebook(src: Path, out_dir: Path, parameters: dict, *, kernel_name: str
     """Execute one notebook; returns the executed copy. Raises Glm5labError naming the failing cell."""
     import papermill as pm
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir)
     final = out_dir / src.name
     failed = out_dir / (src.stem + ".failed.ipynb")
     partial = out_dir / (src.stem + ".partial.ipynb")

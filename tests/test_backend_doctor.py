@@ -378,6 +378,15 @@ def test_matrix_cli_applies_every_cell_setting_and_names_its_files_by_them(bd, t
     assert "tensor parallel size 3 does not divide the model's 64 attention heads" in capsys.readouterr().err
 
 
+def test_matrix_results_dir_that_is_a_file_is_refused_before_the_matrix_runs(bd, tmp_path, monkeypatch):
+    """It used to fail at its first write (NotADirectoryError), after computing every cell."""
+    a_file = tmp_path / "results"
+    a_file.write_text("x")
+    monkeypatch.setattr(bd, "matrix", lambda **kw: pytest.fail("the matrix ran"))
+    with pytest.raises(Glm5labError, match=f"{a_file}: is a file; the results folder must be a folder"):
+        bd.write_matrix_results(a_file, progress=False)
+
+
 def test_matrix_files_carry_the_vllm_version(bd, tmp_path):
     out = bd.write_matrix_results(tmp_path, progress=False)
     ver = bd.vllm_version()

@@ -113,6 +113,21 @@ def test_cli_full_suite_without_gpu_is_a_one_line_error(capsys):
     assert len(err) == 1 and "no GPU" not in err[0] and "GPU" in err[0]
 
 
+def test_results_default_to_the_checkouts_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`bench --targets` (and `doctor --matrix`) used to read ./results of wherever they ran: from another folder the
+    committed GPU run was "missing", and the advice was to rerun the suite on a GPU."""
+    from pathlib import Path
+
+    from glm5lab.env import default_results_dir
+
+    repo = Path(__file__).resolve().parents[1]
+    assert default_results_dir() == repo / "results"
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--suite", "full", "--targets"]) == 0
+    assert "of 22; unmeasured" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_targets_prints_issue_7s_targets_from_the_last_gpu_run_or_one_line_why_not(tmp_path, capsys):
     """`glm5lab bench --suite full --targets` runs nothing: it prints kernel_plots.targets_table of the last kernels
     run under --results, with how many targets are met; `--headline` prints the README's kernel table of the same

@@ -175,3 +175,137 @@ def test_inspect_into_a_closed_pipe_is_quiet(tiny_paths):
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.returncode == 141  # 128 + SIGPIPE, as a killed writer reports
+
+
+# ------------------------------------------------------------------------------- metadata and tensor-table edits
+class _Retyped:
+    """A reader tensor with another type id or name in the tensor table (its bytes unchanged)."""
+
+    def __init__(self, t, tensor_type=None, name=None):
+        self._t, self.tensor_type, self.name = t, t.tensor_type if tensor_type is None else tensor_type, name or t.name
+
+    def __getattr__(self, attr):
+        return getattr(self._t, attr)
+
+
+def _edited(src, dst, values=None, drop_tensor=None, add_copy=None, types=None):
+    """`src` rewritten to `dst` with metadata values replaced ({key: str or uint32}), one tensor dropped, one tensor
+    appended again (a copy of another's bytes under a name), or tensors retyped ({name: type id})."""
+    import struct
+
+    from glm5lab.gguf.reader import open_reader
+    from glm5lab.gguf.shards import _pack_str, _raw_kv_records, _write_gguf_stream
+
+    r = open_reader(src)
+    keys = [k for k in r.fields if not k.startswith("GGUF.")]
+    records = _raw_kv_records(r)
+    for key, value in (values or {}).items():
+        i = keys.index(key)
+        records[i] = _pack_str(key) + (struct.pack("<I", gguf.GGUFValueType.STRING) + _pack_str(value)
+                                       if isinstance(value, str) else struct.pack("<II", gguf.GGUFValueType.UINT32, value))
+    tensors = [_Retyped(t, (types or {}).get(t.name)) for t in r.tensors if t.name != drop_tensor]
+    if add_copy:
+        name, of = add_copy
+        tensors.append(_Retyped(next(t for t in r.tensors if t.name == of), name=name))
+    with open(dst, "wb") as f:
+        _write_gguf_stream(f, 3, records, tensors, [r.data] * len(tensors), 32, None)
+    return dst
+
+
+def test_metadata_and_tensor_table_faults_are_named(tiny_paths, tmp_path, capsys):
+    """What a bad-input audit found reported as another problem, or as a traceback: each names its cause now."""
+    from glm5lab.gguf.reader import open_gguf, read_gguf_tensors
+    from glm5lab.gguf.shards import require_loadable_tensors
+
+    src = tiny_paths.gguf("F16")
+    Q = gguf.GGMLQuantizationType
+    rank_str = _edited(src, tmp_path / "rank_str.gguf", values={"glm-dsa.attention.kv_lora_rank": "abc"})
+    heads0 = _edited(src, tmp_path / "heads0.gguf", values={"glm-dsa.attention.head_count": 0})
+    topk0 = _edited(src, tmp_path / "topk0.gguf", values={"glm-dsa.attention.indexer.top_k": 0})
+    dup = _edited(src, tmp_path / "dup.gguf", add_copy=("blk.0.attn_norm.weight", "blk.0.attn_norm.weight"))
+    type99 = _edited(src, tmp_path / "type99.gguf", types={"token_embd.weight": 99})
+    for path, words in [
+        (rank_str, "metadata glm-dsa.attention.kv_lora_rank is str 'abc', expected an integer >= 1"),
+        (heads0, "metadata glm-dsa.attention.head_count is int 0, expected an integer >= 1"),
+        (topk0, "metadata glm-dsa.attention.indexer.top_k is int 0, expected an integer >= 1"),
+        (dup, "tensor name blk.0.attn_norm.weight appears twice in the tensor table"),
+        (type99, "a tensor has type id 99, which is no GGML type"),
+    ]:
+        assert main(["gguf", "inspect", str(path)]) == 1, path
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err and str(path) in err, (path, err)
+
+    # tensors the reader cannot dequantize: named with their type, by the reader and before a load starts
+    i8 = _edited(src, tmp_path / "i8.gguf", types={"blk.0.attn_q_a.weight": int(Q.I8)})
+    with pytest.raises(Glm5labError, match=r"tensor blk.0.attn_q_a.weight is I8, a type gguf .* cannot dequantize"):
+        read_gguf_tensors(i8, ["blk.0.attn_q_a.weight"])
+    with pytest.raises(Glm5labError, match=r"1 tensor\(s\) of a type glm5lab cannot read, e.g. blk.0.attn_q_a.weight"):
+        require_loadable_tensors(open_gguf(i8))
+    # vLLM fuses attn_q_a with attn_kv_a_mqa: one quantized and one float cannot load (Q4_0's bytes are fewer, so the
+    # table still fits the file)
+    mixed = _edited(src, tmp_path / "mixed.gguf", types={"blk.1.attn_q_a.weight": int(Q.Q4_0)})
+    with pytest.raises(Glm5labError, match=r"blk.1.attn_q_a.weight is Q4_0 and blk.1.attn_kv_a_mqa.weight is F16"):
+        require_loadable_tensors(open_gguf(mixed))
+    absent = _edited(src, tmp_path / "absent.gguf", drop_tensor="blk.2.attn_kv_a_mqa.weight")
+    with pytest.raises(Glm5labError, match=r"1 tensor\(s\) its metadata implies are absent, e.g. "
+                                           r"blk.2.attn_kv_a_mqa.weight"):
+        require_loadable_tensors(open_gguf(absent))
+    extra = _edited(src, tmp_path / "extra.gguf", add_copy=("blk.9.attn_norm.weight", "blk.0.attn_norm.weight"))
+    with pytest.raises(Glm5labError, match=r"tensor blk.9.attn_norm.weight lies past the metadata's "
+                                           r"glm-dsa.block_count 3"):
+        require_loadable_tensors(open_gguf(extra))
+    require_loadable_tensors(open_gguf(src))   # the good file passes
+
+
+def test_shards_renamed_or_listed_whole_name_the_real_problem(tiny_paths, tmp_path):
+    parts = split_gguf(tiny_paths.gguf("F16"), 3, tmp_path / "s.gguf", progress=False)
+    renamed = tmp_path / "second.gguf"
+    shutil.copy(parts[1], renamed)
+    from glm5lab.gguf.reader import open_gguf
+
+    with pytest.raises(Glm5labError, match="is shard 2 of a 3-file split set; open the whole set"):
+        open_gguf(renamed)              # it was "architecture None is not 'glm-dsa'": later shards carry none
+    parts[1].unlink()
+    s = open_gguf([parts[0], renamed, parts[2]])    # a list given whole: each file's split.no, not its name
+    assert s.paths == [parts[0], renamed, parts[2]] and len(s.tensor_index) > 0
+
+
+def test_outputs_that_cannot_be_written_or_would_replace_an_input(tiny_paths, tmp_path, capsys):
+    parts = split_gguf(tiny_paths.gguf("F16"), 2, tmp_path / "s.gguf", progress=False)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_paths.hf_dir, hf)
+    weights = hf / "model.safetensors"
+    before = weights.read_bytes()
+    cases = [
+        (["gguf", "merge", str(parts[0]), str(a_file / "m.gguf")], f"{a_file}: cannot make the output folder"),
+        (["gguf", "split", str(tiny_paths.gguf("F16")), "2", "--out", str(a_file / "x.gguf")],
+         f"{a_file}: cannot make the output folder"),
+        (["gguf", "write", str(tiny_paths.hf_dir), str(a_file / "w.gguf")], f"{a_file}: cannot make the output folder"),
+        (["gguf", "write", str(hf), str(weights)], f"{weights}: is a file of the checkpoint folder {hf} this command "
+                                                   f"reads; give another output name"),
+        (["gguf", "write", str(hf), str(hf / "config.json")], "config.json: is a file of the checkpoint folder"),
+    ]
+    for argv, words in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, (argv, err)
+    assert weights.read_bytes() == before
+    assert main(["gguf", "write", str(hf), str(hf / "model-F16.gguf")]) == 0     # a GGUF beside it is no input
+    assert main(["gguf", "write", str(hf), str(hf / "model-F16.gguf")]) == 0     # and may be written again
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_checkpoint_config_error_keeps_its_reason(tiny_paths, tmp_path, capsys):
+    """transformers puts the field on its error's first line and the reason on the next: both reach the user."""
+    import json
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_paths.hf_dir, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["index_topk"] = "abc"
+    (hf / "config.json").write_text(json.dumps(cfg))
+    assert main(["gguf", "write", str(hf), str(tmp_path / "x.gguf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "index_topk" in err and "abc" in err, err

@@ -381,3 +381,22 @@ def test_adapter_summaries_turn_a_bad_file_into_an_error_row(tmp_path, tiny_path
     assert "not-a.gguf" in summary[1]["error"]
     assert (tmp_path / "adapter_check_F16.csv").exists()
     assert not (tmp_path / "adapter_check_BAD.csv").exists()
+
+
+def test_cli_check_names_blocks_past_block_count_and_vllms_refusal_in_one_line(tmp_path, tiny_paths, capsys):
+    """A block past the metadata's block_count used to be skipped as NextN and the check said OK; a file vLLM refuses
+    to build (one half of its fused q/kv down-projection quantized) ended in a vLLM traceback."""
+    import gguf
+
+    from glm5lab.cli import main
+    from tests.test_gguf_errors import _edited
+
+    src = tiny_paths.gguf("F16")
+    past = _rewritten_gguf(src, tmp_path / "past.gguf", extra="blk.7.attn_norm.weight")
+    assert main(["loader", "check", str(past), "--no-vllm"]) == 1
+    out = capsys.readouterr().out
+    assert "PAST block_count blk.7.attn_norm.weight" in out and out.strip().endswith("FAILED")
+    mixed = _edited(src, tmp_path / "mixed.gguf", types={"blk.1.attn_q_a.weight": int(gguf.GGMLQuantizationType.Q4_0)})
+    assert main(["loader", "check", str(mixed), "--dtype", "float32"]) == 1
+    out = capsys.readouterr().out
+    assert "vLLM could not build the model from it:" in out and out.strip().endswith("FAILED"), out

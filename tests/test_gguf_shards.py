@@ -134,3 +134,13 @@ def test_outputs_are_readable_by_others_and_split_into_a_folder(tiny_paths, writ
     with pytest.raises(Glm5labError, match="is a folder; give the output file's name"):
         S.merge_shards(written, folder, progress=False)
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in parts)
+
+
+def test_split_out_ending_in_a_slash_is_a_new_folder(tiny_paths, tmp_path, capsys):
+    """`--out DIR/` for a folder that does not exist yet: the shards go in it (it was read as a name prefix)."""
+    from glm5lab.cli import main
+
+    src = tiny_paths.gguf("F16")
+    assert main(["gguf", "split", str(src), "2", "--out", f"{tmp_path / 'new'}/"]) == 0
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [f"{src.stem}-0000{i}-of-00002.gguf" for i in (1, 2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]

@@ -160,3 +160,46 @@ def test_other_argument_types_get_one_line_errors():
         dequantize_fp8_ds_mla(cache, torch.int32)
     with pytest.raises(Glm5labError, match="fp8_ds_mla needs rows of 576"):
         quantize_fp8_ds_mla(torch.tensor(1.0))
+
+
+def test_tensors_a_triton_launch_cannot_take_are_refused_by_name():
+    """A `meta` out (or one on another device) would reach Triton as a pointer it cannot read; so would int lengths
+    of another device. Each wrapper names the tensors and their devices first."""
+    from glm5lab.kernels.dsa_indexer import write_index_key_cache as write_keys
+
+    q, kv, slots = _sparse_case(torch.Generator().manual_seed(6))
+    with pytest.raises(Glm5labError, match=r"q, kv_cache, slots, out must be on one device, got .*out on meta"):
+        sparse_mla_attention(q, kv, slots, SCALE, out=torch.empty(2, 4, 512, dtype=torch.bfloat16, device="meta"))
+    logits = torch.randn(3, 40)
+    with pytest.raises(Glm5labError, match=r"logits, lengths must be on one device, got .*lengths on meta"):
+        indexer_topk(logits, 4, torch.full((3,), 40, dtype=torch.int32, device="meta"))
+    qi, w = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3)
+    with pytest.raises(Glm5labError, match=r"max_len must be >= 0, got -1"):
+        indexer_logits_prefill(qi, w, torch.randn(10, 64).bfloat16(), torch.zeros(2, dtype=torch.int32),
+                               torch.full((2,), 10, dtype=torch.int32), max_len=-1)
+    with pytest.raises(Glm5labError, match=r"index-key cache must be \[blocks, block_size, width\], got shape"):
+        write_keys(torch.zeros(64, dtype=torch.bfloat16), torch.randn(3, 64), torch.tensor([0, 1, 2]))
+
+
+def test_cpu_tensors_without_the_interpreter_are_one_line_that_says_how():
+    """The README's API example on a CPU: Triton's own error is "0 active drivers"; glm5lab says what to set."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch; os.environ.pop('TRITON_INTERPRET', None)\n"
+            "from glm5lab.errors import Glm5labError\n"
+            "from glm5lab.kernels.sparse_mla import sparse_mla_attention\n"
+            "from glm5lab.kernels.dsa_indexer import indexer_topk\n"
+            "q = torch.randn(2, 8, 576).bfloat16(); kv = torch.randn(4, 16, 576).bfloat16()\n"
+            "slots = torch.randint(0, 64, (2, 32), dtype=torch.int32)\n"
+            "for call in (lambda: sparse_mla_attention(q, kv, slots, 576 ** -0.5),\n"
+            "             lambda: indexer_topk(torch.randn(2, 50), 4)):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except Glm5labError as exc:\n"
+            "        print('REFUSED', exc)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(lines) == 2, run.stdout + run.stderr
+    assert all("set TRITON_INTERPRET=1 before glm5lab's kernels are imported" in line for line in lines)

@@ -248,3 +248,30 @@ def test_gguf_without_a_tokenizer_is_refused_before_the_engine_starts(tmp_path, 
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(Glm5labError, match="does not exist"):
         G.resolve_model(str(tmp_path / "nope"))
+
+
+def test_a_gguf_its_metadata_contradicts_is_refused_before_the_engine(tmp_path, tiny_paths, monkeypatch):
+    """A tensor the metadata implies is absent: vLLM used to start, load, and fail inside a reshape or an assert."""
+    from tests.test_gguf_errors import _edited
+
+    monkeypatch.setattr(G, "_start", lambda *a, **k: pytest.fail("the engine was started"))
+    bad = _edited(tiny_paths.gguf("F16"), tmp_path / "absent.gguf", drop_tensor="blk.1.attn_output.weight")
+    with pytest.raises(Glm5labError, match=r"its metadata implies are absent, e.g. blk.1.attn_output.weight"):
+        G.run(str(bad), prompts=[[1, 2, 3]], max_tokens=1, tokenizer=str(tiny_paths.hf_dir))
+
+
+def test_a_tokenizer_folder_of_another_model_is_refused(tmp_path, tiny_paths):
+    """vllm-gguf-plugin builds a GGUF's model from its tokenizer folder's config.json: another model's folder would
+    lay the GGUF's tensors out by that model's numbers (or load its index_topk silently)."""
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_paths.hf_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["index_topk"] = cfg["index_topk"] * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Glm5labError, match=r"config.json describes another model than glm5-tiny-F16.gguf "
+                                           r"\(index_topk \d+ in the GGUF, \d+ there\)"):
+        G.resolve_model(str(tiny_paths.gguf("F16")), tokenizer=str(other))
+    assert G.resolve_model(str(tiny_paths.gguf("F16")), tokenizer=str(tiny_paths.hf_dir)).gguf

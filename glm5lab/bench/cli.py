@@ -55,7 +55,9 @@ def print_headline(results: Path) -> None:
 
 def _run(args) -> int:
     from glm5lab.bench.suites import run_suite
+    from glm5lab.env import default_results_dir
 
+    args.results = args.results or default_results_dir()
     if args.targets or args.headline:
         if args.suite != "full":
             from glm5lab.errors import Glm5labError
@@ -82,7 +84,8 @@ def add_command(sub) -> None:
                    help="full: the H200 run (profile gpu); cpu: tiny shapes under the interpreter")
     p.add_argument("--parts", nargs="+", choices=PART_NAMES, default=None,
                    help=f"run only these parts (default: all, in order: {' '.join(PART_NAMES)})")
-    p.add_argument("--results", type=Path, default=Path("results"), help="results folder (default: results/)")
+    p.add_argument("--results", "--results-dir", type=Path, default=None,
+                   help="results folder (default: the checkout's results/, else ./results)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole suite (default 420 for full, 1200 for cpu); parts that "
                         "need device time are skipped once it is spent")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from glm5lab.env import collect
-from glm5lab.files import replacing
+from glm5lab.files import make_folder, replacing
 
 MEASUREMENT_COLUMNS = ["suite", "implementation", "shape", "dtype", "layout", "metric", "value", "unit",
                        "p20", "p50", "p80"]
@@ -41,7 +41,7 @@ def append_rows(path: str | os.PathLike, rows: Iterable[dict], command: str = ""
         raise ValueError(f"unknown benchmark columns {sorted(extra)}")
     prov = provenance(command)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     new = not path.exists() or path.stat().st_size == 0
     if not new:
         _conform_header(path)

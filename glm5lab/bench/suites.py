@@ -177,8 +177,10 @@ def run_part(name: str, profile: str, results_dir: str | Path, run_id: str, budg
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("GLM5LAB_BENCH_INJECT_FAILURE") == name:   # fault injection for the isolation test
         raise RuntimeError(f"injected failure of part {name!r} (GLM5LAB_BENCH_INJECT_FAILURE)")
+    from glm5lab.files import make_folder
+
     d = out_dir(results_dir, profile)
-    d.mkdir(parents=True, exist_ok=True)
+    make_folder(d)
     suite = "full" if profile == "gpu" else "cpu"
     cmd = f"glm5lab bench --suite {suite} part={name} run={run_id}" + \
         (" (cpu profile: timings are NOT performance)" if profile == "cpu" else "")
@@ -203,7 +205,7 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
 
     if suite not in SUITES:
         raise Glm5labError(f"unknown suite {suite!r}; expected one of {sorted(SUITES)}")
-    from glm5lab.files import require_folder_target
+    from glm5lab.files import make_folder, require_folder_target
 
     require_folder_target(results_dir)
     profile = SUITES[suite]
@@ -219,7 +221,7 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
     budget_s = budget_s if budget_s is not None else (420.0 if profile == "gpu" else 1200.0)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     d = out_dir(results_dir, profile)
-    d.mkdir(parents=True, exist_ok=True)
+    make_folder(d)
     t0 = time.time()
     statuses = []
     todo = [p for p in PARTS if p.name in chosen]

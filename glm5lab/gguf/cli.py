@@ -32,8 +32,9 @@ def add_command(subparsers) -> None:
     s = sub.add_parser("split", help="split one GGUF into N llama.cpp-style shards")
     s.add_argument("path", type=Path)
     s.add_argument("n", type=int)
-    s.add_argument("--out", type=Path, default=None,
-                   help="base name for the shards, or a folder to put them in (default: the input's)")
+    s.add_argument("--out", default=None,
+                   help="base name for the shards, or a folder to put them in (an existing one, or a path ending "
+                        "in /; default: beside the input, named after it)")
     s.set_defaults(func=_split)
 
     m = sub.add_parser("merge", help="validate a shard set and merge it into one GGUF")

@@ -24,47 +24,70 @@ def _req(s, suffix: str):
     return v
 
 
+def _int(s, suffix: str, minimum: int = 1, default=None) -> int:
+    """A geometry key as an int of at least `minimum`: a string, a float or a 0 head count there would otherwise
+    surface as a ValueError from int(), or as a reshape error inside vLLM after the engine has loaded."""
+    v = _req(s, suffix) if default is None else s.arch_key(suffix, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise Glm5labError(f"{s.paths[0]}: metadata {N.ARCH_NAME}.{suffix} is {type(v).__name__} {v!r}, expected "
+                           f"an integer >= {minimum}")
+    return v
+
+
+def _positive_float(s, suffix: str) -> float:
+    v = _req(s, suffix)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise Glm5labError(f"{s.paths[0]}: metadata {N.ARCH_NAME}.{suffix} is {type(v).__name__} {v!r}, expected "
+                           f"a positive number")
+    return _f32(v)
+
+
 def hf_config_kwargs_from_gguf(path_or_set) -> dict:
     """Keyword arguments for GlmMoeDsaConfig read from a GGUF file / shard set / GgufSet."""
     from glm5lab.gguf.reader import open_gguf
 
     s = open_gguf(path_or_set)
-    nextn = int(s.arch_key("nextn_predict_layers", 0) or 0)
-    n_layers = int(_req(s, "block_count")) - nextn
-    rope = int(_req(s, "rope.dimension_count"))
-    key_mla = int(_req(s, "attention.key_length_mla"))
+    nextn = _int(s, "nextn_predict_layers", minimum=0, default=0)
+    n_layers = _int(s, "block_count") - nextn
+    if n_layers < 1:
+        raise Glm5labError(f"{s.paths[0]}: metadata {N.ARCH_NAME}.block_count {n_layers + nextn} leaves no layer "
+                           f"besides its {nextn} next-token prediction layer(s)")
+    rope = _int(s, "rope.dimension_count")
+    key_mla = _int(s, "attention.key_length_mla", minimum=rope + 1)
     tokens = s.meta("tokenizer.ggml.tokens")
     vocab = s.arch_key("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise Glm5labError(f"{s.paths[0]}: cannot tell the vocabulary size")
-    heads = int(_req(s, "attention.head_count"))
+    heads = _int(s, "attention.head_count")
     indexer_types = s.meta(f"{N.ARCH_NAME}.attention.indexer.types")
     kwargs = dict(
         vocab_size=int(vocab),
-        hidden_size=int(_req(s, "embedding_length")),
-        intermediate_size=int(_req(s, "feed_forward_length")),
-        moe_intermediate_size=int(_req(s, "expert_feed_forward_length")),
+        hidden_size=_int(s, "embedding_length"),
+        intermediate_size=_int(s, "feed_forward_length"),
+        moe_intermediate_size=_int(s, "expert_feed_forward_length"),
         num_hidden_layers=n_layers,
-        first_k_dense_replace=int(_req(s, "leading_dense_block_count")),
+        first_k_dense_replace=_int(s, "leading_dense_block_count", minimum=0),
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        n_routed_experts=int(_req(s, "expert_count")),
-        n_shared_experts=int(s.arch_key("expert_shared_count", 1)),
-        num_experts_per_tok=int(_req(s, "expert_used_count")),
+        n_routed_experts=_int(s, "expert_count"),
+        n_shared_experts=_int(s, "expert_shared_count", minimum=0, default=1),
+        num_experts_per_tok=_int(s, "expert_used_count"),
         n_group=int(s.arch_key("expert_group_count", 1) or 1),
         topk_group=int(s.arch_key("expert_group_used_count", 1) or 1),
         routed_scaling_factor=_f32(s.arch_key("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(s.arch_key("expert_weights_norm", False)),
-        q_lora_rank=int(_req(s, "attention.q_lora_rank")),
-        kv_lora_rank=int(_req(s, "attention.kv_lora_rank")),
+        q_lora_rank=_int(s, "attention.q_lora_rank"),
+        kv_lora_rank=_int(s, "attention.kv_lora_rank"),
         qk_rope_head_dim=rope,
         qk_nope_head_dim=key_mla - rope,
-        v_head_dim=int(_req(s, "attention.value_length_mla")),
-        index_n_heads=int(_req(s, "attention.indexer.head_count")),
-        index_head_dim=int(_req(s, "attention.indexer.key_length")),
-        index_topk=int(_req(s, "attention.indexer.top_k")),
-        max_position_embeddings=int(_req(s, "context_length")),
-        rms_norm_eps=_f32(_req(s, "attention.layer_norm_rms_epsilon")),
+        v_head_dim=_int(s, "attention.value_length_mla"),
+        index_n_heads=_int(s, "attention.indexer.head_count"),
+        index_head_dim=_int(s, "attention.indexer.key_length"),
+        index_topk=_int(s, "attention.indexer.top_k"),
+        max_position_embeddings=_int(s, "context_length"),
+        rms_norm_eps=_positive_float(s, "attention.layer_norm_rms_epsilon"),
         rope_parameters={"rope_type": "default", "rope_theta": float(s.arch_key("rope.freq_base", 10000.0))},
         tie_word_embeddings=N.tname(N.T.OUTPUT) not in s.tensor_index,
         eos_token_id=s.meta("tokenizer.ggml.eos_token_id"),
@@ -83,3 +106,22 @@ def hf_config_from_gguf(path_or_set):
     cfg = GlmMoeDsaConfig(**hf_config_kwargs_from_gguf(path_or_set))
     cfg.architectures = ["GlmMoeDsaForCausalLM"]
     return cfg
+
+
+# the geometry a GGUF's tensors are laid out by: a config that disagrees on any of these cannot load them
+GEOMETRY_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+                 "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+                 "first_k_dense_replace")
+
+
+def geometry_disagreements(gguf_config, other_config) -> dict[str, tuple]:
+    """{key: (the GGUF metadata's value, the other config's)} for GEOMETRY_KEYS where they differ. vllm-gguf-plugin
+    builds a GGUF's model from the config.json of the folder given as its tokenizer when there is one, not from the
+    GGUF's metadata: a tokenizer folder of another model (or size) would lay the tensors out by the wrong numbers."""
+    out = {}
+    for key in GEOMETRY_KEYS:
+        a, b = getattr(gguf_config, key, None), getattr(other_config, key, None)
+        if a is not None and b is not None and a != b:
+            out[key] = (a, b)
+    return out

@@ -6,6 +6,7 @@ truncated tensor data, another architecture, and, for shard sets, missing/duplic
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -29,16 +30,33 @@ class _TruncatedData(Exception):
     pass
 
 
+class _BadTensorTable(Exception):
+    """A tensor table that parsed but names something impossible: the message is the user's."""
+
+
 class _Reader(gguf.GGUFReader):
-    """GGUFReader that tells a cut-off data section (tensor views cannot be built) from a bad header."""
+    """GGUFReader that tells a cut-off data section (tensor views cannot be built) from a bad header, and a duplicate
+    name or an unknown type id in the tensor table from both."""
 
     def _build_tensors(self, start_offs, fields):
         try:
             super()._build_tensors(start_offs, fields)
         except ValueError as exc:
-            if "duplicated" in str(exc):
-                raise
-            raise _TruncatedData(str(exc)) from None
+            text = str(exc)
+            dup = re.match(r"Found duplicated tensor with name (.+)", text)
+            if dup:
+                raise _BadTensorTable(f"tensor name {dup.group(1)} appears twice in the tensor table") from None
+            unknown = re.match(r"(?:np\.\w+\()?(-?\d+)\)? is not a valid GGMLQuantizationType", text)
+            if unknown:
+                raise _BadTensorTable(f"a tensor has type id {unknown.group(1)}, which is no GGML type "
+                                      f"(gguf {_gguf_version()} knows {len(gguf.GGMLQuantizationType)})") from None
+            raise _TruncatedData(text) from None
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def _preamble(path: Path, size: int) -> str:
@@ -68,6 +86,8 @@ def open_reader(path: Path | str) -> gguf.GGUFReader:
         raise Glm5labError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
         reader = _Reader(path, "r")
+    except _BadTensorTable as exc:
+        raise Glm5labError(f"{path}: {exc}") from None
     except _TruncatedData:
         raise Glm5labError(f"{path}: truncated tensor data (file has {size} bytes)") from None
     except Exception:  # numpy/struct errors from a header cut short or garbled: their text names no GGUF field
@@ -150,11 +170,11 @@ def open_gguf(path_or_paths, arch_check: bool = True) -> GgufSet:
 
     if len(paths) == 1 and not shard_siblings(paths[0]):
         reader = open_reader(paths[0])
-        if arch_check:
-            require_glm_dsa(paths[0], reader)
-        if field_value(reader, SPLIT_COUNT, 1) not in (None, 1):
+        if field_value(reader, SPLIT_COUNT, 1) not in (None, 1):   # before the architecture: later shards have none
             raise Glm5labError(f"{paths[0]}: is shard {int(field_value(reader, SPLIT_NO)) + 1} of a "
                                f"{field_value(reader, SPLIT_COUNT)}-file split set; open the whole set")
+        if arch_check:
+            require_glm_dsa(paths[0], reader)
         s = GgufSet(paths=paths, readers=[reader])
     else:
         s = validate_shard_set(paths, arch_check=arch_check)
@@ -177,8 +197,51 @@ def dequantize(t) -> np.ndarray:
     elif qt == gguf.GGMLQuantizationType.F16:
         arr = np.asarray(t.data).astype(np.float32)
     else:
-        arr = gguf.quants.dequantize(np.asarray(t.data), qt)
+        try:
+            arr = gguf.quants.dequantize(np.asarray(t.data), qt)
+        except NotImplementedError:
+            raise Glm5labError(f"tensor {t.name} is {qt.name}, a type gguf {_gguf_version()} cannot dequantize "
+                               f"(supported: {', '.join(supported_type_names())})") from None
     return arr.reshape(numpy_shape(t))
+
+
+@functools.lru_cache(maxsize=1)
+def supported_type_names() -> tuple[str, ...]:
+    """GGML types whose tensors glm5lab reads back: F32, F16 and whatever the installed gguf.quants dequantizes
+    (asked of gguf itself, one zero block a type, so a newer gguf's types count without a change here)."""
+    names = ["F32", "F16"]
+    for qt in gguf.GGMLQuantizationType:
+        if qt.name in names or qt not in gguf.GGML_QUANT_SIZES:
+            continue
+        try:
+            gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qt][1], np.uint8), qt)
+        except NotImplementedError:
+            continue
+        except Exception:  # noqa: BLE001 -- a type gguf implements but a zero block upsets is still supported
+            pass
+        names.append(qt.name)
+    return tuple(names)
+
+
+def require_readable_types(s: "GgufSet") -> None:
+    """Refuse a file set holding a tensor type glm5lab cannot read back, naming one such tensor and its type
+    (gguf's own NotImplementedError names neither, and vLLM's names a fused layer)."""
+    odd = unsupported_tensors(s)
+    if odd:
+        name, qt = next(iter(odd.items()))
+        raise Glm5labError(f"{s.paths[0]}: {len(odd)} tensor(s) of a type glm5lab cannot read, e.g. {name} ({qt}); "
+                           f"it reads {', '.join(supported_type_names())}")
+
+
+def unsupported_tensors(s: "GgufSet") -> dict[str, str]:
+    """{tensor name: type name} of the tensors glm5lab cannot read back (checked before a load starts)."""
+    ok = set(supported_type_names())
+    out = {}
+    for name, (_, t) in s.tensor_index.items():
+        qt = gguf.GGMLQuantizationType(int(t.tensor_type))
+        if qt.name not in ok:
+            out[name] = qt.name
+    return out
 
 
 def read_gguf_tensors(path_or_set, names: list[str] | None = None) -> dict[str, np.ndarray]:

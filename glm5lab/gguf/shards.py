@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 
@@ -20,7 +21,7 @@ from glm5lab.errors import Glm5labError
 from glm5lab.files import require_file_target, temp_beside
 from glm5lab.gguf import names as N
 from glm5lab.gguf.reader import (SPLIT_COUNT, SPLIT_KEYS, SPLIT_NO, SPLIT_TENSORS, GgufSet, field_value,
-                                 numpy_shape, open_reader, require_glm_dsa, shard_siblings)
+                                 numpy_shape, open_reader, require_glm_dsa)
 
 CHUNK = 64 << 20
 
@@ -38,10 +39,11 @@ def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
         if key in seen:
             raise Glm5labError(f"{p}: duplicate shard (listed twice)")
         seen[key] = p
-    expected = shard_siblings(paths[0])
-    missing = [p for p in (expected or paths) if not p.exists()]
+    # the files given (open_gguf passes one shard's siblings by name); a list given whole is checked by each file's
+    # split.no below, not by its neighbours' names, so a renamed shard in it is no "missing" one
+    missing = [p for p in paths if not p.exists()]
     if missing:
-        raise Glm5labError(f"{missing[0]}: missing shard ({len(missing)} of {len(expected or paths)} absent)")
+        raise Glm5labError(f"{missing[0]}: missing shard ({len(missing)} of {len(paths)} absent)")
     readers = [open_reader(p) for p in paths]
     count = field_value(readers[0], SPLIT_COUNT)
     if count is None:
@@ -86,9 +88,16 @@ def validate_shard_set(paths: list[Path], arch_check: bool = True) -> GgufSet:
     return s
 
 
-def geometry_mismatches(s: GgufSet) -> tuple[list[str], dict[str, tuple[tuple, tuple]]]:
-    """(tensors the metadata implies that the file set lacks, {name: (shape found, shape implied)}), from the
-    GLM-5 geometry of the set's own metadata. Reads no tensor data."""
+class TensorMismatches(NamedTuple):
+    """A file set's tensors against what its own metadata implies (glm5lab.gguf.shards.geometry_mismatches)."""
+
+    missing: list[str]                            # implied, absent
+    wrong: dict[str, tuple[tuple, tuple]]         # name -> (shape found, shape implied)
+    beyond_blocks: list[str]                      # blk.N tensors with N past the metadata's block_count
+
+
+def geometry_mismatches(s: GgufSet) -> TensorMismatches:
+    """The set's tensors against the GLM-5 geometry of its own metadata. Reads no tensor data."""
     from glm5lab.gguf.config import hf_config_from_gguf
 
     cfg = hf_config_from_gguf(s)
@@ -97,13 +106,46 @@ def geometry_mismatches(s: GgufSet) -> tuple[list[str], dict[str, tuple[tuple, t
     missing = [name for name in expected if name not in s.tensor_index]
     wrong = {name: (numpy_shape(t), expected[name]) for name, (_, t) in s.tensor_index.items()
              if name in expected and expected[name] != numpy_shape(t)}
-    return missing, wrong
+    blocks = cfg.num_hidden_layers + nextn
+    beyond = [name for name in s.tensor_index if (N.layer_of(name) or 0) >= blocks]
+    return TensorMismatches(missing, wrong, beyond)
+
+
+def require_loadable_tensors(s: GgufSet) -> None:
+    """Refuse, before an engine starts, a file set whose main-model tensors its metadata contradicts (missing, of
+    another shape, blocks past block_count) or that holds a tensor type glm5lab cannot read back. The NextN block
+    is left to the loader, which skips it. Reads no tensor data."""
+    from glm5lab.gguf.reader import require_readable_types
+
+    require_readable_types(s)
+    n_main = int(s.arch_key("block_count")) - int(s.arch_key("nextn_predict_layers", 0) or 0)
+    main = lambda name: (N.layer_of(name) or 0) < n_main   # noqa: E731
+    m = geometry_mismatches(s)
+    missing = [name for name in m.missing if main(name)]
+    if missing:
+        raise Glm5labError(f"{s.paths[0]}: {len(missing)} tensor(s) its metadata implies are absent, e.g. "
+                           f"{missing[0]} (a file of another geometry, or an incomplete one)")
+    wrong = {name: shapes for name, shapes in m.wrong.items() if main(name)}
+    if wrong:
+        name, (found, implied) = next(iter(wrong.items()))
+        raise Glm5labError(f"{s.paths[0]}: tensor {name} has shape {found}, its metadata implies {implied} "
+                           f"({len(wrong)} such)")
+    if m.beyond_blocks:
+        raise Glm5labError(f"{s.paths[0]}: tensor {m.beyond_blocks[0]} lies past the metadata's "
+                           f"{N.ARCH_NAME}.block_count {int(s.arch_key('block_count'))}")
+    float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    for bid in range(n_main):   # vLLM fuses these two into one layer, which must be all quantized or all float
+        pair = [N.tname(N.T.ATTN_Q_A, bid), N.tname(N.T.ATTN_KV_A_MQA, bid)]
+        kinds = [gguf.GGMLQuantizationType(int(s.tensor(name).tensor_type)) for name in pair]
+        if (kinds[0] in float_types) != (kinds[1] in float_types):
+            raise Glm5labError(f"{s.paths[0]}: {pair[0]} is {kinds[0].name} and {pair[1]} is {kinds[1].name}; vLLM "
+                               f"fuses them into one layer (fused_qkv_a_proj), so both must be quantized or both float")
 
 
 def _check_geometry(s: GgufSet) -> None:
     """Every tensor's shape must be what shard 1's metadata implies: catches a shard of another model
     that happens to have the same shard and tensor counts."""
-    _, wrong = geometry_mismatches(s)
+    wrong = geometry_mismatches(s).wrong
     if wrong:
         name, (found, implied) = next(iter(wrong.items()))
         raise Glm5labError(f"{s.paths[s.tensor_index[name][0]]}: tensor {name} has shape {found}, the set's "
@@ -209,7 +251,7 @@ def split_gguf(path: Path | str, n_shards: int, out_path: Path | str | None = No
     if not 2 <= n_shards <= len(tensors):
         raise Glm5labError(f"n_shards must be between 2 and {len(tensors)} (the tensor count), got {n_shards}")
     base = Path(out_path) if out_path else s.paths[0]
-    if base.is_dir():  # --out FOLDER: the shards go in it, named after the input
+    if base.is_dir() or str(out_path or "").endswith(("/", os.sep)):   # --out FOLDER[/]: in it, named after the input
         base = base / s.paths[0].name
     targets = shard_paths(base, n_shards)
     for target in targets:

@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from glm5lab.errors import Glm5labError
-from glm5lab.files import require_file_target, temp_beside
+from glm5lab.files import cannot_write_there, make_folder, require_file_target, require_not_an_input, temp_beside
 from glm5lab.gguf import names as N
 
 WRITER_VERSION = 2  # bump when the bytes the writer produces change (ensure_tiny re-generates then)
@@ -284,8 +284,13 @@ def write_gguf(hf: Mapping[str, Callable[[], np.ndarray]], config, tokenizer_dir
         raise Glm5labError(f"n_shards must be between 1 and {len(specs)} (the tensor count), got {n_shards}")
     for target in shard_paths(out_path, n_shards):
         require_file_target(target)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=".gguf-tmp-", dir=out_path.parent))
+        require_not_an_input(target, [p for p in Path(tokenizer_dir).iterdir() if p.is_file() and p.suffix != ".gguf"],
+                             f"a file of the checkpoint folder {tokenizer_dir}")   # (a GGUF there is no input)
+    make_folder(out_path.parent)
+    try:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=".gguf-tmp-", dir=out_path.parent))
+    except OSError as exc:
+        raise cannot_write_there(out_path.parent, exc) from None
     w = None
     try:
         w = gguf.GGUFWriter(tmp_dir / out_path.name, N.ARCH_NAME)

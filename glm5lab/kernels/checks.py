@@ -42,3 +42,24 @@ def power_of_two(name: str, value, least: int = 1) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
         raise Glm5labError(f"{name} must be a power of two >= {least}, got {value!r}")
     return value
+
+
+def require_launch_device(**tensors) -> torch.device:
+    """The one device the named tensors (None skipped) share, refused in one line where a Triton kernel cannot run
+    them: tensors on two devices (Triton would read a host pointer as a device one), or CPU tensors without the
+    interpreter (Triton's own error there is "0 active drivers")."""
+    from glm5lab.env import interpreter_mode
+
+    named = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        raise Glm5labError(f"{', '.join(named)} must be on one device, got "
+                           f"{', '.join(f'{name} on {t.device}' for name, t in named.items())}")
+    device = next(iter(devices))
+    if device.type == "cpu" and not interpreter_mode():
+        raise Glm5labError("CPU tensors: glm5lab's Triton kernels run on CUDA devices, or on the CPU in Triton's "
+                           "interpreter (set TRITON_INTERPRET=1 before glm5lab's kernels are imported)")
+    if device.type not in ("cpu", "cuda"):
+        raise Glm5labError(f"tensors on {device}: glm5lab's Triton kernels run on CUDA devices (or the CPU under "
+                           f"TRITON_INTERPRET=1)")
+    return device

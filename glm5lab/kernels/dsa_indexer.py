@@ -24,7 +24,7 @@ import triton.language as tl
 
 from glm5lab.env import interpreter_mode
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.checks import index_vector, power_of_two
+from glm5lab.kernels.checks import index_vector, power_of_two, require_launch_device
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2
 
@@ -79,6 +79,8 @@ def write_index_key_cache(cache: torch.Tensor, k: torch.Tensor, slot_mapping: to
     (vLLM layout) index-key cache, in place."""
     if k.dim() != 2:
         raise Glm5labError(f"keys must be [tokens, D], got shape {tuple(k.shape)}")
+    if cache.dim() != 3:
+        raise Glm5labError(f"index-key cache must be [blocks, block_size, width], got shape {tuple(cache.shape)}")
     slot_mapping = index_vector("slot_mapping", slot_mapping, k.shape[0])
     D = k.shape[1]
     blocks, bs = cache.shape[0], cache.shape[1]
@@ -315,6 +317,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     if block_table.dtype not in (torch.int32, torch.int64):
         raise Glm5labError(f"block_table must be int32 or int64, got {block_table.dtype}")
     seq_lens = index_vector("seq_lens", seq_lens, T)
+    require_launch_device(q=q, weights=weights, k_cache=k_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     if max_len is None:
@@ -490,10 +493,13 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     kt, kscale, fp8 = _prefill_keys(k, D)
     S = kt.shape[0]
     ks, ke = index_vector("ks", ks, T), index_vector("ke", ke, T)
+    require_launch_device(q=q, weights=weights, keys=kt, key_scales=kscale if fp8 else None, ks=ks, ke=ke)
     if T and (bool((ks < 0).any()) or bool((ke > S).any()) or bool((ke < ks).any())):
         raise Glm5labError(f"key windows [ks, ke) must satisfy 0 <= ks <= ke <= {S}")
     if max_len is None:
         max_len = int((ke - ks).max()) if T else 0
+    if max_len < 0:
+        raise Glm5labError(f"max_len must be >= 0, got {max_len}")
     out = torch.full((T, max_len), float("-inf"), dtype=torch.float32, device=q.device)
     if T == 0 or max_len == 0 or S == 0:
         return out
@@ -893,6 +899,7 @@ def indexer_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = No
     if lengths is None:
         lengths = torch.full((T,), C, dtype=torch.int32, device=logits.device)
     lengths = index_vector("lengths", lengths, T)
+    require_launch_device(logits=logits, lengths=lengths, out=out)
     if out is None:
         out = torch.empty((T, k), dtype=torch.int32, device=logits.device)
     elif out.shape != (T, k) or out.dtype != torch.int32 or out.stride(-1) != 1:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.checks import index_vector, power_of_two, require_finite_scale
+from glm5lab.kernels.checks import index_vector, power_of_two, require_finite_scale, require_launch_device
 from glm5lab.kernels.host import cdiv, next_pow2, sm_count
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -167,8 +167,7 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         block_table = block_table.contiguous()
     softmax_scale = require_finite_scale(softmax_scale)
     block_h, block_n = power_of_two("block_h", block_h, 16), power_of_two("block_n", block_n, 16)
-    if len({q.device, kv_cache.device, block_table.device, seq_lens.device}) != 1:
-        raise Glm5labError("q, kv_cache, block_table and seq_lens must be on one device")
+    require_launch_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     if validate and rows:
         max_len = int(seq_lens.max())
         if int(seq_lens.min()) < 0:

@@ -36,7 +36,7 @@ from triton.runtime.errors import OutOfResources
 
 from glm5lab.env import interpreter_mode as _interpreting
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.checks import require_finite_scale
+from glm5lab.kernels.checks import require_finite_scale, require_launch_device
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.fp8_ds_mla import ROW_BYTES as FP8_ROW_BYTES
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2, shared_memory_per_block, sm_count
@@ -997,9 +997,7 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     if slots.dtype not in (torch.int32, torch.int64):
         raise Glm5labError(f"slots must be int32 (or int64), got {slots.dtype}")
     softmax_scale = require_finite_scale(softmax_scale)
-    if q.device != kv_cache.device or q.device != slots.device:
-        raise Glm5labError(f"q, kv_cache and slots must be on one device, got {q.device}, "
-                           f"{kv_cache.device}, {slots.device}")
+    require_launch_device(q=q, kv_cache=kv_cache, slots=slots, out=out, lse=lse)
     num_slots, kv_row_stride = _kv_rows(kv_cache)
     if num_slots >= 2**31:
         raise Glm5labError(f"cache of {num_slots} slots does not fit int32 slot indices")

@@ -9,8 +9,13 @@ from glm5lab.errors import Glm5labError
 
 
 def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    """The error on one line. transformers' validation errors put the field on their first line and the reason
+    ("expected int, got str") on the next, so a first line ending in ':' takes the next non-empty one with it."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    head = text[0] if text else ""
+    if head.endswith(":") and len(text) > 1:
+        head = f"{head} {text[1]}"
+    return f"{type(exc).__name__}: {head[:240]}"
 
 
 def read_hf_config(path: Path | str):

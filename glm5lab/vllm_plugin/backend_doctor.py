@@ -949,11 +949,14 @@ def write_matrix_results(results_dir="results", model: str = "glm-5", include_gl
     name, or a path's file / folder name; <settings> names what differs from the defaults (--with-glm5lab,
     sparse, block size, tensor parallel size), so one matrix never overwrites another's files."""
     from glm5lab.env import collect
+    from glm5lab.files import require_folder_target
 
+    out = Path(results_dir) / "doctor"
+    require_folder_target(results_dir)     # before the matrix's minute of work, not at its first write
+    require_folder_target(out)
     cells, long = matrix(model=model, include_glm5lab=include_glm5lab, progress=progress, **kw)
     prov = collect()
     ver = cells.attrs["vllm_version"]
-    out = Path(results_dir) / "doctor"
     stem = f"backend_matrix_{_file_part(model)}{_settings_part(include_glm5lab, **kw)}_vllm-{ver}"
     for d in (cells, long):
         for key in ("vllm", "torch", "glm5lab", "git_sha", "timestamp", "gpu"):

@@ -34,7 +34,10 @@ def _run(args) -> int:
     bd.load_model_config(args.model)
     _quiet_vllm()
     if args.matrix:
-        out = bd.write_matrix_results(args.results_dir, model=args.model, include_glm5lab=args.with_glm5lab,
+        from glm5lab.env import default_results_dir
+
+        out = bd.write_matrix_results(args.results_dir or default_results_dir(), model=args.model,
+                                      include_glm5lab=args.with_glm5lab,
                                       progress=True, sparse=sparse, block_size=args.block_size,
                                       tensor_parallel_size=args.tensor_parallel_size)
         print(out["cells"][["capability", "dtype", "kv_cache_dtype", "pick", "status"]].to_string(index=False))
@@ -61,7 +64,8 @@ def add_command(sub) -> None:
     p.add_argument("--kv-cache-dtype", default=None,
                    help="vLLM KV-cache dtype: auto, fp8, fp8_ds_mla, ... (default auto)")
     p.add_argument("--block-size", type=int, default=None, help="KV-cache block size (default: vLLM picks)")
-    p.add_argument("--model", default="glm-5", help="tiny | glm-5 | deepseek-v3.2 | PATH (HF dir or .gguf)")
+    p.add_argument("--model", default="glm-5",
+                   help="tiny | glm-5 | deepseek-v3.2 | PATH (HF dir or .gguf; default glm-5)")
     p.add_argument("--sparse", choices=["yes", "no"], default=None,
                    help="force sparse MLA on/off (default: sparse iff the config has index_topk, as vLLM)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="heads per GPU = heads / TP")
@@ -72,5 +76,6 @@ def add_command(sub) -> None:
     p.add_argument("--matrix", action="store_true",
                    help="compute the capability x dtype x KV-dtype heat map and write it under --results-dir "
                         "(with --model, --sparse, --block-size, --tensor-parallel-size, --with-glm5lab)")
-    p.add_argument("--results-dir", default="results", help="where --matrix writes doctor/ (default results)")
+    p.add_argument("--results-dir", "--results", default=None,
+                   help="where --matrix writes doctor/ (default: the checkout's results/, else ./results)")
     p.set_defaults(func=_run)

@@ -129,9 +129,14 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
             raise Glm5labError(f"tokenizer {folder}: not a folder (give the folder holding tokenizer.json)")
         tokenizer = str(folder)
     if gguf:
+        from glm5lab.gguf.reader import open_gguf
+        from glm5lab.gguf.shards import require_loadable_tensors
         from glm5lab.vllm_plugin.gguf_loader import config_from_gguf
 
         config = config_from_gguf(target)
+        require_loadable_tensors(open_gguf(target))   # headers only: refused here, not inside the engine
+        if tokenizer is not None and (Path(tokenizer) / "config.json").is_file():
+            _require_same_geometry(target, config, Path(tokenizer))
     else:
         if not (target / "config.json").exists():
             raise Glm5labError(f"{target} has no config.json (pass a .gguf with --gguf, or an HF directory)")
@@ -139,6 +144,20 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
 
         config = read_hf_config(target)
     return ModelSpec(name=model, model=str(target), tokenizer=tokenizer, gguf=gguf, hf_config=config)
+
+
+def _require_same_geometry(gguf_path: Path, gguf_config, tokenizer_dir: Path) -> None:
+    """vllm-gguf-plugin takes a GGUF's config from its tokenizer folder's config.json when there is one: refuse a
+    folder whose model is another (glm5lab.gguf.config.geometry_disagreements) before the engine lays the GGUF's
+    tensors out by it."""
+    from glm5lab.gguf.config import geometry_disagreements
+    from glm5lab.model.checkpoint import read_hf_config
+
+    differ = geometry_disagreements(gguf_config, read_hf_config(tokenizer_dir))
+    if differ:
+        shown = ", ".join(f"{k} {a} in the GGUF, {b} there" for k, (a, b) in list(differ.items())[:3])
+        raise Glm5labError(f"{tokenizer_dir}/config.json describes another model than {gguf_path.name} ({shown}); "
+                           f"vLLM would build the GGUF's model from it: give a tokenizer folder of this model")
 
 
 def model_problem(spec: ModelSpec) -> str | None:
@@ -282,7 +301,7 @@ def generate(engine: Engine, prompts, max_tokens: int | list[int] = 8, logprobs:
 def no_tokenizer(spec: ModelSpec) -> str:
     return (f"{spec.model}: no tokenizer to encode a text prompt (vLLM cannot build this model's tokenizer from "
             f"a GGUF, and no tokenizer.json lies beside it): pass the original model's folder as tokenizer "
-            f"(--tokenizer DIR), or prompts as token ids")
+            f"(--tokenizer DIR; from Python, tokenizer=DIR), or, from Python, prompts as lists of token ids")
 
 
 def run(model: str = "tiny", prompts=("The model reads a prompt",), max_tokens: int = 8, *, gguf: bool = False,

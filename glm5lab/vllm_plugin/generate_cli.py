@@ -49,7 +49,9 @@ def add_command(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="folder with the model's tokenizer (default: the HF "
                                                          "directory, or a tokenizer.json beside the .gguf)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    p.add_argument("--max-tokens", type=_at_least_one, default=8, help="tokens to generate a prompt (>= 1)")
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    p.add_argument("--max-tokens", type=_at_least_one, default=8, help="tokens to generate a prompt (>= 1; default 8)")
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                   help="model dtype (default float16, the original deployment's: vLLM's GGUF path ran SM120 in "
+                        "fp16; `vllm serve` on a GGUF defaults to bfloat16)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)

@@ -96,10 +96,12 @@ def adapter_names_report(gguf_path) -> dict:
     hf_config = model_config_for(gguf_path)
     adapter = adapter_class()(hf_config)
     spec = adapter.prepare_loading(str(gguf_path), types.SimpleNamespace(hf_config=hf_config, trust_remote_code=False))
-    missing, wrong = geometry_mismatches(s)
+    m = geometry_mismatches(s)
     return {"tensors": len(s.tensor_index), "mapped": len(spec.gguf_to_hf_name_map),
-            "skipped": dict(adapter.skipped), "missing": missing,
-            "wrong_shape": {name: f"{found} (metadata implies {implied})" for name, (found, implied) in wrong.items()}}
+            "skipped": dict(adapter.skipped), "missing": m.missing,
+            "wrong_shape": {name: f"{found} (metadata implies {implied})"
+                            for name, (found, implied) in m.wrong.items()},
+            "beyond_blocks": m.beyond_blocks}
 
 
 def _hf_checkpoint(hf_dir) -> dict:

@@ -22,7 +22,11 @@ def _check(args) -> int:
     hf_dir = Path(args.hf_dir) if args.hf_dir else None
     if hf_dir is not None and not (hf_dir / "config.json").exists():
         raise Glm5labError(f"{hf_dir}: not an HF checkpoint (no config.json)")
-    open_gguf(gguf_path)  # one-line errors for bad / non-glm-dsa / incomplete shard sets
+    s = open_gguf(gguf_path)  # one-line errors for bad / non-glm-dsa / incomplete shard sets
+    if hf_dir is not None or not args.no_vllm:   # these read tensors back: types they cannot read end it here
+        from glm5lab.gguf.reader import require_readable_types
+
+        require_readable_types(s)
 
     from glm5lab.vllm_plugin.loader_check import adapter_names_report, adapter_report, vllm_load_report
 
@@ -31,7 +35,7 @@ def _check(args) -> int:
     if hf_dir is None:
         names = adapter_names_report(gguf_path)
         result["names"] = names
-        ok &= not names["missing"] and not names["wrong_shape"]
+        ok &= not names["missing"] and not names["wrong_shape"] and not names["beyond_blocks"]
     else:
         df = adapter_report(gguf_path, hf_dir)
         bad = df[~df["ok"]]
@@ -46,7 +50,14 @@ def _check(args) -> int:
         ok &= bad.empty
     if not args.no_vllm:
         with stdout_to_stderr(args.json):
-            rep = vllm_load_report(gguf_path, hf_dir, dtype=args.dtype)
+            try:
+                rep = vllm_load_report(gguf_path, hf_dir, dtype=args.dtype)
+            except Glm5labError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- vLLM refusing to build the model is this check's answer
+                text = str(exc).strip().splitlines()
+                rep = {"refused": f"{type(exc).__name__}: {text[0][:300] if text else ''}", "missing": None,
+                       "built": False}
         result["vllm"] = rep
         ok &= rep["refused"] is None and not rep["missing"] and rep.get("values_ok", True)
     result["ok"] = bool(ok)
@@ -68,6 +79,8 @@ def _print(result: dict) -> None:
             print(f"  MISSING {name}")
         for name, why in list(n["wrong_shape"].items())[:20]:
             print(f"  SHAPE {name}: {why}")
+        for name in n["beyond_blocks"][:20]:
+            print(f"  PAST block_count {name}")
     a = result.get("adapter")
     if a:
         print(f"adapter: {a['tensors']} tensors; missing {len(a['missing (in checkpoint, not delivered)'])}, "
@@ -76,7 +89,9 @@ def _print(result: dict) -> None:
         for name in a["failing"]:
             print(f"  FAIL {name}")
     v = result.get("vllm")
-    if v:
+    if v and v.get("built") is False:
+        print(f"vLLM could not build the model from it: {v['refused']}")
+    elif v:
         print(f"vLLM {v['model_class'].rsplit('.', 1)[-1]} ({v['dtype']}, config from {v['config_from']}, "
               f"adapter {v['adapter']}): {v['n_params']} parameters, {v['n_quantized_params']} GGUF-quantized")
         if v["refused"]:
