@@ -71,8 +71,9 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs(), measured_on: str = 
         ("model sizes", "glm5lab.gguf.inspect.estimate_real_glm5", "-", "derived",
          "GLM-5 config (78 layers, 256 experts), uniform GGUF quantization (notebook 01)"),
         ("indexer top-k time", suite, "us per layer", "assumption",
-         f"measured on {measured_on or 'the GPU'} (indexer_bench topk_time, graph-timed where the suite has it, of the kernel glm5lab's "
-         "indexer op picks for the batch and context) and carried over unscaled: one program per row or segment, "
+         f"measured on {measured_on or 'the GPU'} (indexer_bench topk_time, graph-timed where the suite has it, of "
+         "the kernel glm5lab's indexer op picks for the batch and context) and carried over unscaled: one program "
+         "per row or segment, "
          "bound by latency rather than by memory"),
         ("efficiencies", suite, "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "

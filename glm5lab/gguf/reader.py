@@ -48,8 +48,8 @@ class _Reader(gguf.GGUFReader):
                 raise _BadTensorTable(f"tensor name {dup.group(1)} appears twice in the tensor table") from None
             unknown = re.match(r"(?:np\.\w+\()?(-?\d+)\)? is not a valid GGMLQuantizationType", text)
             if unknown:
-                raise _BadTensorTable(f"a tensor has type id {unknown.group(1)}, which is no GGML type "
-                                      f"(gguf {_gguf_version()} knows {len(gguf.GGMLQuantizationType)})") from None
+                raise _BadTensorTable(f"a tensor has type id {unknown.group(1)}, which is no GGML type known to "
+                                      f"gguf {_gguf_version()}") from None
             raise _TruncatedData(text) from None
 
 

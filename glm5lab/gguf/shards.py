@@ -119,7 +119,10 @@ def require_loadable_tensors(s: GgufSet) -> None:
 
     require_readable_types(s)
     n_main = int(s.arch_key("block_count")) - int(s.arch_key("nextn_predict_layers", 0) or 0)
-    main = lambda name: (N.layer_of(name) or 0) < n_main   # noqa: E731
+
+    def main(name: str) -> bool:   # a tensor of the main model (not of the NextN block the loader skips)
+        return (N.layer_of(name) or 0) < n_main
+
     m = geometry_mismatches(s)
     missing = [name for name in m.missing if main(name)]
     if missing:
