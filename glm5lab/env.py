@@ -104,12 +104,26 @@ def git_sha(root: Path | None = None) -> str | None:
     return out.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
+def cpu_model() -> str | None:
+    """The processor's model name (CPU results depend on it: the interpreter's timings, and greedy comparisons whose
+    float32 sums the host's vector ISA orders); platform gives only the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def collect() -> dict:
     """Provenance for a result: versions, hardware, mode, git SHA and a UTC timestamp."""
     from glm5lab import __version__
 
     info = {"glm5lab": __version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu": platform.processor() or platform.machine()}
+            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(), "cpu_count": os.cpu_count()}
     for name, dists in _PACKAGES.items():
         info[name] = package_version(*dists)
     info.update(gpu_info())

@@ -177,3 +177,13 @@ def test_assumptions_name_the_gpu_that_measured_the_inputs():
         assert "H200" not in a.loc[q, "value"] + a.loc[q, "source"]
     unnamed = projection.assumptions().set_index("quantity")
     assert "H200" not in unnamed.loc["efficiencies", "value"]
+
+
+def test_the_csv_rows_say_what_they_project_for(projections):
+    """The rows' gpu column names the machine that computed them: the CSV itself must say the figures are a
+    PROJECTION for 8x RTX PRO 6000 Blackwell, or a reader of the file alone takes them for that GPU's measurements."""
+    _, measured = projections
+    rows = pd.DataFrame(projection.projection_rows(measured))
+    target = rows[rows.metric == "projected_for"]
+    assert len(target) == 1
+    assert all(w in target.unit.iloc[0] for w in ("PROJECTION", "RTX PRO 6000 Blackwell", "SM120", "not measured"))

@@ -405,3 +405,4 @@ def test_projection_assumptions_csv_names_the_gpu_of_its_inputs(tmp_path, monkey
     suites.run_suite("cpu", tmp_path, parts=["projection"], isolate=False, progress=False)
     a = pd.read_csv(tmp_path / "bench" / "cpu" / "projection_assumptions.csv").set_index("quantity")
     assert a.loc["efficiencies", "value"] == "NVIDIA H100 80GB HBM3 full suite"
+    assert a.command.str.contains("part=projection").all() and a.timestamp.notna().all()

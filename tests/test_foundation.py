@@ -356,3 +356,18 @@ def test_the_gpu_runs_test_part_covers_every_test_file_with_gpu_tests():
     assert marked, "no gpu tests found: the marker's spelling changed?"
     assert marked - listed == set(), f"gpu tests that gpu_run.sh's tests part never runs: {sorted(marked - listed)}"
     assert listed <= {p.name for p in tests.glob("test_*.py")}
+
+
+def test_provenance_says_vllm_is_missing_and_names_the_cpu(monkeypatch):
+    """GPU rows had an empty vllm cell (the lent GPUs have no vLLM), and CPU results named only "x86_64"."""
+    from glm5lab import env
+    from glm5lab.bench import records
+
+    real = env.collect
+    monkeypatch.setattr(records, "collect", lambda: {**real(), "vllm": None})
+    assert records.provenance("x")["vllm"] == "not installed"
+    info = real()
+    assert info["cpu_count"] == __import__("os").cpu_count()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "model name" in cpuinfo.read_text():
+        assert info["cpu_model"] and info["cpu_model"] != info["cpu"]

@@ -379,7 +379,11 @@ def test_adapter_summaries_turn_a_bad_file_into_an_error_row(tmp_path, tiny_path
     assert list(reports) == ["F16"] and [r["gguf"] for r in summary] == ["F16", "BAD"]
     assert summary[0]["all ok"] and summary[0]["missing"] == 0 and summary[0]["unexpected"] == 0
     assert "not-a.gguf" in summary[1]["error"]
-    assert (tmp_path / "adapter_check_F16.csv").exists()
+    import pandas as pd
+
+    written = pd.read_csv(tmp_path / "adapter_check_F16.csv")
+    assert len(written) == len(reports["F16"]) and {"gpu", "torch", "git_sha", "timestamp", "command"} <= set(written)
+    assert written.command.str.contains("glm5-tiny-F16.gguf").all()
     assert not (tmp_path / "adapter_check_BAD.csv").exists()
 
 

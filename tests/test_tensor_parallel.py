@@ -151,7 +151,9 @@ def test_ring_allreduce_model_follows_its_formula_and_is_labeled(tmp_path):
     assert {"published", "assumption"} <= set(a.kind) and a.source.str.len().min() > 10
 
     paths = arm.write_results(tmp_path / "tp")
-    assert (pd.read_csv(paths["csv"]).kind == arm.MODEL_LABEL).all()
+    written = pd.read_csv(paths["csv"])
+    assert (written.kind == arm.MODEL_LABEL).all() and written.command.str.contains("MODEL, not measured").all()
+    assert {"git_sha", "timestamp", "gpu"} <= set(pd.read_csv(paths["assumptions"]))
     assert paths["png"].stat().st_size > 1000
 
 

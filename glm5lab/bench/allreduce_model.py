@@ -167,8 +167,11 @@ def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     df = decode_step_allreduce(gpus=(2, 4, 8))
     paths = {"csv": out / "allreduce_model.csv", "assumptions": out / "allreduce_model_assumptions.csv",
              "png": out / "allreduce_model.png"}
-    _atomic_csv(df, paths["csv"])
-    _atomic_csv(assumptions(), paths["assumptions"])
+    from glm5lab.bench.records import provenance
+
+    made_by = provenance("glm5lab.bench.allreduce_model.write_results: a MODEL, not measured")
+    _atomic_csv(df.assign(**made_by), paths["csv"])
+    _atomic_csv(assumptions().assign(**made_by), paths["assumptions"])
     fig = plot(df[df.gpus.isin([4, 8])], None)
     from glm5lab.env import collect
 

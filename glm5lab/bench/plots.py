@@ -150,8 +150,8 @@ def plot_projection_breakdown(df: pd.DataFrame, profile: str, context: int = 163
     ax.set_xlabel("batch")
     ax.set_ylabel("ms per decode step (PROJECTED)")
     ax.legend(fontsize=8)
-    ax.set_title(f"Where the time goes ({kind}, {qt}, context {context}) - PROJECTED\n"
-                 + provenance_line(df, profile), fontsize=8)
+    ax.set_title(f"GLM-5 on 8x RTX PRO 6000 Blackwell, TP8: where the time goes ({kind}, {qt}, context {context}) "
+                 f"- PROJECTED\n" + provenance_line(df, profile), fontsize=8)
     return fig
 
 

@@ -44,6 +44,9 @@ class Knobs:
     topk: int = 2048
 
 
+PROJECTION_LABEL = "PROJECTION for 8x RTX PRO 6000 Blackwell (SM120), TP8: a roofline model, not measured"
+
+
 def assumptions(card: Card = Card(), knobs: Knobs = Knobs(), measured_on: str = "") -> pd.DataFrame:
     """The projection's inputs and their sources; `measured_on` names the GPU(s) whose suite fed the measured ones
     (`project(...)["measured_on"]`), so the table does not claim an H200 when an H100's tree fed it."""
@@ -276,7 +279,7 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
                                     eff_weights=e["weights"], eff_attention=e["attention"],
                                     eff_indexer=e["indexer"], missing_inputs=""))
     res = pd.DataFrame(out)
-    res["label"] = "PROJECTION for 8x RTX PRO 6000 Blackwell (not measured)"
+    res["label"] = PROJECTION_LABEL
     # the GPU(s) whose measured efficiencies fed it (the committed H200 tree, or an H100's, ...)
     res["measured_on"] = ", ".join(sorted(set(df["gpu"].dropna().astype(str)))) if len(df) and "gpu" in df else ""
     return res
@@ -295,6 +298,11 @@ def projection_rows(proj: pd.DataFrame) -> list[dict]:
                         ("indexer_ms", "ms"), ("topk_ms", "ms"), ("allreduce_ms", "ms"), ("compute_floor_ms", "ms"),
                         ("resident_gb", "GB")):
             rows.append({**base, "metric": m, "value": float(getattr(r, m)), "unit": unit})
+    # what the numbers are for, in the CSV itself: its rows' gpu column names the machine that computed them (and
+    # measured_on the GPU whose efficiencies fed them), never the GPU the figures describe
+    label = str(proj["label"].iloc[0]) if "label" in proj and len(proj) else PROJECTION_LABEL
+    rows.append({"suite": "projection", "implementation": "target", "shape": "-", "dtype": "-", "layout": "TP8",
+                 "metric": "projected_for", "value": float("nan"), "unit": label})
     measured_on = str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
     if measured_on:   # one row naming the GPU(s) of the measured inputs, for the plots drawn from the CSV
         rows.append({"suite": "projection", "implementation": "inputs", "shape": "-", "dtype": "-", "layout": "TP8",

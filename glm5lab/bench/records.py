@@ -26,6 +26,8 @@ COLUMNS = MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 def provenance(command: str = "") -> dict:
     info = collect()
     row = {k: info.get(k) for k in PROVENANCE_COLUMNS if k != "command"}
+    if row.get("vllm") is None:   # the lent GPUs have none: say so rather than leave the cell empty
+        row["vllm"] = "not installed"
     row["command"] = command
     return row
 

@@ -151,7 +151,11 @@ def part_projection(csv: Path, profile: str, cmd: str, budget: float) -> None:
     proj = project(results_dir=results)
     append_rows(csv, projection_rows(proj), command=cmd)
     measured_on = str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
-    assumptions(measured_on=measured_on).to_csv(csv.parent / "projection_assumptions.csv", index=False)
+    from glm5lab.bench.records import provenance
+    from glm5lab.files import replacing
+
+    with replacing(csv.parent / "projection_assumptions.csv") as tmp:
+        assumptions(measured_on=measured_on).assign(**provenance(cmd)).to_csv(tmp, index=False)
     ok = proj[(proj.kind == "projection") & proj.tokens_per_s.notna()] if "tokens_per_s" in proj else proj.iloc[:0]
     _log(f"  projection: {len(ok)} projected points; "
          f"{'missing inputs: ' + proj[proj.kind == 'projection'].missing_inputs.iloc[0] if ok.empty else 'all inputs measured'}")

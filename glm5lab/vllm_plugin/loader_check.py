@@ -415,8 +415,10 @@ def plot_adapter_errors(reports: dict, path, title: str):
         ax.set_xticks([])
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from glm5lab.files import replacing
+
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     return fig
 
 
@@ -431,7 +433,12 @@ def adapter_summaries(ggufs: dict, hf_dir, out_dir=None) -> tuple[dict, list[dic
             continue
         reports[qtype] = df
         if out_dir is not None:
-            df.to_csv(Path(out_dir) / f"adapter_check_{qtype}.csv", index=False)
+            from glm5lab.bench.records import provenance
+            from glm5lab.files import replacing
+
+            with replacing(Path(out_dir) / f"adapter_check_{qtype}.csv") as tmp:
+                df.assign(**provenance(f"glm5lab.vllm_plugin.loader_check.adapter_report({Path(path).name})")
+                          ).to_csv(tmp, index=False)
         summary.append({"gguf": qtype, "tensors": int(df["delivered"].sum()),
                         "missing": int((~df["delivered"]).sum()), "unexpected": int((~df["in_checkpoint"]).sum()),
                         "max |err|": float(df["max_abs_err"].max()),
