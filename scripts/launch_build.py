@@ -101,11 +101,15 @@ def launches_built_for(sm: int, builds: dict):
         entry["build_s"] = round(time.perf_counter() - start, 2)
         return entry
 
+    from glm5lab.kernels import checks
+
     JITFunction.run = build
+    checks.LAUNCHES_INTERCEPTED = True      # the host functions' CPU tensors are built for, never launched
     try:
         yield builds
     finally:
         JITFunction.run = original
+        checks.LAUNCHES_INTERCEPTED = False
 
 
 # ------------------------------------------------------------------------------------------------- the cases

@@ -44,6 +44,11 @@ def power_of_two(name: str, value, least: int = 1) -> int | None:
     return value
 
 
+# True while scripts/launch_build.py intercepts every launch to build it for a GPU on a CPU machine: its CPU tensors
+# never reach a kernel there
+LAUNCHES_INTERCEPTED = False
+
+
 def require_launch_device(**tensors) -> torch.device:
     """The one device the named tensors (None skipped) share, refused in one line where a Triton kernel cannot run
     them: tensors on two devices (Triton would read a host pointer as a device one), or CPU tensors without the
@@ -56,7 +61,7 @@ def require_launch_device(**tensors) -> torch.device:
         raise Glm5labError(f"{', '.join(named)} must be on one device, got "
                            f"{', '.join(f'{name} on {t.device}' for name, t in named.items())}")
     device = next(iter(devices))
-    if device.type == "cpu" and not interpreter_mode():
+    if device.type == "cpu" and not interpreter_mode() and not LAUNCHES_INTERCEPTED:
         raise Glm5labError("CPU tensors: glm5lab's Triton kernels run on CUDA devices, or on the CPU in Triton's "
                            "interpreter (set TRITON_INTERPRET=1 before glm5lab's kernels are imported)")
     if device.type not in ("cpu", "cuda"):
