@@ -87,7 +87,8 @@ gpu_tests=${GPU_TESTS:-tests/test_sparse_mla_kernel.py tests/test_sparse_mla_sm9
   tests/test_virtual_block_table.py tests/test_indexer_kernels.py tests/test_tensor_parallel.py tests/test_tail_split.py \
   tests/test_wave_spread.py tests/test_tma_gather_probe.py tests/test_gguf_loader_dtype.py}
 # (the default 90 s leaves the other default parts their time in one 600 s call and is not enough for every test: on
-#  a fresh H200 with 8 workers all of them took 369-405 s in v62-v63, so run them alone with GPU_TESTS_S=540)
+#  fresh H100s and an H200 with 8 workers all of them took 369-411 s in v62-v64, so run them alone with
+#  GPU_TESTS_S=540)
 part tests ${GPU_TESTS_S:-90} "$PY" -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
   --junitxml="$stage/gpu_tests.xml" $gpu_tests
 # 2. the benchmark suite (kernel vs FlashMLA vs torch; indexer; attention stack; accuracy)
