@@ -8,7 +8,7 @@ _REPLAY = [int(s) for s in os.environ.get("GLM5LAB_TEST_SEEDS", "").split(",") i
 
 
 def fresh_seed() -> int:
-    """A seed no earlier run chose (or the next one of GLM5LAB_TEST_SEEDS), recorded for the failure report.
+    """A new random seed each call (or the next one of GLM5LAB_TEST_SEEDS), recorded for the failure report.
     It does not touch torch's global generator, unlike torch.seed()."""
     seed = _REPLAY[len(DRAWN) % len(_REPLAY)] if _REPLAY else random.SystemRandom().randrange(2**31)
     DRAWN.append(seed)

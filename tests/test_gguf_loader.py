@@ -409,3 +409,21 @@ def test_cli_check_names_blocks_past_block_count_and_vllms_refusal_in_one_line(t
     assert run.returncode == 1, run.stdout + run.stderr
     assert "vLLM could not build the model from it:" in run.stdout and run.stdout.strip().endswith("FAILED"), run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_the_adapter_refuses_a_config_of_another_model(tiny_paths):
+    """`vllm serve X.gguf --tokenizer DIR`: vllm-gguf-plugin builds the model from DIR/config.json. Another model's
+    config there is refused when the adapter patches it, naming the key, before any tensor is laid out by it."""
+    from glm5lab.model.checkpoint import read_hf_config
+
+    gguf_path = tiny_paths.gguf("F16")
+    same = read_hf_config(tiny_paths.hf_dir)
+    G.adapter_class()(same).patch_hf_config(str(gguf_path), same)          # this model's: accepted
+    other = read_hf_config(tiny_paths.hf_dir)
+    other.q_lora_rank = same.q_lora_rank * 2
+    with pytest.raises(Glm5labError, match=r"the config vLLM was given describes another model than "
+                                           r"glm5-tiny-F16.gguf \(q_lora_rank \d+ in the GGUF, \d+ there\)"):
+        G.adapter_class()(other).patch_hf_config(str(gguf_path), other)
+    other = read_hf_config(tiny_paths.hf_dir)
+    other.index_topk = same.index_topk // 2                                 # a setting, no layout: an override
+    G.adapter_class()(other).patch_hf_config(str(gguf_path), other)

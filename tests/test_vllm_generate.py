@@ -262,16 +262,16 @@ def test_a_gguf_its_metadata_contradicts_is_refused_before_the_engine(tmp_path, 
 
 def test_a_tokenizer_folder_of_another_model_is_refused(tmp_path, tiny_paths):
     """vllm-gguf-plugin builds a GGUF's model from its tokenizer folder's config.json: another model's folder would
-    lay the GGUF's tensors out by that model's numbers (or load its index_topk silently)."""
+    lay the GGUF's tensors out by that model's numbers."""
     import json
     import shutil
 
     other = tmp_path / "other"
     shutil.copytree(tiny_paths.hf_dir, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["index_topk"] = cfg["index_topk"] * 2
+    cfg["q_lora_rank"] = cfg["q_lora_rank"] * 2
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Glm5labError, match=r"config.json describes another model than glm5-tiny-F16.gguf "
-                                           r"\(index_topk \d+ in the GGUF, \d+ there\)"):
+                                           r"\(q_lora_rank \d+ in the GGUF, \d+ there\)"):
         G.resolve_model(str(tiny_paths.gguf("F16")), tokenizer=str(other))
     assert G.resolve_model(str(tiny_paths.gguf("F16")), tokenizer=str(tiny_paths.hf_dir)).gguf

@@ -108,11 +108,11 @@ def hf_config_from_gguf(path_or_set):
     return cfg
 
 
-# the geometry a GGUF's tensors are laid out by: a config that disagrees on any of these cannot load them
+# the geometry a GGUF's tensors are laid out by: a config that disagrees on any of these cannot load them. Settings
+# that lay out no tensor (index_topk, num_experts_per_tok, rope, eps) may differ: an override of them is a choice.
 GEOMETRY_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
-                 "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
-                 "first_k_dense_replace")
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+                 "n_routed_experts", "moe_intermediate_size", "intermediate_size", "first_k_dense_replace")
 
 
 def geometry_disagreements(gguf_config, other_config) -> dict[str, tuple]:
@@ -125,3 +125,12 @@ def geometry_disagreements(gguf_config, other_config) -> dict[str, tuple]:
         if a is not None and b is not None and a != b:
             out[key] = (a, b)
     return out
+
+
+def require_same_geometry(gguf_config, other_config, gguf_name: str, other_name: str) -> None:
+    """Refuse a config that would lay a GGUF's tensors out by another model's numbers (geometry_disagreements)."""
+    differ = geometry_disagreements(gguf_config, other_config)
+    if differ:
+        shown = ", ".join(f"{k} {a} in the GGUF, {b} there" for k, (a, b) in list(differ.items())[:3])
+        raise Glm5labError(f"{other_name} describes another model than {gguf_name} ({shown}); vLLM would build the "
+                           f"GGUF's model from it: give a tokenizer folder (or --hf-config-path) of this model")

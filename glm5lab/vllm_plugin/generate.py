@@ -136,7 +136,11 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
         config = config_from_gguf(target)
         require_loadable_tensors(open_gguf(target))   # headers only: refused here, not inside the engine
         if tokenizer is not None and (Path(tokenizer) / "config.json").is_file():
-            _require_same_geometry(target, config, Path(tokenizer))
+            # vllm-gguf-plugin builds the model from that config.json, not from the GGUF's metadata
+            from glm5lab.gguf.config import require_same_geometry
+            from glm5lab.model.checkpoint import read_hf_config
+
+            require_same_geometry(config, read_hf_config(tokenizer), target.name, f"{tokenizer}/config.json")
     else:
         if not (target / "config.json").exists():
             raise Glm5labError(f"{target} has no config.json (pass a .gguf with --gguf, or an HF directory)")
@@ -144,20 +148,6 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
 
         config = read_hf_config(target)
     return ModelSpec(name=model, model=str(target), tokenizer=tokenizer, gguf=gguf, hf_config=config)
-
-
-def _require_same_geometry(gguf_path: Path, gguf_config, tokenizer_dir: Path) -> None:
-    """vllm-gguf-plugin takes a GGUF's config from its tokenizer folder's config.json when there is one: refuse a
-    folder whose model is another (glm5lab.gguf.config.geometry_disagreements) before the engine lays the GGUF's
-    tensors out by it."""
-    from glm5lab.gguf.config import geometry_disagreements
-    from glm5lab.model.checkpoint import read_hf_config
-
-    differ = geometry_disagreements(gguf_config, read_hf_config(tokenizer_dir))
-    if differ:
-        shown = ", ".join(f"{k} {a} in the GGUF, {b} there" for k, (a, b) in list(differ.items())[:3])
-        raise Glm5labError(f"{tokenizer_dir}/config.json describes another model than {gguf_path.name} ({shown}); "
-                           f"vLLM would build the GGUF's model from it: give a tokenizer folder of this model")
 
 
 def model_problem(spec: ModelSpec) -> str | None:

@@ -360,6 +360,13 @@ def adapter_class():
         def patch_hf_config(self, model_path, hf_config):
             hf_config = maybe_patch_hf_config_from_gguf(model_path, hf_config)  # vocab size from the tokenizer
             files = self._get_all_gguf_files(model_path)
+            # the plugin took hf_config from the tokenizer folder's config.json when it has one (or from
+            # --hf-config-path): another model's would lay these tensors out by its numbers, so `vllm serve` is
+            # refused here as `glm5lab generate` is before it starts an engine
+            from glm5lab.gguf.config import hf_config_from_gguf, require_same_geometry
+
+            require_same_geometry(hf_config_from_gguf([Path(f) for f in files]), hf_config, Path(files[0]).name,
+                                  "the config vLLM was given")
             # The plugin decides tie_word_embeddings from the first shard only; output.weight may sit in any.
             names = self._tensor_types(files)
             hf_config.update({"tie_word_embeddings": "output.weight" not in names})
@@ -533,7 +540,8 @@ ledger.add(Patch(
         "name map from gguf's glm-dsa tables, kv_b_proj rebuilt from attn_k_b/attn_v_b (exact inverse of "
         "llama.cpp's split), MTP block skipped, float-only targets dequantized, tie_word_embeddings from all "
         "shards, vLLM-only config keys (scoring_func, topk_method, indexer_rope_interleave) filled when missing, "
-        "float routed experts cast to the model's dtype",
+        "float routed experts cast to the model's dtype; a config whose tensor geometry disagrees with the GGUF's "
+        "metadata (the plugin reads config.json from the tokenizer folder) refused by name",
     upstream="vllm-gguf-plugin: no GLM-DSA adapter in 0.0.5 (candidate upstream PR: this adapter)",
     remove_when="the plugin ships an adapter for glm_moe_dsa that reassembles kv_b_proj from attn_k_b/attn_v_b",
     versions=VERSIONS, apply=_apply_adapter))
