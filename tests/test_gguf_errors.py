@@ -10,6 +10,7 @@ from glm5lab.cli import main
 from glm5lab.errors import Glm5labError
 from glm5lab.gguf.inspect import inspect_gguf
 from glm5lab.gguf.shards import split_gguf
+from tests.gguf_edits import edited_gguf
 
 
 def _bad_files(tiny_paths, d):
@@ -177,41 +178,6 @@ def test_inspect_into_a_closed_pipe_is_quiet(tiny_paths):
     assert done.returncode == 141  # 128 + SIGPIPE, as a killed writer reports
 
 
-# ------------------------------------------------------------------------------- metadata and tensor-table edits
-class _Retyped:
-    """A reader tensor with another type id or name in the tensor table (its bytes unchanged)."""
-
-    def __init__(self, t, tensor_type=None, name=None):
-        self._t, self.tensor_type, self.name = t, t.tensor_type if tensor_type is None else tensor_type, name or t.name
-
-    def __getattr__(self, attr):
-        return getattr(self._t, attr)
-
-
-def _edited(src, dst, values=None, drop_tensor=None, add_copy=None, types=None):
-    """`src` rewritten to `dst` with metadata values replaced ({key: str or uint32}), one tensor dropped, one tensor
-    appended again (a copy of another's bytes under a name), or tensors retyped ({name: type id})."""
-    import struct
-
-    from glm5lab.gguf.reader import open_reader
-    from glm5lab.gguf.shards import _pack_str, _raw_kv_records, _write_gguf_stream
-
-    r = open_reader(src)
-    keys = [k for k in r.fields if not k.startswith("GGUF.")]
-    records = _raw_kv_records(r)
-    for key, value in (values or {}).items():
-        i = keys.index(key)
-        records[i] = _pack_str(key) + (struct.pack("<I", gguf.GGUFValueType.STRING) + _pack_str(value)
-                                       if isinstance(value, str) else struct.pack("<II", gguf.GGUFValueType.UINT32, value))
-    tensors = [_Retyped(t, (types or {}).get(t.name)) for t in r.tensors if t.name != drop_tensor]
-    if add_copy:
-        name, of = add_copy
-        tensors.append(_Retyped(next(t for t in r.tensors if t.name == of), name=name))
-    with open(dst, "wb") as f:
-        _write_gguf_stream(f, 3, records, tensors, [r.data] * len(tensors), 32, None)
-    return dst
-
-
 def test_metadata_and_tensor_table_faults_are_named(tiny_paths, tmp_path, capsys):
     """What a bad-input audit found reported as another problem, or as a traceback: each names its cause now."""
     from glm5lab.gguf.reader import open_gguf, read_gguf_tensors
@@ -219,11 +185,11 @@ def test_metadata_and_tensor_table_faults_are_named(tiny_paths, tmp_path, capsys
 
     src = tiny_paths.gguf("F16")
     Q = gguf.GGMLQuantizationType
-    rank_str = _edited(src, tmp_path / "rank_str.gguf", values={"glm-dsa.attention.kv_lora_rank": "abc"})
-    heads0 = _edited(src, tmp_path / "heads0.gguf", values={"glm-dsa.attention.head_count": 0})
-    topk0 = _edited(src, tmp_path / "topk0.gguf", values={"glm-dsa.attention.indexer.top_k": 0})
-    dup = _edited(src, tmp_path / "dup.gguf", add_copy=("blk.0.attn_norm.weight", "blk.0.attn_norm.weight"))
-    type99 = _edited(src, tmp_path / "type99.gguf", types={"token_embd.weight": 99})
+    rank_str = edited_gguf(src, tmp_path / "rank_str.gguf", values={"glm-dsa.attention.kv_lora_rank": "abc"})
+    heads0 = edited_gguf(src, tmp_path / "heads0.gguf", values={"glm-dsa.attention.head_count": 0})
+    topk0 = edited_gguf(src, tmp_path / "topk0.gguf", values={"glm-dsa.attention.indexer.top_k": 0})
+    dup = edited_gguf(src, tmp_path / "dup.gguf", add_copy=("blk.0.attn_norm.weight", "blk.0.attn_norm.weight"))
+    type99 = edited_gguf(src, tmp_path / "type99.gguf", types={"token_embd.weight": 99})
     for path, words in [
         (rank_str, "metadata glm-dsa.attention.kv_lora_rank is str 'abc', expected an integer >= 1"),
         (heads0, "metadata glm-dsa.attention.head_count is int 0, expected an integer >= 1"),
@@ -236,21 +202,21 @@ def test_metadata_and_tensor_table_faults_are_named(tiny_paths, tmp_path, capsys
         assert "\n" not in err and words in err and str(path) in err, (path, err)
 
     # tensors the reader cannot dequantize: named with their type, by the reader and before a load starts
-    i8 = _edited(src, tmp_path / "i8.gguf", types={"blk.0.attn_q_a.weight": int(Q.I8)})
+    i8 = edited_gguf(src, tmp_path / "i8.gguf", types={"blk.0.attn_q_a.weight": int(Q.I8)})
     with pytest.raises(Glm5labError, match=r"tensor blk.0.attn_q_a.weight is I8, a type gguf .* cannot dequantize"):
         read_gguf_tensors(i8, ["blk.0.attn_q_a.weight"])
     with pytest.raises(Glm5labError, match=r"1 tensor\(s\) of a type glm5lab cannot read, e.g. blk.0.attn_q_a.weight"):
         require_loadable_tensors(open_gguf(i8))
     # vLLM fuses attn_q_a with attn_kv_a_mqa: one quantized and one float cannot load (Q4_0's bytes are fewer, so the
     # table still fits the file)
-    mixed = _edited(src, tmp_path / "mixed.gguf", types={"blk.1.attn_q_a.weight": int(Q.Q4_0)})
+    mixed = edited_gguf(src, tmp_path / "mixed.gguf", types={"blk.1.attn_q_a.weight": int(Q.Q4_0)})
     with pytest.raises(Glm5labError, match=r"blk.1.attn_q_a.weight is Q4_0 and blk.1.attn_kv_a_mqa.weight is F16"):
         require_loadable_tensors(open_gguf(mixed))
-    absent = _edited(src, tmp_path / "absent.gguf", drop_tensor="blk.2.attn_kv_a_mqa.weight")
+    absent = edited_gguf(src, tmp_path / "absent.gguf", drop_tensor="blk.2.attn_kv_a_mqa.weight")
     with pytest.raises(Glm5labError, match=r"1 tensor\(s\) its metadata implies are absent, e.g. "
                                            r"blk.2.attn_kv_a_mqa.weight"):
         require_loadable_tensors(open_gguf(absent))
-    extra = _edited(src, tmp_path / "extra.gguf", add_copy=("blk.9.attn_norm.weight", "blk.0.attn_norm.weight"))
+    extra = edited_gguf(src, tmp_path / "extra.gguf", add_copy=("blk.9.attn_norm.weight", "blk.0.attn_norm.weight"))
     with pytest.raises(Glm5labError, match=r"tensor blk.9.attn_norm.weight lies past the metadata's "
                                            r"glm-dsa.block_count 3"):
         require_loadable_tensors(open_gguf(extra))

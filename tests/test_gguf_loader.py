@@ -16,6 +16,7 @@ import torch
 from glm5lab.errors import Glm5labError
 from glm5lab.vllm_plugin import gguf_loader as G
 from glm5lab.vllm_plugin import ledger
+from tests.gguf_edits import edited_gguf
 
 
 @pytest.fixture(scope="module")
@@ -311,33 +312,6 @@ def test_unquantized_modules_name_the_rebuilt_kv_b_proj_from_either_half(halves)
     assert unquantized_modules(types, mapping) == ["model.layers.0.self_attn.kv_b_proj"]
 
 
-def _rewritten_gguf(src, dst, drop: str | None = None, extra: str | None = None):
-    """A copy of a GGUF (metadata and tensors through gguf's writer) less the tensor `drop`, plus an F32 `extra`."""
-    import gguf
-    import numpy as np
-
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
-        else:
-            w.add_key_value(name, f.contents(), f.types[0])
-    for t in r.tensors:
-        if t.name != drop:
-            data = np.array(t.data)
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    if extra:
-        w.add_tensor(extra, np.ones((4, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_cli_adapter_check_without_a_checkpoint_checks_names_and_shapes(tmp_path, tiny_paths, capsys):
     """`loader check X.gguf --no-vllm` without --hf-dir used to check nothing and print OK. It now maps every
     tensor through the adapter and compares the file's tensors with what its own metadata implies."""
@@ -347,11 +321,12 @@ def test_cli_adapter_check_without_a_checkpoint_checks_names_and_shapes(tmp_path
     assert main(["loader", "check", str(src), "--no-vllm"]) == 0
     out = capsys.readouterr().out
     assert "0 missing, 0 with another shape" in out and out.strip().endswith("OK")
-    extra = _rewritten_gguf(src, tmp_path / "extra.gguf", extra="blk.0.totally_unknown.weight")
+    extra = edited_gguf(src, tmp_path / "extra.gguf",
+                        add_copy=("blk.0.totally_unknown.weight", "blk.0.attn_norm.weight"))
     assert main(["loader", "check", str(extra), "--no-vllm"]) == 1
     err = capsys.readouterr().err.strip()
     assert "1 tensors have no GLM-5 name" in err and "totally_unknown" in err and err.count("\n") == 0
-    short = _rewritten_gguf(src, tmp_path / "short.gguf", drop="blk.1.attn_q_a.weight")
+    short = edited_gguf(src, tmp_path / "short.gguf", drop_tensor="blk.1.attn_q_a.weight")
     assert main(["loader", "check", str(short), "--no-vllm"]) == 1
     out = capsys.readouterr().out
     assert "MISSING blk.1.attn_q_a.weight" in out and out.strip().endswith("FAILED")
@@ -395,14 +370,14 @@ def test_cli_check_names_blocks_past_block_count_and_vllms_refusal_in_one_line(t
     import gguf
 
     from glm5lab.cli import main
-    from tests.test_gguf_errors import _edited
 
     src = tiny_paths.gguf("F16")
-    past = _rewritten_gguf(src, tmp_path / "past.gguf", extra="blk.7.attn_norm.weight")
+    past = edited_gguf(src, tmp_path / "past.gguf", add_copy=("blk.7.attn_norm.weight", "blk.0.attn_norm.weight"))
     assert main(["loader", "check", str(past), "--no-vllm"]) == 1
     out = capsys.readouterr().out
     assert "PAST block_count blk.7.attn_norm.weight" in out and out.strip().endswith("FAILED")
-    mixed = _edited(src, tmp_path / "mixed.gguf", types={"blk.1.attn_q_a.weight": int(gguf.GGMLQuantizationType.Q4_0)})
+    mixed = edited_gguf(src, tmp_path / "mixed.gguf",
+                        types={"blk.1.attn_q_a.weight": int(gguf.GGMLQuantizationType.Q4_0)})
     # in its own process: vLLM's load path initialises torch.distributed, which later tests initialise themselves
     run = subprocess.run([sys.executable, "-m", "glm5lab", "loader", "check", str(mixed), "--dtype", "float32"],
                          capture_output=True, text=True, timeout=600)

@@ -252,10 +252,10 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 def test_a_gguf_its_metadata_contradicts_is_refused_before_the_engine(tmp_path, tiny_paths, monkeypatch):
     """A tensor the metadata implies is absent: vLLM used to start, load, and fail inside a reshape or an assert."""
-    from tests.test_gguf_errors import _edited
+    from tests.gguf_edits import edited_gguf
 
     monkeypatch.setattr(G, "_start", lambda *a, **k: pytest.fail("the engine was started"))
-    bad = _edited(tiny_paths.gguf("F16"), tmp_path / "absent.gguf", drop_tensor="blk.1.attn_output.weight")
+    bad = edited_gguf(tiny_paths.gguf("F16"), tmp_path / "absent.gguf", drop_tensor="blk.1.attn_output.weight")
     with pytest.raises(Glm5labError, match=r"its metadata implies are absent, e.g. blk.1.attn_output.weight"):
         G.run(str(bad), prompts=[[1, 2, 3]], max_tokens=1, tokenizer=str(tiny_paths.hf_dir))
 

@@ -285,6 +285,11 @@ def project(qtypes=("Q4_K", "Q8_0"), batches=(1, 8, 32, 64, 128, 256), contexts=
     return res
 
 
+def inputs_measured_on(proj: pd.DataFrame) -> str:
+    """The GPU(s) whose measured efficiencies fed a projection (`project`'s result); "" when none did."""
+    return str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
+
+
 def projection_rows(proj: pd.DataFrame) -> list[dict]:
     """Long-format rows for the CSV (suite 'projection', implementation = kind)."""
     rows = []
@@ -300,10 +305,9 @@ def projection_rows(proj: pd.DataFrame) -> list[dict]:
             rows.append({**base, "metric": m, "value": float(getattr(r, m)), "unit": unit})
     # what the numbers are for, in the CSV itself: its rows' gpu column names the machine that computed them (and
     # measured_on the GPU whose efficiencies fed them), never the GPU the figures describe
-    label = str(proj["label"].iloc[0]) if "label" in proj and len(proj) else PROJECTION_LABEL
     rows.append({"suite": "projection", "implementation": "target", "shape": "-", "dtype": "-", "layout": "TP8",
-                 "metric": "projected_for", "value": float("nan"), "unit": label})
-    measured_on = str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
+                 "metric": "projected_for", "value": float("nan"), "unit": PROJECTION_LABEL})
+    measured_on = inputs_measured_on(proj)
     if measured_on:   # one row naming the GPU(s) of the measured inputs, for the plots drawn from the CSV
         rows.append({"suite": "projection", "implementation": "inputs", "shape": "-", "dtype": "-", "layout": "TP8",
                      "metric": "measured_on", "value": float("nan"), "unit": measured_on[:300]})

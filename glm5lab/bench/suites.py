@@ -144,18 +144,17 @@ def part_gemm_streaming(csv: Path, profile: str, cmd: str, budget: float) -> Non
 def part_projection(csv: Path, profile: str, cmd: str, budget: float) -> None:
     """Always fed from GPU measurements (results/bench/gpu/), whichever profile runs it: CPU timings are
     never an input. Missing inputs are written as rows that name them."""
-    from glm5lab.bench.projection import assumptions, project, projection_rows
+    from glm5lab.bench.projection import assumptions, inputs_measured_on, project, projection_rows
     from glm5lab.bench.records import append_rows
 
     results = csv.parents[2]
     proj = project(results_dir=results)
     append_rows(csv, projection_rows(proj), command=cmd)
-    measured_on = str(proj["measured_on"].iloc[0]) if "measured_on" in proj and len(proj) else ""
     from glm5lab.bench.records import provenance
     from glm5lab.files import replacing
 
     with replacing(csv.parent / "projection_assumptions.csv") as tmp:
-        assumptions(measured_on=measured_on).assign(**provenance(cmd)).to_csv(tmp, index=False)
+        assumptions(measured_on=inputs_measured_on(proj)).assign(**provenance(cmd)).to_csv(tmp, index=False)
     ok = proj[(proj.kind == "projection") & proj.tokens_per_s.notna()] if "tokens_per_s" in proj else proj.iloc[:0]
     _log(f"  projection: {len(ok)} projected points; "
          f"{'missing inputs: ' + proj[proj.kind == 'projection'].missing_inputs.iloc[0] if ok.empty else 'all inputs measured'}")

@@ -28,8 +28,6 @@ def _int(s, suffix: str, minimum: int = 1, default=None) -> int:
     """A geometry key as an int of at least `minimum`: a string, a float or a 0 head count there would otherwise
     surface as a ValueError from int(), or as a reshape error inside vLLM after the engine has loaded."""
     v = _req(s, suffix) if default is None else s.arch_key(suffix, default)
-    if v is None:
-        v = default
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise Glm5labError(f"{s.paths[0]}: metadata {N.ARCH_NAME}.{suffix} is {type(v).__name__} {v!r}, expected "
                            f"an integer >= {minimum}")

@@ -96,11 +96,12 @@ class TensorMismatches(NamedTuple):
     beyond_blocks: list[str]                      # blk.N tensors with N past the metadata's block_count
 
 
-def geometry_mismatches(s: GgufSet) -> TensorMismatches:
-    """The set's tensors against the GLM-5 geometry of its own metadata. Reads no tensor data."""
+def geometry_mismatches(s: GgufSet, cfg=None) -> TensorMismatches:
+    """The set's tensors against the GLM-5 geometry of its own metadata (`cfg`: its config, when the caller has it
+    already). Reads no tensor data."""
     from glm5lab.gguf.config import hf_config_from_gguf
 
-    cfg = hf_config_from_gguf(s)
+    cfg = cfg if cfg is not None else hf_config_from_gguf(s)
     nextn = int(s.arch_key("nextn_predict_layers", 0) or 0)
     expected = {name: tuple(shape) for name, shape in N.gguf_tensor_specs(N.Geometry.from_hf(cfg, nextn_layers=nextn))}
     missing = [name for name in expected if name not in s.tensor_index]
@@ -111,19 +112,22 @@ def geometry_mismatches(s: GgufSet) -> TensorMismatches:
     return TensorMismatches(missing, wrong, beyond)
 
 
-def require_loadable_tensors(s: GgufSet) -> None:
+def require_loadable_tensors(s: GgufSet, cfg=None) -> None:
     """Refuse, before an engine starts, a file set whose main-model tensors its metadata contradicts (missing, of
     another shape, blocks past block_count) or that holds a tensor type glm5lab cannot read back. The NextN block
-    is left to the loader, which skips it. Reads no tensor data."""
+    is left to the loader, which skips it. `cfg`: the set's config from its metadata, when the caller has it. Reads
+    no tensor data."""
+    from glm5lab.gguf.config import hf_config_from_gguf
     from glm5lab.gguf.reader import require_readable_types
 
     require_readable_types(s)
-    n_main = int(s.arch_key("block_count")) - int(s.arch_key("nextn_predict_layers", 0) or 0)
+    cfg = cfg if cfg is not None else hf_config_from_gguf(s)
+    n_main = cfg.num_hidden_layers        # block_count less the NextN layers
 
     def main(name: str) -> bool:   # a tensor of the main model (not of the NextN block the loader skips)
         return (N.layer_of(name) or 0) < n_main
 
-    m = geometry_mismatches(s)
+    m = geometry_mismatches(s, cfg)
     missing = [name for name in m.missing if main(name)]
     if missing:
         raise Glm5labError(f"{s.paths[0]}: {len(missing)} tensor(s) its metadata implies are absent, e.g. "

@@ -5,17 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm5lab.errors import Glm5labError
-
-
-def _first_line(exc: Exception) -> str:
-    """The error on one line. transformers' validation errors put the field on their first line and the reason
-    ("expected int, got str") on the next, so a first line ending in ':' takes the next non-empty one with it."""
-    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    head = text[0] if text else ""
-    if head.endswith(":") and len(text) > 1:
-        head = f"{head} {text[1]}"
-    return f"{type(exc).__name__}: {head[:240]}"
+from glm5lab.errors import Glm5labError, first_line
 
 
 def read_hf_config(path: Path | str):
@@ -30,7 +20,7 @@ def read_hf_config(path: Path | str):
     try:
         return AutoConfig.from_pretrained(str(folder))
     except Exception as exc:  # JSON errors, unknown model types: transformers wraps them in OSError / ValueError
-        raise Glm5labError(f"{config_json}: transformers cannot read it ({_first_line(exc)})") from None
+        raise Glm5labError(f"{config_json}: transformers cannot read it ({first_line(exc)})") from None
 
 
 def safetensors_files(folder: Path | str) -> list[Path]:
@@ -48,7 +38,7 @@ def safetensors_keys(file: Path) -> list[str]:
         with safe_open(str(file), framework="pt") as f:
             return list(f.keys())
     except Exception as exc:
-        raise Glm5labError(f"{file}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise Glm5labError(f"{file}: not a readable safetensors file ({first_line(exc)})") from None
 
 
 def load_safetensors(file: Path) -> dict:
@@ -58,4 +48,4 @@ def load_safetensors(file: Path) -> dict:
     try:
         return load_file(str(file))
     except Exception as exc:
-        raise Glm5labError(f"{file}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise Glm5labError(f"{file}: not a readable safetensors file ({first_line(exc)})") from None

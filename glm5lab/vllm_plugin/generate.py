@@ -133,8 +133,9 @@ def resolve_model(model: str = "tiny", gguf: bool = False, qtype: str = "F16",
         from glm5lab.gguf.shards import require_loadable_tensors
         from glm5lab.vllm_plugin.gguf_loader import config_from_gguf
 
-        config = config_from_gguf(target)
-        require_loadable_tensors(open_gguf(target))   # headers only: refused here, not inside the engine
+        s = open_gguf(target)                       # headers only, parsed once for all three
+        config = config_from_gguf(s)
+        require_loadable_tensors(s, config)         # refused here, not inside the engine
         if tokenizer is not None and (Path(tokenizer) / "config.json").is_file():
             # vllm-gguf-plugin builds the model from that config.json, not from the GGUF's metadata
             from glm5lab.gguf.config import require_same_geometry

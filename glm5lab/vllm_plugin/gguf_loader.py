@@ -359,18 +359,17 @@ def adapter_class():
 
         def patch_hf_config(self, model_path, hf_config):
             hf_config = maybe_patch_hf_config_from_gguf(model_path, hf_config)  # vocab size from the tokenizer
-            files = self._get_all_gguf_files(model_path)
+            from glm5lab.gguf.config import hf_config_from_gguf, require_same_geometry
+            from glm5lab.gguf.reader import open_gguf
+
+            s = open_gguf([Path(f) for f in self._get_all_gguf_files(model_path)])   # every shard's headers, once
             # the plugin took hf_config from the tokenizer folder's config.json when it has one (or from
             # --hf-config-path): another model's would lay these tensors out by its numbers, so `vllm serve` is
             # refused here as `glm5lab generate` is before it starts an engine
-            from glm5lab.gguf.config import hf_config_from_gguf, require_same_geometry
-
-            require_same_geometry(hf_config_from_gguf([Path(f) for f in files]), hf_config, Path(files[0]).name,
-                                  "the config vLLM was given")
+            require_same_geometry(hf_config_from_gguf(s), hf_config, s.paths[0].name, "the config vLLM was given")
             # The plugin decides tie_word_embeddings from the first shard only; output.weight may sit in any.
-            names = self._tensor_types(files)
-            hf_config.update({"tie_word_embeddings": "output.weight" not in names})
-            fill_vllm_config_keys(hf_config, model_path)
+            hf_config.update({"tie_word_embeddings": "output.weight" not in s.tensor_index})
+            fill_vllm_config_keys(hf_config, s)
             return hf_config
 
         @staticmethod

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from glm5lab.cli import stdout_to_stderr
-from glm5lab.errors import Glm5labError
+from glm5lab.errors import Glm5labError, first_line
 
 
 def _check(args) -> int:
@@ -55,9 +55,7 @@ def _check(args) -> int:
             except Glm5labError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- vLLM refusing to build the model is this check's answer
-                text = str(exc).strip().splitlines()
-                rep = {"refused": f"{type(exc).__name__}: {text[0][:300] if text else ''}", "missing": None,
-                       "built": False}
+                rep = {"refused": first_line(exc, 300), "missing": None, "built": False}
         result["vllm"] = rep
         ok &= rep["refused"] is None and not rep["missing"] and rep.get("values_ok", True)
     result["ok"] = bool(ok)
