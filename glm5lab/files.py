@@ -53,6 +53,10 @@ def make_folder(path: Path | str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
+        if blocker is not None:   # mkdir says "File exists" or "Not a directory": name the file in the way
+            inside = "" if blocker == path else f" {path}"
+            raise Glm5labError(f"{blocker}: cannot make the output folder{inside} (a file is in the way)") from None
         raise Glm5labError(f"{path}: cannot make the output folder ({exc.strerror or exc})") from None
     return path
 
@@ -88,3 +92,12 @@ def replacing(path: Path | str) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_figure(fig, path: Path | str, dpi: int = 110, **savefig_kwargs) -> Path:
+    """A matplotlib figure written whole (see `replacing`): the format follows the target's suffix, and a folder
+    that cannot be made or written is one line, never matplotlib's OSError after the plotting."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, **savefig_kwargs)
+    return path

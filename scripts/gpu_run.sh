@@ -53,6 +53,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 # an H200 call) are never named as the H200's; commit them under results/$gpu/ when that is not the H200
 gpu=$("$PY" -m glm5lab env --slug 2>/dev/null || echo gpu)
 echo "bash scripts/gpu_run.sh $parts" > "$stage/command.txt"
+export GLM5LAB_OUTER_COMMAND="bash scripts/gpu_run.sh $parts"   # the suite's rows name it (bench.suites.suite_invocation)
 # a notebooks-only run reads the GPU measurements already committed under results/
 # (results of an EARLIER call are seen only once they are committed: the tree travels, gpu-out does not;
 #  notebook 05 alone takes 85-225 s on the H200, hence the 360 s default for the notebooks part)

@@ -69,3 +69,12 @@ def pytest_runtest_makereport(item, call):
 
     if report.failed and DRAWN:
         report.sections.append(("fresh seeds", "GLM5LAB_TEST_SEEDS=" + ",".join(map(str, DRAWN))))
+    if report.failed and report.when == "call" and item.get_closest_marker("measured"):
+        report.sections.append(("measured", MEASURED_HINT))
+
+
+# Tests marked `measured` hold a rule of the code (a kernel pick, a default, the README's table) against GPU rows
+# committed under results/: such a test can turn red with no code change, after a results-only commit.
+MEASURED_HINT = ("this test checks a rule of the code against the GPU measurements committed under results/: if only "
+                 "results changed, refit the rule (or regenerate the README table) to the new rows, or say in "
+                 "results/kernels/NOTES.md why the new rows disagree")

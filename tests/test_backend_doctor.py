@@ -414,3 +414,27 @@ def test_seed_table_is_data_with_provenance(bd):
     assert cmp.loc["TRITON_MLA", "change"] == "still fails, same reasons"
     assert cmp.loc["FLASHINFER_MLA_SPARSE_SM120", "change"].startswith("new since the seed")
     assert "fixed: qk_nope_head_dim != 128" in cmp.loc["FLASHINFER_MLA", "change"]
+
+
+def test_the_vllm_wings_failure_cells_hold_one_line(monkeypatch):
+    """A library error whose reason sits on its second line (transformers' style) reaches a table cell as one line
+    with that reason, in every wing that reports failures as data: loader check, the doctor's registration, vLLM's
+    decode on a virtual block table."""
+    import torch
+
+    from glm5lab.vllm_plugin import loader_check, triton_decode_vbt
+    from glm5lab.vllm_plugin import backend_doctor as doctor
+
+    def fail(*args, **kwargs):
+        raise ValueError("head_dim:\n  expected int, got str\n  (traceback detail)")
+
+    expected = "ValueError: head_dim: expected int, got str"
+    assert loader_check.safely(fail) == (None, expected)
+    monkeypatch.setattr("glm5lab.vllm_plugin.register", fail)
+    assert doctor.register_glm5lab() == f"glm5lab plugin registration failed: {expected}"
+    monkeypatch.setattr(triton_decode_vbt, "vllm_triton_decode_status", lambda: {"available": True, "reason": ""})
+    monkeypatch.setattr(triton_decode_vbt, "vllm_decode_attention_on_vbt", fail)
+    kv = torch.randn(2, 4, 8)
+    got = triton_decode_vbt.compare_vllm_decode_with_reference(torch.randn(1, 2, 8), kv, torch.tensor([[0, 3]]),
+                                                               0.5, kv_lora_rank=6)
+    assert got == {"status": "failed", "reason": expected}

@@ -95,10 +95,21 @@ def test_isolated_child_failure_does_not_stop_the_suite(tmp_path, monkeypatch):
     """Each part runs in its own process: one that dies (here by injected failure) is a 'failed' row and
     the next part runs in a fresh process."""
     monkeypatch.setenv("GLM5LAB_BENCH_INJECT_FAILURE", "projection")
-    status = suites.run_suite("cpu", tmp_path, parts=["projection", "plots"], isolate=True, progress=False)
+    monkeypatch.setenv("GLM5LAB_OUTER_COMMAND", "bash scripts/gpu_run.sh bench")
+    status = suites.run_suite("cpu", tmp_path, parts=["projection", "plots"], budget_s=300, isolate=True,
+                              progress=False)
     by = dict(zip(status.implementation, status.unit))
     assert by["projection"].startswith("failed: exit code")
     assert by["plots"] == "ok"
+    # every row names the command that reruns it, the child's part rows as the suite's status rows
+    run = suites.run_id_of(status)
+    again = "glm5lab bench --suite cpu --parts projection plots --budget 300 (via bash scripts/gpu_run.sh bench)"
+    assert set(status.command) == {f"{again} run={run} (cpu profile: timings are NOT performance)"}
+    monkeypatch.delenv("GLM5LAB_BENCH_INJECT_FAILURE")
+    assert suites.main(["--part", "projection", "--profile", "cpu", "--results", str(tmp_path), "--run-id", run,
+                        "--invocation", again]) == 0        # the child's entry, as run_suite starts it
+    rows = pd.read_csv(tmp_path / "bench" / "cpu" / "projection.csv")
+    assert set(rows.command) == {f"{again} part=projection run={run} (cpu profile: timings are NOT performance)"}
 
 
 def test_latest_run_picks_the_newest_run_id():

@@ -1,5 +1,6 @@
 """glm5lab.files: whole-file outputs (temporary name beside the target, renamed on success, removed on failure)."""
 import os
+import re
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_matplotlib_picks_the_format_from_the_target(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from glm5lab.bench.plots import save_figure
+    from glm5lab.files import save_figure
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])
@@ -70,3 +71,31 @@ def test_a_folder_as_target_is_refused_before_any_work(tmp_path):
     with pytest.raises(Glm5labError, match="is a folder"):
         with replacing(tmp_path / "out.csv"):
             raise AssertionError("the block must not run")
+
+
+def test_plot_and_folder_writers_name_a_folder_they_cannot_make(tmp_path, tiny_paths):
+    """Every plot writer goes through save_figure and every folder writer through make_folder: a file standing
+    where the folder should be is one line naming it, not matplotlib's or pathlib's OSError after the work."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from glm5lab.bench import allreduce_model
+    from glm5lab.files import save_figure
+    from glm5lab.gguf.tokenizer import write_hf_tokenizer
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cannot_make = "^" + re.escape(str(a_file)) + r": cannot make the output folder( \S+)? \(a file is in the way\)$"
+    fig, ax = plt.subplots()
+    try:
+        with pytest.raises(Glm5labError, match=cannot_make):
+            save_figure(fig, a_file / "plots" / "x.png")
+    finally:
+        plt.close(fig)
+    with pytest.raises(Glm5labError, match=cannot_make):
+        plt.close(allreduce_model.plot(allreduce_model.decode_step_allreduce(), a_file / "tp.png"))
+    with pytest.raises(Glm5labError, match=cannot_make):
+        write_hf_tokenizer(tiny_paths.gguf("F16"), a_file / "tok")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

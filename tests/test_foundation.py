@@ -371,3 +371,16 @@ def test_provenance_says_vllm_is_missing_and_names_the_cpu(monkeypatch):
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists() and "model name" in cpuinfo.read_text():
         assert info["cpu_model"] and info["cpu_model"] != info["cpu"]
+
+
+def test_a_failing_measured_test_says_it_reads_committed_results(tmp_path):
+    """A `measured` test (a rule held against committed GPU rows) that fails tells the reader a results-only commit
+    can be the cause; an unmarked failure does not get that hint."""
+    (tmp_path / "test_rule.py").write_text(
+        "import pytest\n\n@pytest.mark.measured\ndef test_rule():\n    assert 1 == 2\n\n"
+        "def test_plain():\n    assert 1 == 2\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                          "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), str(tmp_path / "test_rule.py")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "2 failed" in run.stdout, run.stdout + run.stderr
+    assert run.stdout.count("refit the rule") == 1 and "- measured -" in run.stdout, run.stdout

@@ -518,6 +518,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ------------------------------------------------------------------------------------ GPU, GLM-5 shapes
+@pytest.mark.measured
 def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
     """`fastest_topk_method` is what the vLLM indexer op and the projection run; it must pick, for every shape a
     committed GPU run graph-timed both kernels at, one within 5% of the faster. A shape's time is the mean over the
@@ -545,6 +546,7 @@ def test_the_top_k_rule_picks_the_kernel_measured_fastest_in_a_cuda_graph():
     assert shapes >= 12, "no committed graph-timed top-k rows to check the rule against"
 
 
+@pytest.mark.measured
 def test_the_dot_order_follows_the_measurements():
     """keys . q^T (a wgmma with the keys as M) is the default for fp8 keys on Hopper only, where the committed H100
     rows time it no slower than q . keys^T at every shape and tile both were timed at (NOTES.md v56: 1.01-1.14x faster);
@@ -567,6 +569,7 @@ def test_the_dot_order_follows_the_measurements():
     assert slower.empty, slower
 
 
+@pytest.mark.measured
 def test_the_e4m3_q_defaults_follow_the_measurements():
     """vLLM's op hands the decode logits its e4m3 q as it is (the fp8 x fp8 dot), and an e4m3 q's 128-key tiles go
     FP8_DOT_TILES to a program: in the committed H100 rows (NOTES.md v58) the e4m3 q is nowhere slower than the

@@ -1,17 +1,25 @@
 """The kernel benchmark's CPU profile: the code path the H200 run takes, on tiny shapes, writing
 long-format rows with provenance (timings under the interpreter are not performance)."""
 import pandas as pd
+import pytest
 
 from glm5lab.bench import kernel_bench
 from glm5lab.bench.kernel_plots import roofline_figure, summary
 
 
 def test_cpu_profile_writes_rows_and_checks_accuracy(tmp_path):
-    csv = tmp_path / "bench.csv"
-    df = kernel_bench.run(csv, "cpu", heads=(8,), tokens=(1,), verbose=False)
+    """The command line's run, with its per-shape summary table: the summary carries the provenance of the rows it
+    summarizes (it is read alone, as results/kernels/summary_v*.csv are)."""
+    csv, table = tmp_path / "bench.csv", tmp_path / "summary.csv"
+    assert kernel_bench.main(["--out", str(csv), "--profile", "cpu", "--heads", "8", "--tokens", "1",
+                              "--summary", str(table)]) == 0
+    df = pd.read_csv(table)
     assert {("glm5lab", "bf16"), ("glm5lab", "fp8_ds_mla"), ("torch-gather", "bf16")} <= set(zip(df.impl, df.layout))
     assert (df[df.impl == "glm5lab"].rel_err < 1.6e-2).all()        # bf16 bound, see test_sparse_mla_kernel
     rows = pd.read_csv(csv)
+    for col in ("gpu", "torch", "triton", "git_sha", "timestamp", "command"):
+        assert df[col].nunique() == 1 and df[col].iloc[0] == rows[col].iloc[-1], col
+    assert set(df.summarizes) == {"bench.csv"} and "--summary" in df.command.iloc[0]
     assert {"time", "rel_err_out", "min_bytes", "flops"} <= set(rows.metric)
     assert rows.triton_interpret.astype(str).str.lower().eq("true").all()
     w = summary(csv)
@@ -175,6 +183,7 @@ def test_headline_table_reads_the_last_run_cell_by_cell(tmp_path):
     assert sum(c == "n/a" for c in cells.values()) == len(cells) - 4
 
 
+@pytest.mark.measured
 def test_readme_kernel_table_is_the_committed_suite_run():
     """The README's kernel table is headline_table of the committed GPU suite run, not numbers typed by hand: a
     new suite run must come with the regenerated table (`glm5lab bench --suite full --headline`)."""

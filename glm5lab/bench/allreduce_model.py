@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from glm5lab.bench import records
-from glm5lab.files import replacing
+from glm5lab.files import replacing, save_figure
 
 MODEL_LABEL = "MODEL (paper projection, not measured)"
 GLM5_HIDDEN = 6144
@@ -151,8 +151,7 @@ def plot(df: pd.DataFrame, path: str | os.PathLike | None = None, measured: pd.D
     ax.legend(fontsize=7)
     fig.tight_layout()
     if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
     return fig
 
 
@@ -178,8 +177,7 @@ def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     info = collect()
     fig.text(0.01, 0.005, f"glm5lab {info.get('glm5lab')}, git {info.get('git_sha')}, {info.get('timestamp')}; "
              f"inputs: {paths['assumptions'].name}", fontsize=6, color="gray")
-    with replacing(paths["png"]) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    save_figure(fig, paths["png"], dpi=120)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

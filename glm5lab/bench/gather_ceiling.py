@@ -19,6 +19,7 @@ import sys
 import triton
 import triton.language as tl
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
                    help="program tiles to time, e.g. 16x2 32x4 64x8 (rows a program x warps)")
     args = p.parse_args(argv)
     tiles = [_tile(t) for t in args.tiles]
-    run(args.out, args.tokens, args.topk, command=" ".join(sys.argv), tiles=tiles)
+    run(args.out, args.tokens, args.topk, command=command_line("glm5lab.bench.gather_ceiling", argv), tiles=tiles)
     return 0
 
 

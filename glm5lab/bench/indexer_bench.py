@@ -22,6 +22,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import one_line_errors
 
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", choices=sorted(PROFILES),
                    default="gpu" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    run(args.out, args.profile, command=" ".join(["python -m glm5lab.bench.indexer_bench", *(argv or sys.argv[1:])]))
+    run(args.out, args.profile, command=command_line("glm5lab.bench.indexer_bench", argv))
     return 0
 
 

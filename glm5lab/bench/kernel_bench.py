@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
@@ -864,13 +865,15 @@ def main(argv=None) -> int:
 
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
-    df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=" ".join(sys.argv),
+    df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=command_line("glm5lab.bench.kernel_bench", argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
              fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
              layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles, tiles=tuple(args.tiles),
              configs=dict(args.config))
-    if args.summary:
-        df.to_csv(args.summary, index=False)
+    if args.summary:   # with the provenance of the rows it summarizes (the run just appended to --out)
+        from glm5lab.bench.records import write_summary
+
+        write_summary(df, args.out, args.summary)
     print(f"done in {time.time() - t0:.0f} s; rows appended to {args.out}")
     return 0
 

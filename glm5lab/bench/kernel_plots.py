@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm5lab.bench import records
+from glm5lab.files import save_figure
 
 MAIN = [("glm5lab", "bf16"), ("glm5lab", "fp8_ds_mla"), ("flashmla", "bf16"), ("flashmla", "fp8_ds_mla"),
         ("virtual-block-table", "bf16"), ("torch-gather", "bf16")]
@@ -84,8 +85,7 @@ def roofline_figure(csv_path, out_png=None, time_metric: str = "time_graph"):
                  f"source {Path(csv_path).name}", fontsize=9)
     fig.tight_layout()
     if out_png:
-        Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png, dpi=110)
+        save_figure(fig, out_png)
     return fig, w
 
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from glm5lab.bench import records
-from glm5lab.files import replacing
+from glm5lab.files import save_figure
 
 
 def _num(df: pd.DataFrame) -> pd.DataFrame:
@@ -31,11 +31,9 @@ def provenance_line(df: pd.DataFrame, profile: str) -> str:
     return line
 
 
-def save_figure(fig, out: Path) -> Path:
-    """PNG written to a temporary name, then renamed (no half-written files)."""
-    with replacing(out) as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    return out
+def save_tight(fig, out: Path) -> Path:
+    """The suite's plots: whole files (glm5lab.files.save_figure), cropped to what is drawn."""
+    return save_figure(fig, out, bbox_inches="tight")
 
 
 def plot_kernel_accuracy(df: pd.DataFrame, profile: str):
@@ -172,6 +170,6 @@ def draw_all(bench_dir: str | Path, profile: str) -> list[Path]:
         fig = fn(df, profile)
         if fig is None:
             continue
-        made.append(save_figure(fig, bench_dir / "plots" / f"{fn.__name__.replace('plot_', '')}.png"))
+        made.append(save_tight(fig, bench_dir / "plots" / f"{fn.__name__.replace('plot_', '')}.png"))
         plt.close(fig)
     return made

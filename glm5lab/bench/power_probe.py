@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
     run(args.out, args.heads, args.tokens, tuple(args.forms), args.seconds, args.rounds,
-        command=" ".join(["python -m glm5lab.bench.power_probe", *sys.argv[1:]]))
+        command=command_line("glm5lab.bench.power_probe", argv))
     return 0
 
 

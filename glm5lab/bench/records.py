@@ -23,6 +23,14 @@ PROVENANCE_COLUMNS = ["gpu", "capability", "gpu_uuid", "torch", "triton", "vllm"
 COLUMNS = MEASUREMENT_COLUMNS + PROVENANCE_COLUMNS
 
 
+def command_line(module: str, argv=None) -> str:
+    """How a `python -m <module>` tool was run (`argv` as its main() got it; None: this process's arguments), quoted
+    so that it can be pasted back: the `command` of the rows it writes."""
+    import shlex
+
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
 def provenance(command: str = "") -> dict:
     info = collect()
     row = {k: info.get(k) for k in PROVENANCE_COLUMNS if k != "command"}
@@ -106,6 +114,22 @@ def read(path: str | os.PathLike):
             if col not in df.columns:
                 df[col] = pd.Series(pd.NA, index=df.index, dtype=object)
     return df
+
+
+def with_provenance_of(summary, rows, source: str):
+    """A table derived from one run's rows (kernel_bench's `--summary`), given that run's provenance: the PROVENANCE
+    columns of `rows`' last row, and `summarizes` naming the file the rows are in. Such tables are read alone."""
+    last = rows.iloc[-1] if len(rows) else {}
+    prov = {c: last.get(c) if len(rows) else None for c in PROVENANCE_COLUMNS}
+    return summary.assign(**prov, summarizes=source)
+
+
+def write_summary(summary, rows_csv: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Write `summary` (a table of the run just appended to `rows_csv`) whole to `path`, with that run's provenance."""
+    df = read(rows_csv)
+    with replacing(path) as tmp:
+        with_provenance_of(summary, df, Path(rows_csv).name).to_csv(tmp, index=False)
+    return Path(path)
 
 
 def history_path(path: str | os.PathLike) -> Path:

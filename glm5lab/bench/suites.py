@@ -174,7 +174,17 @@ PART_FUNCS: dict[str, Callable] = {
 }
 
 
-def run_part(name: str, profile: str, results_dir: str | Path, run_id: str, budget: float) -> int:
+def suite_invocation(suite: str, parts: list[str] | None = None, budget_s: float | None = None) -> str:
+    """The glm5lab command a suite run amounts to: every row's `command` starts with it. GLM5LAB_OUTER_COMMAND (set by
+    scripts/gpu_run.sh) names what ran it, so a row says how to run it again."""
+    cmd = f"glm5lab bench --suite {suite}" + (" --parts " + " ".join(parts) if parts else "") + \
+        (f" --budget {budget_s:.0f}" if budget_s is not None else "")
+    outer = os.environ.get("GLM5LAB_OUTER_COMMAND", "").strip()
+    return cmd + (f" (via {outer})" if outer else "")
+
+
+def run_part(name: str, profile: str, results_dir: str | Path, run_id: str, budget: float,
+             invocation: str | None = None) -> int:
     """Run one part in THIS process; 0 on success. Used by the isolated child and by tests."""
     if profile == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -185,7 +195,7 @@ def run_part(name: str, profile: str, results_dir: str | Path, run_id: str, budg
     d = out_dir(results_dir, profile)
     make_folder(d)
     suite = "full" if profile == "gpu" else "cpu"
-    cmd = f"glm5lab bench --suite {suite} part={name} run={run_id}" + \
+    cmd = f"{invocation or suite_invocation(suite)} part={name} run={run_id}" + \
         (" (cpu profile: timings are NOT performance)" if profile == "cpu" else "")
     PART_FUNCS[name](d / f"{name}.csv", profile, cmd, budget)
     return 0
@@ -223,6 +233,7 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
         raise Glm5labError(f"unknown part(s) {unknown}; parts are {PART_NAMES}")
     budget_s = budget_s if budget_s is not None else (420.0 if profile == "gpu" else 1200.0)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    invocation = suite_invocation(suite, parts, budget_s)
     d = out_dir(results_dir, profile)
     make_folder(d)
     t0 = time.time()
@@ -250,7 +261,8 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
         status, why = "ok", ""
         if isolate:
             argv = [sys.executable, "-m", "glm5lab.bench.suites", "--part", part.name, "--profile", profile,
-                    "--results", str(results_dir), "--run-id", run_id, "--budget", f"{limit:.0f}"]
+                    "--results", str(results_dir), "--run-id", run_id, "--budget", f"{limit:.0f}",
+                    "--invocation", invocation]
             env = dict(os.environ)
             if profile == "cpu":
                 env["TRITON_INTERPRET"] = "1"
@@ -262,15 +274,14 @@ def run_suite(suite: str, results_dir: str | Path = "results", *, parts: list[st
                 status, why = "timeout", f"killed after {limit + 15:.0f} s"
         else:
             try:
-                run_part(part.name, profile, results_dir, run_id, limit)
+                run_part(part.name, profile, results_dir, run_id, limit, invocation)
             except Exception as exc:  # noqa: BLE001  (a failing part must not stop the others)
                 traceback.print_exc()
                 status, why = "failed", f"{type(exc).__name__}: {exc}"
         wall = time.time() - ts
         _log(f"[{part.name}] {status} in {wall:.0f} s" + (f": {why}" if why else ""))
         statuses.append(_status_row(part.name, status, 1.0 if status == "ok" else 0.0, wall, why, run_id, suite))
-    cmd = f"glm5lab bench --suite {suite} run={run_id}" + (" (cpu profile: timings are NOT performance)"
-                                                           if profile == "cpu" else "")
+    cmd = f"{invocation} run={run_id}" + (" (cpu profile: timings are NOT performance)" if profile == "cpu" else "")
     append_rows(d / "suite.csv", statuses, command=cmd)
     _log(f"bench {suite}: {sum(s['value'] == 1.0 for s in statuses)}/{len(statuses)} parts ok in "
          f"{time.time() - t0:.0f} s; results in {d}")
@@ -351,8 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default="results")
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--budget", type=float, default=120.0)
+    ap.add_argument("--invocation", default=None, help="the suite's command, for the rows' `command` column")
     a = ap.parse_args(argv)
-    return run_part(a.part, a.profile, a.results, a.run_id, a.budget)
+    return run_part(a.part, a.profile, a.results, a.run_id, a.budget, a.invocation)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
         except ValueError:
             raise Glm5labError(f"--plans takes WHOLExSPLITS, got {args.plans}") from None
     run(args.out, tuple(args.heads), tuple(args.tokens), plans, args.rounds,
-        command=" ".join(["python -m glm5lab.bench.tail_split", *sys.argv[1:]]), programs_csv=args.programs)
+        command=command_line("glm5lab.bench.tail_split", argv), programs_csv=args.programs)
     if args.png and args.programs:
         from glm5lab.bench import wave_spread
 

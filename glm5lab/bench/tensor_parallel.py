@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from glm5lab.bench.attention_stack import GLM5_LAYERS, PROFILES as STACK_PROFILES, AttentionLayer, StackShape
 from glm5lab.errors import Glm5labError, one_line_errors
+from glm5lab.files import make_folder
 
 SUITE = "tp_attention_stack"
 # NVLink multicast stays off (device machine rule): set in every process this module starts.
@@ -418,7 +419,7 @@ def run(cfg: RunConfig) -> list[dict]:
     os.environ.update(MULTICAST_OFF_ENV)
     if cfg.backend == "gloo" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")   # the Triton kernels run in the interpreter on CPU
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    make_folder(Path(cfg.out).parent)
     with tempfile.TemporaryDirectory(prefix="glm5lab-tp-") as tmp:
         init_file, rows_file = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
         if cfg.world_size == 1:

@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
 from glm5lab.kernels.sparse_mla_sm90 import _handover_barriers
@@ -405,7 +406,7 @@ def main(argv=None) -> int:
     if not args.out:
         ap.error("--out is required for the GPU measurement")
     run(args.out, tuple(args.tokens), args.heads, tuple(args.plans), args.rounds, args.sustained_rounds,
-        command=" ".join(["python -m glm5lab.bench.tma_gather_probe", *sys.argv[1:]]))
+        command=command_line("glm5lab.bench.tma_gather_probe", argv))
     return 0
 
 

@@ -20,8 +20,10 @@ import argparse
 import statistics
 import sys
 
+from glm5lab.bench.records import command_line
 from glm5lab.cli import first_paragraph
 from glm5lab.errors import Glm5labError, one_line_errors
+from glm5lab.files import save_figure
 
 SUITE = "sparse_mla_wave"
 # (heads, tokens, form): the defaults at one wave (128 tokens: the dual kernel) and at ~two waves of the paired
@@ -243,8 +245,10 @@ def plot(programs_csv: str, png: str) -> str:
     fig.suptitle(f"When the programs of one call end ({first['gpu']}, git {first['git_sha']}): the call lasts until "
                  "the last one", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, png)
+    finally:
+        plt.close(fig)
     return png
 
 
@@ -273,7 +277,7 @@ def main(argv=None) -> int:
                 raise ValueError
         except ValueError:
             raise Glm5labError(f"--case takes HEADS:TOKENS:FORM[:SPLITS], got {args.case}") from None
-    run(args.out, args.programs, cases, command=" ".join(["python -m glm5lab.bench.wave_spread", *sys.argv[1:]]))
+    run(args.out, args.programs, cases, command=command_line("glm5lab.bench.wave_spread", argv))
     if args.png and args.programs:
         plot(args.programs, args.png)
     return 0

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import save_figure
 
 
 def roundtrip_table(hf_dir: Path, gguf_paths: dict[str, Path]) -> pd.DataFrame:
@@ -119,11 +120,10 @@ def plot_bytes(tables: dict[str, pd.DataFrame], png_path: Path, caption: str) ->
         ax.legend(title="GGML type", fontsize=8)
     fig.suptitle(caption, fontsize=8)
     fig.tight_layout()
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return png_path
+    try:
+        return save_figure(fig, png_path)
+    finally:
+        plt.close(fig)
 
 
 def skeleton_inspection(qtype: str = "Q4_K") -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import make_folder
 
 # llama.cpp's LLAMA3 / GLM4 pre-tokenizer split pattern (llama-vocab.cpp), also GLM-4/5's tokenizer.json.
 GLM4_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -75,7 +76,6 @@ def tokenizer_from_gguf(path_or_set):
 
 def write_hf_tokenizer(path_or_set, out_dir: Path | str) -> Path:
     """Save the GGUF's tokenizer as HF files (tokenizer.json, tokenizer_config.json) into out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_folder(out_dir)
     tokenizer_from_gguf(path_or_set).save_pretrained(out_dir)
     return out_dir

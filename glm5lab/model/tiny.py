@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5lab.errors import Glm5labError
+from glm5lab.files import make_folder
 
 GENERATOR_VERSION = 2  # bump when the weights, tokenizer or file layout the generator writes change
 
@@ -310,7 +311,7 @@ def ensure_tiny(root: Path | str | None = None, qtypes=("F16", "Q8_0"), seed: in
         raise Glm5labError(f"{base}: is a file; the cache root must be a folder")
     fp = generator_fingerprint(seed)
     paths = TinyPaths(root=base / "tiny" / fp, fingerprint=fp)
-    paths.root.mkdir(parents=True, exist_ok=True)
+    make_folder(paths.root)
     if not (paths.hf_dir / "model.safetensors").exists():
         tmp = Path(tempfile.mkdtemp(prefix=".hf-tmp-", dir=paths.root))
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5lab.files import save_figure
 from glm5lab.sparse.indexer_reference import (IndexerWeights, apply_interleaved_rope, indexer_reference,
                                               topk_sets_agree, topk_set_is_valid, _rope_cos_sin)
 
@@ -177,7 +178,7 @@ def selection_figure(topk: torch.Tensor, path, title: str):
     ax.set_ylabel("query token")
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     return fig
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from glm5lab.files import replacing
+from glm5lab.files import save_figure
 from glm5lab.sparse.virtual_block_table import (
     VirtualBlockTable,
     req_index_to_global_slots,
@@ -109,8 +109,7 @@ def draw_example(ex: dict, path: str | Path, caption: str = "") -> Path:
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     path = Path(path)
     try:
-        with replacing(path) as tmp:
-            fig.savefig(tmp, dpi=110)
+        save_figure(fig, path)
     finally:
         plt.close(fig)
     return path

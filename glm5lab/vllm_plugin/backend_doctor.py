@@ -37,8 +37,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from glm5lab.errors import Glm5labError
-from glm5lab.files import replacing
+from glm5lab.errors import Glm5labError, first_line
+from glm5lab.files import replacing, save_figure
 from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME
 
 # Verdicts, best first. "pass, needs library" = the target's constraints hold; only a library that a
@@ -262,9 +262,9 @@ def _cuda_platform_module():
         return cuda, None
     except ModuleNotFoundError as exc:
         if exc.name != stub_name:
-            return None, f"{type(exc).__name__}: {exc}"
+            return None, first_line(exc)
     except Exception as exc:  # pynvml, torch: anything
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, first_line(exc)
     sys.modules[stub_name] = types.ModuleType(stub_name)
     try:
         sys.modules.pop("vllm.platforms.cuda", None)
@@ -272,7 +272,7 @@ def _cuda_platform_module():
 
         return cuda, f"imported with {stub_name} absent (CPU build of vLLM): priority order only"
     except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, first_line(exc)
     finally:
         sys.modules.pop(stub_name, None)
 
@@ -304,7 +304,7 @@ def cuda_priorities(target: Target, glm5lab_last: bool = False) -> tuple[list[st
             num_heads=target.num_heads, kv_cache_dtype=target.kv_cache_dtype,
             use_non_causal=False, head_size=target.head_size, use_mm_prefix=False)
     except Exception as exc:
-        return [], f"_get_backend_priorities failed: {type(exc).__name__}: {exc}"
+        return [], f"_get_backend_priorities failed: {first_line(exc)}"
     if glm5lab_last and BACKEND_NAME in AttentionBackendEnum.__members__:
         from glm5lab.vllm_plugin.sparse_backend import last_resort_priorities
 
@@ -453,7 +453,7 @@ def _ask(cls, target: Target, hf_config) -> _Asked:
     except BaseException as exc:  # noqa: BLE001
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return _Asked(reasons=[], error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        return _Asked(reasons=[], error=first_line(exc),
                       error_kind=_classify_exception(exc))
 
 
@@ -620,7 +620,7 @@ def _diagnose_one(name: str, target: Target, hf_config, priority, considered: bo
     cls, exc = _get_class(member)
     if cls is None:
         kind = _classify_exception(exc) if exc is not None else KIND_UNASKED
-        text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc else "no class"
+        text = first_line(exc) if exc else "no class"
         (library if kind == KIND_LIBRARY else unasked).append(f"import failed here: {text}")
         if path:
             src_reasons, notes = _source_facts(path, target)
@@ -630,8 +630,7 @@ def _diagnose_one(name: str, target: Target, hf_config, priority, considered: bo
                                " / dtype / kv dtype / head size, other checks unknown")
     else:
         if exc is not None:
-            library.append(f"first import failed here: {type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            library.append(f"first import failed here: {first_line(exc)}")
         a = _ask(cls, target, hf_config)
         with _what_if_libraries_installed(target):
             b = _ask(cls, target, hf_config)
@@ -691,7 +690,7 @@ def register_glm5lab() -> str | None:
         vllm_plugin.register()
         return None
     except Exception as exc:
-        return f"glm5lab plugin registration failed: {type(exc).__name__}: {exc}"
+        return f"glm5lab plugin registration failed: {first_line(exc)}"
 
 
 def _diagnose_target(target: Target, hf, scope: str = "considered", plugin_note: str | None = None,
@@ -903,17 +902,12 @@ def plot_heatmap(cells, path: str | Path | None = None, title_extra: str = ""):
                  fontsize=9)
     fig.tight_layout()
     if path is not None:
-        _atomic_savefig(fig, Path(path))
+        save_figure(fig, path, dpi=130)
     return fig
 
 
 def _in_notebook() -> bool:
     return "ipykernel" in sys.modules
-
-
-def _atomic_savefig(fig, path: Path) -> None:
-    with replacing(path) as tmp:
-        fig.savefig(tmp, dpi=130)
 
 
 def _atomic_csv(df, path: Path) -> None:

@@ -478,7 +478,7 @@ def synthesized_config_dir(gguf_path) -> Path:
     import json
     import os
 
-    from glm5lab.files import temp_beside
+    from glm5lab.files import make_folder, temp_beside
     from glm5lab.model.tiny import cache_root
 
     gguf_path = Path(gguf_path).resolve()
@@ -486,7 +486,7 @@ def synthesized_config_dir(gguf_path) -> Path:
     key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf-configs" / key
     if not (out / "config.json").exists():
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
         cfg = config_from_gguf(gguf_path)
         fd, tmp = temp_beside(out / "config.json")
         with os.fdopen(fd, "w") as f:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from glm5lab.errors import Glm5labError
+from glm5lab.errors import Glm5labError, first_line
+from glm5lab.files import save_figure
 
 # ------------------------------------------------------------------ tolerances
 
@@ -316,7 +317,7 @@ def vllm_load_report(gguf_path, hf_dir=None, dtype: str = "bfloat16", compare_di
                 loaded = model.load_weights(adapter.prepare_weights(model_config))
                 report["refused"] = None
             except (KeyError, ValueError) as exc:  # vLLM refuses a name it has no parameter for
-                loaded, report["refused"] = set(), f"{type(exc).__name__}: {exc}"
+                loaded, report["refused"] = set(), first_line(exc)
             checkpoint_params = set(dict(model.named_parameters()))
             report["missing"] = sorted(checkpoint_params - set(loaded)) if report["refused"] is None else None
             # Float weights as loaded (vLLM's CPU path may repack them for its GEMMs afterwards); quantized
@@ -393,7 +394,7 @@ def safely(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None, first_line(exc)
 
 
 def plot_adapter_errors(reports: dict, path, title: str):
@@ -415,10 +416,7 @@ def plot_adapter_errors(reports: dict, path, title: str):
         ax.set_xticks([])
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    from glm5lab.files import replacing
-
-    with replacing(path) as tmp:
-        fig.savefig(tmp, dpi=110)
+    save_figure(fig, path)
     return fig
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+from glm5lab.errors import first_line
 from glm5lab.vllm_plugin import gguf_loader as G
 
 T = "tests/test_gguf_loader.py::"
@@ -231,7 +232,7 @@ def fix_table(gguf_path, hf_config, split_first_shard=None):
             needed, evidence = probe(gguf_path, hf_config, **kwargs)
             verdict = "not probed" if needed is None else ("yes" if needed else "no")
         except Exception as exc:  # noqa: BLE001 - a table cell, never a raised notebook cell
-            verdict, evidence = "could not probe", f"{type(exc).__name__}: {exc}"
+            verdict, evidence = "could not probe", first_line(exc)
         rows.append({"fix (seed story)": fix, "still needed?": verdict, "evidence (unpatched code)": evidence,
                      "glm5lab": handling, "test": test, "probed on": versions})
     df = pd.DataFrame(rows)

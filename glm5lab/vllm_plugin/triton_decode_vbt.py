@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5lab.errors import first_line
 from glm5lab.env import interpreter_mode
 from glm5lab.sparse.virtual_block_table import (
     VirtualBlockTable,
@@ -27,7 +28,7 @@ def vllm_triton_decode_status() -> dict:
         import vllm
         from vllm.triton_utils import HAS_TRITON
     except Exception as exc:  # not installed / broken install
-        return {"available": False, "reason": f"vLLM is not importable here ({type(exc).__name__}: {exc})"}
+        return {"available": False, "reason": f"vLLM is not importable here ({first_line(exc)})"}
     interpreting = interpreter_mode()
     if not HAS_TRITON:
         return {"available": False,
@@ -74,7 +75,7 @@ def compare_vllm_decode_with_reference(q: torch.Tensor, kv_cache: torch.Tensor, 
     try:
         out, lse = vllm_decode_attention_on_vbt(q, kv_cache, vbt, softmax_scale, kv_lora_rank, num_kv_splits)
     except Exception as exc:  # report, don't raise: the notebook shows it
-        return {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        return {"status": "failed", "reason": first_line(exc)}
     ref_out, ref_lse = sparse_mla_reference(q, kv_cache, slots, softmax_scale, kv_lora_rank)
     nonempty = (vbt.seq_lens > 0).cpu()
     out_c, lse_c = out.double().cpu(), lse.double().cpu()
