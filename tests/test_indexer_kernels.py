@@ -332,8 +332,12 @@ def test_prefill_logits_name_bad_fp8_keys():
         indexer_logits_prefill(q.to(torch.int8), w, (values, scales), ks, ke)
     with pytest.raises(Glm5labError, match="0 <= ks <= ke <= 5"):
         indexer_logits_prefill(q, w, (values, scales), ks, ke + 1)
-    for bad, match in (({"tiles": 0}, "got tiles 0"), ({"num_stages": 0}, "num_stages 0"),
-                       ({"block_m": 0}, "block_m 0"), ({"block_n": 48}, "block_n 48"), ({"block_n": 8}, "block_n 8")):
+    for bad, match in (({"tiles": 0}, "^tiles must be an integer >= 1, got 0$"),
+                       ({"num_stages": 0}, "^num_stages must be an integer >= 1, got 0$"),
+                       ({"block_m": 0}, "^block_m must be an integer >= 1, got 0$"),
+                       ({"block_m": 2.0}, "^block_m must be an integer >= 1, got 2.0$"),
+                       ({"block_n": 48}, "^block_n must be a power of two >= 16, got 48$"),
+                       ({"block_n": 8}, "^block_n must be a power of two >= 16, got 8$")):
         with pytest.raises(Glm5labError, match=match):
             indexer_logits_prefill(q, w, (values, scales), ks, ke, **bad)
 

@@ -138,6 +138,11 @@ def test_indexer_arguments_a_kernel_would_misread_are_refused():
             indexer_topk(torch.randn(2, 50), k)
     with pytest.raises(Glm5labError, match="block must be a power of two >= 16, got 100"):
         indexer_topk(torch.randn(2, 50), 4, block=100)
+    # the decode's tiling knobs, each named alone (a bool or a float reached the kernel); the prefill's are in
+    # test_indexer_kernels.test_prefill_logits_name_bad_fp8_keys
+    for knob, value in (("tiles", 0), ("num_stages", 0), ("num_stages", True), ("tiles", 2.0)):
+        with pytest.raises(Glm5labError, match=f"^{knob} must be an integer >= 1, got {value!r}$"):
+            indexer_logits_decode(q, w, cache, bt, lens, **{knob: value})
 
 
 def test_other_argument_types_get_one_line_errors():

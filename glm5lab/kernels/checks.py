@@ -44,6 +44,14 @@ def power_of_two(name: str, value, least: int = 1) -> int | None:
     return value
 
 
+def at_least_one(**knobs) -> None:
+    """Tiling counts (tiles, stages, rows a tile) a kernel takes as given: each an integer >= 1, or None (the wrapper's
+    default). Named one at a time, so the message says which knob is wrong."""
+    for name, value in knobs.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise Glm5labError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 # True while scripts/launch_build.py intercepts every launch to build it for a GPU on a CPU machine: its CPU tensors
 # never reach a kernel there
 LAUNCHES_INTERCEPTED = False

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from glm5lab.env import interpreter_mode
 from glm5lab.errors import Glm5labError
-from glm5lab.kernels.checks import index_vector, power_of_two, require_launch_device
+from glm5lab.kernels.checks import at_least_one, index_vector, power_of_two, require_launch_device
 from glm5lab.kernels.f16_domain import e4m3_bits_to_f16_times_2e_8, pow2_into_f16_range
 from glm5lab.kernels.host import cdiv, cuda_capability, next_pow2
 
@@ -297,8 +297,7 @@ def indexer_logits_decode(q: torch.Tensor, weights: torch.Tensor, k_cache: torch
     """
     weights = _check_qw(q, weights, fp8_q=True)
     block_n = power_of_two("block_n", block_n, 16)
-    if (tiles is not None and tiles < 1) or num_stages < 1:
-        raise Glm5labError(f"tiles and num_stages must be >= 1, got {tiles} and {num_stages}")
+    at_least_one(tiles=tiles, num_stages=num_stages)
     T, H, D = q.shape
     fp8 = is_fp8_cache(k_cache, D)
     if fp8:
@@ -484,11 +483,8 @@ def indexer_logits_prefill(q: torch.Tensor, weights: torch.Tensor, k, ks: torch.
     prefill_keys_as_m_default). block_n, tiles and num_stages left out: prefill_tiling_default.
     """
     weights = _check_qw(q, weights, fp8_q=True)
-    if ((tiles is not None and tiles < 1) or (num_stages is not None and num_stages < 1)
-            or (block_m is not None and block_m < 1)
-            or (block_n is not None and (block_n < 16 or block_n & (block_n - 1)))):
-        raise Glm5labError(f"tiles, num_stages and block_m must be >= 1 and block_n a power of two >= 16, got tiles "
-                           f"{tiles}, num_stages {num_stages}, block_m {block_m}, block_n {block_n}")
+    block_n = power_of_two("block_n", block_n, 16)
+    at_least_one(tiles=tiles, num_stages=num_stages, block_m=block_m)
     T, H, D = q.shape
     kt, kscale, fp8 = _prefill_keys(k, D)
     S = kt.shape[0]
