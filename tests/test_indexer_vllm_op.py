@@ -28,6 +28,35 @@ def test_blocker_names_the_cpu_reason_here():
     assert reason is not None and "CPU" in reason and "2048" in reason
 
 
+@pytest.mark.parametrize("cap, deep_gemm, blocked", [
+    ((12, 0), True, False), ((9, 0), True, False), ((10, 0), True, False),    # vLLM's DeepGEMM indexer runs there
+    ((8, 9), True, True), ((8, 0), True, True),                              # no MQA-logits kernels for SM8x
+    ((12, 0), False, True)])                                                  # a CUDA vLLM without DeepGEMM
+def test_blocker_on_cuda_follows_vllms_own_deep_gemm_predicate(monkeypatch, cap, deep_gemm, blocked):
+    """On CUDA glm5lab replaces vLLM's indexer only where vLLM cannot run it: no DeepGEMM, or a GPU that vLLM's
+    CudaPlatform.support_deep_gemm() leaves out. vLLM 0.32 runs DeepGEMM's MQA-logits kernels on SM120 (its
+    vendored DeepGEMM has them), so SM120 keeps vLLM's own indexer (glm5lab took it over before)."""
+    import vllm.platforms
+    from vllm.platforms.interface import DeviceCapability
+
+    from glm5lab.vllm_plugin.backend_doctor import _cuda_platform_module
+
+    cuda, why = _cuda_platform_module()         # (a CPU build of vLLM imports it with a stand-in, as the doctor does)
+    assert cuda is not None, why
+
+    class FakeCuda(cuda.CudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id=0):
+            return DeviceCapability(*cap)
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", FakeCuda())
+    monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: deep_gemm)
+    reason = indexer_op.vllm_indexer_blocker()
+    assert (reason is not None) == blocked, reason
+    if blocked:
+        assert f"{cap[0]}.{cap[1]}" in reason and ("DeepGEMM is not installed" in reason) == (not deep_gemm)
+
+
 def test_register_follows_the_blocker_and_the_oot_hook_is_vllms(monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 

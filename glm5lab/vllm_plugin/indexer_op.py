@@ -6,11 +6,13 @@ instantiates `op_registry_oot[<class name>]` instead when one is registered, whi
 `CustomOp.register_oot(name="SparseAttnIndexer")` does. vLLM's own op then never runs for that layer.
 
 Where vLLM's own path cannot run (`vllm_indexer_blocker()`):
-  * CUDA: `SparseAttnIndexer.__init__` raises without DeepGEMM, and DeepGEMM's fp8 (paged) MQA-logits
-    kernels exist for SM90/SM100 only (the seed story's SM120 is the next wall after attention).
+  * CUDA: `SparseAttnIndexer.__init__` raises without DeepGEMM, and vLLM runs DeepGEMM's fp8 (paged)
+    MQA-logits kernels only where `CudaPlatform.support_deep_gemm()` says so (0.32: SM90, SM100, SM120; so
+    SM80 / SM86 / SM89 have no indexer). The seed story's vLLM had no SM120 kernels there; 0.32's vendored
+    DeepGEMM has them, so on SM120 vLLM's own indexer runs.
   * CPU: `forward_cpu` serves only DeepSeek-V4 (keys inserted by the attention layer, index_topk == 512);
     GLM-5 inserts its own keys (skip_k_cache_insert=False) and uses index_topk 2048 -> NotImplementedError.
-Elsewhere (SM90/SM100 with DeepGEMM, ROCm, XPU) nothing is registered, and an instance whose features
+Elsewhere (SM90 / SM100 / SM120 with DeepGEMM, ROCm, XPU) nothing is registered, and an instance whose features
 glm5lab does not implement (fp4 cache, compressed / candidate-block DSA of DeepSeek-V4.x, context
 parallelism) is handed back to vLLM's own code, with the reason logged.
 
@@ -55,9 +57,13 @@ def vllm_indexer_blocker() -> str | None:
         if not has_deep_gemm():
             return (f"DeepGEMM is not installed (vLLM's CUDA indexer needs its fp8 MQA-logits kernels); "
                     f"GPU capability {cap_s}")
-        if cap is None or cap.major not in (9, 10):
-            return (f"DeepGEMM's fp8 (paged) MQA-logits kernels are built for SM90/SM100; this GPU has "
-                    f"capability {cap_s}")
+        # vLLM's own word on where it runs DeepGEMM (0.32: SM90, the SM100 family and the SM120 family, whose
+        # paged MQA-logits kernels its vendored DeepGEMM carries), so that a vLLM upgrade moves the line here too
+        supported = getattr(current_platform, "support_deep_gemm", None)
+        runs = supported() if supported is not None else (cap is not None and cap.major in (9, 10, 12))
+        if cap is None or not runs:
+            return (f"vLLM runs DeepGEMM, whose fp8 MQA-logits kernels its CUDA indexer needs, on SM90, SM100 "
+                    f"and SM120 only (CudaPlatform.support_deep_gemm); this GPU has capability {cap_s}")
         return None
     return None  # ROCm / XPU / TPU: vLLM has its own paths there
 
@@ -360,8 +366,9 @@ def _register_oot() -> None:
 
 ledger.add(Patch(
     name=PATCH_NAME,
-    why="vLLM's sparse-attention indexer needs DeepGEMM's fp8 MQA-logits kernels (SM90/SM100 only) on "
-        "CUDA, and its CPU path serves only DeepSeek-V4; GLM-5 on SM120 / SM80 / CPU has no indexer",
+    why="vLLM's sparse-attention indexer needs DeepGEMM's fp8 MQA-logits kernels on CUDA, which vLLM runs on "
+        "SM90 / SM100 / SM120 only, and its CPU path serves only DeepSeek-V4; GLM-5 on SM80 / SM86 / SM89, on a "
+        "CUDA vLLM without DeepGEMM, or on CPU has no indexer",
     how="CustomOp.register_oot(name='SparseAttnIndexer') with a subclass that runs glm5lab's Triton "
         "indexer (glm5lab.kernels.dsa_indexer) where vllm_indexer_blocker() gives a reason, and vLLM's "
         "own code everywhere else; registered only when the platform needs it. The work runs inside the "
@@ -370,7 +377,7 @@ ledger.add(Patch(
     upstream="vLLM has no portable (non-DeepGEMM) fp8_paged_mqa_logits for CUDA; track "
              "vllm/model_executor/layers/sparse_attn_indexer.py",
     remove_when="vLLM ships an indexer path for the target GPU (e.g. a Triton/FlashInfer MQA-logits "
-                "kernel for SM120) and a CPU path for index_topk 2048",
+                "kernel for SM8x) and a CPU path for index_topk 2048",
     versions=VLLM_VERSIONS,
     apply=_register_oot,
 ))

@@ -432,8 +432,8 @@ def _ledger_entry():
 
     return add(Patch(
         name="register TRITON_MLA_SPARSE",
-        why="vLLM has no sparse-MLA backend for GLM-5 outside SM90/SM100 + bf16 (none on SM120 fp16, "
-            "SM8x, or CPU)",
+        why="vLLM 0.32 has no sparse-MLA backend for GLM-5 on SM80 / SM86 / SM89, on SM120 in fp16, or on CPU "
+            "(the doctor's matrix has every capability x dtype x KV cache)",
         how="vllm.v1.attention.backends.registry.register_backend('TRITON_MLA_SPARSE', "
             "'glm5lab.vllm_plugin.sparse_backend.TritonMLASparseBackend'): vLLM's own out-of-tree hook",
         upstream="none (out-of-tree backend)",
