@@ -89,6 +89,8 @@ def _check(result, prompts, reference, counts=None, tol=LOGPROB_TOL):
     expected_path = PATH_TRITON if os.environ.get("TRITON_INTERPRET") == "1" else PATH_TORCH
     assert result.attention_path == expected_path
     assert result.indexer.startswith("glm5lab")
+    # vLLM's CPU platform builds GLM-5 from its generic DSA model, the one glm5lab's parts plug into (dsa_model)
+    assert result.model_class == "vllm.model_executor.models.deepseek_v2.GlmMoeDsaForCausalLM"
     compared = _against(result, prompts, reference, counts)
     for ids, got, (want, _) in zip(prompts, result.token_ids, compared):
         assert got == want, f"prompt of {len(ids)} tokens: vLLM {got} != transformers {want}"

@@ -77,7 +77,8 @@ def assumptions(card: Card = Card(), knobs: Knobs = Knobs(), measured_on: str = 
          f"measured on {measured_on or 'the GPU'} (indexer_bench topk_time, graph-timed where the suite has it, of "
          "the kernel glm5lab's indexer op picks for the batch and context) and carried over unscaled: one program "
          "per row or segment, "
-         "bound by latency rather than by memory"),
+         "bound by latency rather than by memory. On SM120 vLLM 0.32 runs DeepGEMM's indexer kernels instead; "
+         "glm5lab's stand in for them (unmeasured there)"),
         ("efficiencies", suite, "fraction of copy bandwidth", "measured",
          "results/bench/gpu/*.csv: attention kernel, indexer kernel, bf16 GEMM weight streaming; from CUDA-graph "
          "time where the suite has it (a captured decode step has no launch overhead), else do_bench time"),

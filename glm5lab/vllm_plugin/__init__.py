@@ -17,6 +17,7 @@ PARTS: list[tuple[str, str]] = []
 PARTS.append(("glm5lab.vllm_plugin.sparse_backend", "register"))  # issue 7: TRITON_MLA_SPARSE
 PARTS.append(("glm5lab.vllm_plugin.cpu_sparse", "register"))  # issue 10: sparse MLA on vLLM CPU
 PARTS.append(("glm5lab.vllm_plugin.indexer_op", "register"))  # issue 9: DSA indexer op (OOT)
+PARTS.append(("glm5lab.vllm_plugin.dsa_model", "register"))  # CUDA: GLM-5 through the model glm5lab's parts serve
 PARTS.append(("glm5lab.vllm_plugin.gguf_loader", "register"))  # issue 4: GLM-5 GGUF loader fixes
 PARTS.append(("glm5lab.vllm_plugin.cpu_gguf", "register"))  # quantized GGUF tensors on vLLM CPU
 

@@ -268,9 +268,10 @@ def _patch_cpu_rope() -> None:
 
 ledger.add(Patch(
     name="cpu: rotary embedding on MLA inputs",
-    why="vLLM 0.32's CPU rotary kernel rotates a 3-D multi-head query wrongly and leaves strided views "
-        "(MLA's q[..., qk_nope:] and k_pe slice) unrotated: every MLA model on CPU (GLM-5, DeepSeek) "
-        "attends without positions",
+    why="vLLM 0.32's CPU rotary kernel rotates a 3-D multi-head query wrongly and leaves strided 3-D views "
+        "(MLA's q[..., qk_nope:] and k_pe slice) unrotated: an MLA model whose rope takes RotaryEmbedding's CPU "
+        "kernel (GLM-5's plain rope) attends without positions (DeepSeek-V3's yarn rope has no CPU kernel and "
+        "runs forward_native)",
     how="wrap RotaryEmbedding.forward_cpu: for those inputs compute forward_native and copy the result "
         "back in place (the kernel's contract); other inputs still use the CPU kernel",
     upstream="vllm/model_executor/layers/rotary_embedding/base.py forward_cpu -> csrc/cpu rotary kernel",

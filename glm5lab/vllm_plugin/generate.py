@@ -62,10 +62,11 @@ class GenerationResult:
     source: str            # "hf" or "gguf"
     dtype: str
     seconds: float
+    model_class: str = "?"   # the vLLM model class the engine built (on CUDA: see glm5lab.vllm_plugin.dsa_model)
 
     def summary(self) -> str:
         return (f"vLLM used attention backend {self.attention_backend} ({self.attention_path}) and indexer "
-                f"{self.indexer}; model {self.model} ({self.source}, {self.dtype})")
+                f"{self.indexer}; model {self.model} ({self.source}, {self.dtype}) as {self.model_class}")
 
 
 # ------------------------------------------------------------------------------------------ preflight
@@ -219,9 +220,16 @@ def _start(spec: ModelSpec, dtype: str, **engine_args) -> Engine:
 
 
 def _describe_worker(worker) -> dict:
-    """Runs inside the vLLM worker: which attention backend/impl path and indexer the model uses."""
+    """Runs inside the vLLM worker: which model class, attention backend/impl path and indexer the model uses."""
     from vllm.model_executor.models.deepseek_v2 import Indexer
 
+    from vllm.platforms import current_platform
+
+    indexers = (Indexer,)
+    if current_platform.is_cuda():   # vLLM's CUDA DSA model has an indexer module of its own (see dsa_model)
+        from vllm.models.deepseek_v32.attention import DeepseekV32Indexer
+
+        indexers += (DeepseekV32Indexer,)
     model = worker.model_runner.model
     backends, paths, mixed = set(), set(), 0
     indexer = "none"
@@ -233,7 +241,7 @@ def _describe_worker(worker) -> dict:
             if getattr(impl, "last_path", None):
                 paths.add(impl.last_path)
             mixed = max(mixed, getattr(impl, "mixed_batches", 0))
-        if isinstance(module, Indexer):
+        if isinstance(module, indexers):
             forward = type(module).forward
             if getattr(forward, "__module__", "").startswith("glm5lab"):
                 from glm5lab.vllm_plugin.cpu_sparse import indexer_path
@@ -245,7 +253,7 @@ def _describe_worker(worker) -> dict:
                 indexer = f"{op.__module__}.{op.__name__}" + (" (glm5lab kernels)" if reason else "")
     return {"attention_backend": ",".join(sorted(backends)) or "?",
             "attention_path": ",".join(sorted(paths)) or "not run yet", "indexer": indexer,
-            "mixed_batches": mixed}
+            "mixed_batches": mixed, "model_class": f"{type(model).__module__}.{type(model).__qualname__}"}
 
 
 def describe(engine: Engine) -> dict:
@@ -285,8 +293,9 @@ def generate(engine: Engine, prompts, max_tokens: int | list[int] = 8, logprobs:
         prompt_token_ids=ids, token_ids=[list(o.outputs[0].token_ids) for o in outs],
         texts=[o.outputs[0].text if engine.spec.tokenizer else None for o in outs], first_step_logprobs=first,
         attention_backend=info["attention_backend"], attention_path=info["attention_path"],
-        indexer=info["indexer"], mixed_batches=info["mixed_batches"], model=engine.spec.model, source="gguf" if engine.spec.gguf else "hf",
-        dtype=engine.dtype, seconds=seconds)
+        indexer=info["indexer"], mixed_batches=info["mixed_batches"], model=engine.spec.model,
+        source="gguf" if engine.spec.gguf else "hf",
+        dtype=engine.dtype, seconds=seconds, model_class=info["model_class"])
 
 
 def no_tokenizer(spec: ModelSpec) -> str:

@@ -8,8 +8,9 @@ What the installed plugin does wrong for a llama.cpp `glm-dsa` GGUF, and what th
   built from gguf's own `glm-dsa` tables (`glm5lab.gguf.names`).
 * llama.cpp splits MLA's `kv_b_proj` into `attn_k_b` (k part, transposed) and `attn_v_b`; vLLM's model wants
   `kv_b_proj`. The plugin's name map (built from gguf's deepseek2 table) only knows `attn_kv_b`, which
-  current converters no longer write, and its iterator silently skips unmapped tensors -- so a DeepSeek
-  GGUF loads with `kv_b_proj` never written (the latent DeepSeek bug of the original deployment).
+  current converters no longer write. In the original deployment's stack a DeepSeek GGUF then loaded with
+  `kv_b_proj` never written (the latent DeepSeek bug of the seed story); with plugin 0.0.5 and transformers 5.x
+  the default adapter refuses such a file first, naming parameters it cannot map.
   -> the adapter dequantizes both halves and rebuilds `kv_b_proj` exactly (inverse of the converter's split)
   as an unquantized layer (vLLM dequantizes kv_b_proj for MLA's absorbed form anyway).
 * `gguf_quant_weights_iterator_multi` renames quantized tensors with `name.replace("weight", "qweight")`,
@@ -315,9 +316,10 @@ def config_from_gguf(gguf_path):
 # original deployment's RTX PRO 6000, hence its `--dtype float16`; later vLLM narrowed it to the SM10x family.
 # Plugin 0.0.5's GGUFConfig returns [float16, bfloat16, float32] on every GPU, and its Triton
 # dequant/GEMM/MoE kernels accept both half types (tests/test_gguf_loader_dtype.py, a GPU test). bfloat16 is
-# GLM-5's own dtype and the one vLLM's sparse MLA backends (FLASHMLA_SPARSE, FlashInfer sparse) require, so it
-# is the default; float16 only where the platform lacks bf16. Caveat kept from vLLM's note: on SM10x the GGUF
-# CUDA kernels were once reported imprecise in bf16 -- check with the GPU test before serving there.
+# GLM-5's own dtype and the one most of vLLM's sparse MLA backends take (FLASHMLA_SPARSE and
+# FLASHINFER_MLA_SPARSE_SM120 only bf16; FLASH_ATTN_MLA_SPARSE on SM90 and FlashInfer's TRTLLM sparse on SM100 also
+# fp16), so it is the default; float16 only where the platform lacks bf16. Caveat kept from vLLM's note: on SM10x
+# the GGUF CUDA kernels were once reported imprecise in bf16 -- check with the GPU test before serving there.
 DEFAULT_DTYPE_NAME = "bfloat16"
 
 
@@ -367,7 +369,8 @@ def adapter_class():
             # --hf-config-path): another model's would lay these tensors out by its numbers, so `vllm serve` is
             # refused here as `glm5lab generate` is before it starts an engine
             require_same_geometry(hf_config_from_gguf(s), hf_config, s.paths[0].name, "the config vLLM was given")
-            # The plugin decides tie_word_embeddings from the first shard only; output.weight may sit in any.
+            # The plugin calls lm_head tied when any shard lacks output.weight (it collects missing names shard by
+            # shard), which is true of nearly every split GGUF; output.weight may sit in any one shard.
             hf_config.update({"tie_word_embeddings": "output.weight" not in s.tensor_index})
             fill_vllm_config_keys(hf_config, s)
             return hf_config
@@ -533,7 +536,7 @@ ledger.add(Patch(
     name=ADAPTER_PATCH,
     why="vllm-gguf-plugin's default adapter has no glm_moe_dsa <-> glm-dsa mapping ('Unknown gguf model_type: "
         "glm_moe_dsa'), knows MLA only as attn_kv_b (llama.cpp now writes attn_k_b + attn_v_b, which it "
-        "silently drops), and would quantize layers vLLM keeps in float (indexer wk/weights_proj); its MoE "
+        "cannot map), and would quantize layers vLLM keeps in float (indexer wk/weights_proj); its MoE "
         "multiplies by float experts as stored, so an F16 file in a bfloat16 model failed on dtypes",
     how="GlmDsaGGUFWeightsAdapter inserted first in vllm_gguf_plugin.weights_adapter._ADAPTER_REGISTRY: full "
         "name map from gguf's glm-dsa tables, kv_b_proj rebuilt from attn_k_b/attn_v_b (exact inverse of "

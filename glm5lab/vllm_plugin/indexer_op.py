@@ -1,15 +1,19 @@
 """glm5lab's DSA indexer as vLLM's out-of-tree `SparseAttnIndexer`, used only where vLLM's own cannot run.
 
-The hook (vLLM 0.32): `vllm.model_executor.models.deepseek_v2.Indexer` (GLM-5 and DeepSeek-V3.2 share it)
+The hook (vLLM 0.32): `vllm.model_executor.models.deepseek_v2.Indexer` of vLLM's generic DSA model (GLM-5 and
+DeepSeek-V3.2 share it; vLLM builds GLM-5 from it on CPU and XPU, and on CUDA where `dsa_model` routes it there)
 builds `SparseAttnIndexer(...)`, a `CustomOp` registered as "sparse_attn_indexer". `CustomOp.__new__`
 instantiates `op_registry_oot[<class name>]` instead when one is registered, which is what
 `CustomOp.register_oot(name="SparseAttnIndexer")` does. vLLM's own op then never runs for that layer.
 
 Where vLLM's own path cannot run (`vllm_indexer_blocker()`):
-  * CUDA: `SparseAttnIndexer.__init__` raises without DeepGEMM, and vLLM runs DeepGEMM's fp8 (paged)
-    MQA-logits kernels only where `CudaPlatform.support_deep_gemm()` says so (0.32: SM90, SM100, SM120; so
-    SM80 / SM86 / SM89 have no indexer). The seed story's vLLM had no SM120 kernels there; 0.32's vendored
+  * CUDA: `SparseAttnIndexer.__init__` raises without DeepGEMM, and DeepGEMM's fp8 (paged) MQA-logits kernels,
+    which vLLM calls unchecked, exist for SM90, SM100 and SM120 (the GPUs `CudaPlatform.support_deep_gemm()`
+    names), so SM80 / SM86 / SM89 have no indexer. The seed story's vLLM had no SM120 kernels; 0.32's vendored
     DeepGEMM has them, so on SM120 vLLM's own indexer runs.
+  * On CUDA vLLM 0.32 builds GLM-5 from `vllm.models.deepseek_v32.nvidia`, whose attention calls vLLM's indexer
+    function directly, not this op: where this op serves, `glm5lab.vllm_plugin.dsa_model` builds vLLM's generic
+    DSA model instead, whose indexer is the hook above.
   * CPU: `forward_cpu` serves only DeepSeek-V4 (keys inserted by the attention layer, index_topk == 512);
     GLM-5 inserts its own keys (skip_k_cache_insert=False) and uses index_topk 2048 -> NotImplementedError.
 Elsewhere (SM90 / SM100 / SM120 with DeepGEMM, ROCm, XPU) nothing is registered, and an instance whose features
@@ -57,13 +61,14 @@ def vllm_indexer_blocker() -> str | None:
         if not has_deep_gemm():
             return (f"DeepGEMM is not installed (vLLM's CUDA indexer needs its fp8 MQA-logits kernels); "
                     f"GPU capability {cap_s}")
-        # vLLM's own word on where it runs DeepGEMM (0.32: SM90, the SM100 family and the SM120 family, whose
-        # paged MQA-logits kernels its vendored DeepGEMM carries), so that a vLLM upgrade moves the line here too
+        # vLLM's indexer calls DeepGEMM's fp8 (paged) MQA-logits kernels without checking the GPU; they exist for
+        # SM90, the SM100 family and the SM120 family (vLLM's vendored DeepGEMM), the GPUs vLLM's own
+        # CudaPlatform.support_deep_gemm() names: asked here, so that a vLLM upgrade moves the line here too
         supported = getattr(current_platform, "support_deep_gemm", None)
         runs = supported() if supported is not None else (cap is not None and cap.major in (9, 10, 12))
         if cap is None or not runs:
-            return (f"vLLM runs DeepGEMM, whose fp8 MQA-logits kernels its CUDA indexer needs, on SM90, SM100 "
-                    f"and SM120 only (CudaPlatform.support_deep_gemm); this GPU has capability {cap_s}")
+            return (f"DeepGEMM's fp8 MQA-logits kernels, which vLLM's CUDA indexer calls, exist for SM90, SM100 and "
+                    f"SM120 only (the GPUs CudaPlatform.support_deep_gemm names); this GPU has capability {cap_s}")
         return None
     return None  # ROCm / XPU / TPU: vLLM has its own paths there
 
@@ -76,7 +81,18 @@ def instance_blocker(**kw) -> str | None:
         return "compressed / candidate-block DSA (DeepSeek-V4.x)"
     if kw.get("skip_k_cache_insert"):
         return "keys inserted by the attention layer (DeepSeek-V4 layout)"
+    if kw.get("decode_context_parallel_size", 1) > 1 or kw.get("prefill_context_parallel_size", 1) > 1:
+        return "context parallelism"
     return None
+
+
+def _context_parallel_sizes() -> dict:
+    """The run's context-parallel sizes (vLLM reads them from the current config when it builds the op)."""
+    from vllm.config import get_current_vllm_config
+
+    pc = get_current_vllm_config().parallel_config
+    return {"decode_context_parallel_size": pc.decode_context_parallel_size,
+            "prefill_context_parallel_size": pc.prefill_context_parallel_size}
 
 
 def compute_path(device: torch.device) -> str:
@@ -295,7 +311,7 @@ def oot_class():
             kw = dict(skip_k_cache_insert=skip_k_cache_insert, use_fp4_cache=use_fp4_cache,
                       compress_ratio=compress_ratio, candidate_blocks=candidate_blocks,
                       candidate_block_size=candidate_block_size, candidate_write=candidate_write)
-            unsupported = instance_blocker(**kw)
+            unsupported = instance_blocker(**kw, **_context_parallel_sizes())
             blocker = vllm_indexer_blocker()
             if unsupported is not None or blocker is None:
                 logger.info("glm5lab: %s keeps vLLM's own indexer (%s)", getattr(k_cache, "prefix", "?"),
@@ -316,7 +332,12 @@ def oot_class():
             for key, value in kw.items():
                 setattr(self, key, value)
             self.dense_mha_metadata_layer_name = ""
-            self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False
+            self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False   # (context parallelism went to vLLM)
+            from vllm.config import get_current_vllm_config
+
+            # read by vLLM's CUDA DSA model, which calls its own indexer function with it (dsa_model.py routes GLM-5
+            # away from that model where this op serves)
+            self.topk_backend = get_current_vllm_config().kernel_config.sparse_indexer_topk_backend
             self.glm5lab_reason = blocker
             # once a reason per process (GLM-5 has 78 indexer layers, all alike), each layer at debug level
             log = logger.debug if blocker in _REASONS_LOGGED else logger.warning

@@ -3,7 +3,9 @@
 Two levels, both on the installed code:
 * `adapter_report`: every tensor the adapter hands vLLM, in HF names, compared with the HF checkpoint
   (exact for float types up to the file's rounding; Q8_0 within its block bound).
-* `vllm_load_report`: vLLM 0.32's own `GlmMoeDsaForCausalLM`, built on CPU by vLLM's config machinery and
+* `vllm_load_report`: vLLM 0.32's own `GlmMoeDsaForCausalLM` (its generic DSA model, which vLLM builds on CPU, and
+  on CUDA where glm5lab's `dsa_model` routes GLM-5 to it; vLLM's CUDA DSA model has a `load_weights` of its own,
+  which this check does not run), built on CPU by vLLM's config machinery and
   the plugin's GGUF loader, fed through its real `load_weights`; reports parameters never written and
   names vLLM refused, and compares every unquantized parameter with what the HF checkpoint implies.
   vLLM's CPU platform refuses sparse attention at model construction ("Sparse Attention is not supported
@@ -412,7 +414,8 @@ def plot_adapter_errors(reports: dict, path, title: str):
         ax.bar(range(len(d)), d["max_err_over_bound"], color=colors)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_ylabel("max err / bound")
-        ax.set_title(f"{label}: {len(d)} tensors (red: kv_b_proj rebuilt from attn_k_b + attn_v_b; zero bars: F32 tensors, exact)", fontsize=9)
+        ax.set_title(f"{label}: {len(d)} tensors (red: kv_b_proj rebuilt from attn_k_b + attn_v_b; zero bars: "
+                     "F32 tensors, exact)", fontsize=9)
         ax.set_xticks([])
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -160,7 +160,8 @@ def probe_dtype(gguf_path, hf_config) -> tuple[bool, str]:
 def probe_config_keys(gguf_path, hf_config) -> tuple[bool, str]:
     """vLLM-only glm_moe_dsa keys that the given HF config (e.g. transformers-saved) lacks."""
     missing = [k for k in G.vllm_config_extras() if getattr(hf_config, k, None) is None]
-    return bool(missing), f"config lacks {missing}; vLLM's defaults: scoring_func=softmax, no expert bias, neox indexer RoPE"
+    return bool(missing), (f"config lacks {missing}; vLLM's defaults: scoring_func=softmax, no expert bias, neox "
+                           "indexer RoPE")
 
 
 def probe_float_experts(gguf_path, hf_config) -> tuple[bool, str]:
@@ -207,7 +208,7 @@ FIXES = [
      T + "test_speculator_probe_crash_and_plugin_fix"),
     ("--dtype float16 (GGUF without bfloat16)", probe_dtype,
      "not needed with the plugin (vLLM's old GGUFConfig refused bf16 on capability >= 10.0, SM120 included): "
-     "default dtype bfloat16 (GLM-5's dtype, required by vLLM's sparse MLA backends); "
+     "default dtype bfloat16 (GLM-5's dtype, the one most of vLLM's sparse MLA backends take); "
      "float16 only where the platform lacks bf16",
      TD + "test_plugin_accepts_bf16_and_fp16, " + TD + "test_plugin_triton_dequant_both_dtypes"),
     ("(new) vLLM-only config keys scoring_func / topk_method / indexer_rope_interleave", probe_config_keys,

@@ -1,6 +1,6 @@
 """`TRITON_MLA_SPARSE`: glm5lab's sparse-MLA attention backend for vLLM 0.32.
 
-Why it exists: vLLM's sparse-MLA backends (FlashMLA, FlashInfer, FA3 sparse) each need one GPU family
+Why it exists: vLLM's sparse-MLA backends (FlashMLA, FlashInfer, FA3 sparse) each need particular GPU families
 and usually bf16, so GLM-5 (DSA sparse attention, qk_nope_head_dim 192) has no backend on SM120 with an
 fp16 GGUF model, on SM80/SM86/SM89, or on CPU. This backend runs wherever glm5lab's Triton kernel runs:
 any compute capability, fp16 or bf16, KV cache `auto` (fp16/bf16 rows of 576) or `fp8_ds_mla` (656-byte
@@ -278,8 +278,8 @@ class TritonMLASparseImpl(MLAAttentionImpl[TritonMLASparseMetadata], SharedTopkI
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
-        """vLLM's cache writer on GPUs; on CPU (whose vLLM build has no concat_and_cache_mla op) the same
-        rows written in torch, fp8_ds_mla rows quantized by glm5lab's writer of that layout."""
+        """vLLM's cache writer on GPUs; on CPU (whose vLLM build has only concat_and_cache_mla_cpu, for 16-bit rows)
+        the same rows written in torch, fp8_ds_mla rows quantized by glm5lab's writer of that layout."""
         if kv_cache.numel() == 0:
             return
         if kv_cache.device.type != "cpu":
