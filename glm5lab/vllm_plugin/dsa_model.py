@@ -10,8 +10,9 @@ backend and its indexer op plug into the generic model, the path glm5lab's CPU t
 So on CUDA the plugin registers its own `GlmMoeDsaForCausalLM` with vLLM's model registry. When vLLM builds it, it
 builds the generic model if glm5lab serves a part of GLM-5 (`generic_model_reason`: glm5lab's indexer, or the attention
 backend vLLM's selector picks is TRITON_MLA_SPARSE), and vLLM's CUDA model otherwise (SM90 / SM100 with vLLM's own
-sparse backends and DeepGEMM). `GLM5LAB_DSA_MODEL=generic|vllm` overrides the choice. Neither has run on a GPU with
-vLLM here (the lent GPUs have no vLLM); see the ledger entry.
+sparse backends and DeepGEMM). `GLM5LAB_DSA_MODEL=generic|vllm` overrides the choice. The NextN draft model of
+speculative decoding (`DeepseekV32MTP`) is not routed. Neither model has run on a GPU with vLLM here (the lent GPUs
+have no vLLM); see the ledger entry.
 """
 from __future__ import annotations
 
@@ -133,5 +134,5 @@ def register() -> None:
 
     if not current_platform.is_cuda():
         return
-    model_choice()      # a mistyped GLM5LAB_DSA_MODEL is refused when the plugin loads, not at the first request
+    model_choice()      # a mistyped GLM5LAB_DSA_MODEL stops this part when the plugin loads (vLLM's log names it)
     ledger.apply(PATCH_NAME)
