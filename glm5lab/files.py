@@ -53,12 +53,19 @@ def make_folder(path: Path | str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
+        blocker = next((p for p in (path, *path.parents) if _is_file(p)), None)
         if blocker is not None:   # mkdir says "File exists" or "Not a directory": name the file in the way
             inside = "" if blocker == path else f" {path}"
             raise Glm5labError(f"{blocker}: cannot make the output folder{inside} (a file is in the way)") from None
         raise Glm5labError(f"{path}: cannot make the output folder ({exc.strerror or exc})") from None
     return path
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:     # (an unreadable folder above it: not a file in the way)
+        return False
 
 
 def cannot_write_there(folder: Path, exc: OSError) -> Glm5labError:
