@@ -134,3 +134,46 @@ def test_registered_on_cuda_only_and_resolved_through_vllms_registry(fake_cuda, 
     entry = ModelRegistry.models[dsa_model.ARCH]
     assert (entry.module_name, entry.class_name) == ("glm5lab.vllm_plugin.dsa_model", "GlmMoeDsaForCausalLM")
     assert dsa_model.PATCH_NAME in ledger.APPLIED
+
+
+_REGISTRY_PROBE = """
+import dataclasses, json
+import vllm.model_executor.models.deepseek_v2   # (the CUDA-only kernels' modules are not importable here: the
+import vllm.platforms                          #  generic model's layers are imported under the CPU platform first)
+from vllm.platforms.interface import DeviceCapability
+from glm5lab.vllm_plugin.backend_doctor import _cuda_platform_module
+
+cuda, why = _cuda_platform_module()
+
+class FakeCuda(cuda.CudaPlatform):
+    @classmethod
+    def get_device_capability(cls, device_id=0):
+        return DeviceCapability(8, 9)
+
+vllm.platforms._current_platform = FakeCuda()
+from vllm.model_executor.models.registry import _ModelInfo
+from vllm.models.deepseek_v32.nvidia.model import DeepseekV32ForCausalLM
+from glm5lab.vllm_plugin import dsa_model
+
+cls = dsa_model.GlmMoeDsaForCausalLM
+ours, theirs = _ModelInfo.from_model_cls(cls), _ModelInfo.from_model_cls(DeepseekV32ForCausalLM)
+print(json.dumps({"base": cls.__mro__[1].__module__ + "." + cls.__mro__[1].__qualname__, "name": cls.__qualname__,
+                  "differ": sorted(f.name for f in dataclasses.fields(ours)
+                                   if getattr(ours, f.name) != getattr(theirs, f.name))}))
+"""
+
+
+def test_vllms_registry_reads_the_cuda_models_interfaces_from_glm5labs_class():
+    """In a process where vLLM believes it is on CUDA, glm5lab's class subclasses vLLM's CUDA DSA model, and vLLM's
+    registry reads from it the same model info (pipeline / LoRA / MoE / quantization support...) as from vLLM's own
+    class, all but the architecture's name. (A subprocess: importing vLLM's CUDA model replaces the process's
+    `vllm.models.deepseek_v32`.)"""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == {"base": "vllm.models.deepseek_v32.nvidia.model.DeepseekV32ForCausalLM",
+                   "name": "GlmMoeDsaForCausalLM", "differ": ["architecture"]}

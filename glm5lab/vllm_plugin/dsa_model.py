@@ -85,7 +85,7 @@ def dispatching_class(vllm_cls, generic_cls, reason=generic_model_reason):
                         f" ({why})" if why else "")
             return target(vllm_config=vllm_config, prefix=prefix)   # not an instance of cls: no second __init__
 
-    GlmMoeDsaForCausalLM.__module__ = __name__
+    GlmMoeDsaForCausalLM.__module__, GlmMoeDsaForCausalLM.__qualname__ = __name__, ARCH
     return GlmMoeDsaForCausalLM
 
 
