@@ -57,6 +57,18 @@ def test_blocker_on_cuda_follows_vllms_own_deep_gemm_predicate(monkeypatch, cap,
         assert f"{cap[0]}.{cap[1]}" in reason and ("DeepGEMM is not installed" in reason) == (not deep_gemm)
 
 
+def test_instances_glm5lab_does_not_implement_go_to_vllms_op():
+    """What one indexer instance asks that glm5lab's op does not do is handed to vLLM's own op, with the reason."""
+    assert indexer_op.instance_blocker(skip_k_cache_insert=False, decode_context_parallel_size=1,
+                                       prefill_context_parallel_size=1) is None
+    for kw, reason in (({"use_fp4_cache": True}, "fp4 index-key cache"),
+                       ({"compress_ratio": 4}, "compressed / candidate-block DSA (DeepSeek-V4.x)"),
+                       ({"skip_k_cache_insert": True}, "keys inserted by the attention layer (DeepSeek-V4 layout)"),
+                       ({"decode_context_parallel_size": 2}, "context parallelism"),
+                       ({"prefill_context_parallel_size": 2}, "context parallelism")):
+        assert indexer_op.instance_blocker(**kw) == reason, kw
+
+
 def test_register_follows_the_blocker_and_the_oot_hook_is_vllms(monkeypatch):
     from vllm.model_executor.custom_op import op_registry_oot
 

@@ -387,7 +387,7 @@ def _register_oot() -> None:
 
 ledger.add(Patch(
     name=PATCH_NAME,
-    why="vLLM's sparse-attention indexer needs DeepGEMM's fp8 MQA-logits kernels on CUDA, which vLLM runs on "
+    why="vLLM's sparse-attention indexer needs DeepGEMM's fp8 MQA-logits kernels on CUDA, which exist for "
         "SM90 / SM100 / SM120 only, and its CPU path serves only DeepSeek-V4; GLM-5 on SM80 / SM86 / SM89, on a "
         "CUDA vLLM without DeepGEMM, or on CPU has no indexer",
     how="CustomOp.register_oot(name='SparseAttnIndexer') with a subclass that runs glm5lab's Triton "
