@@ -16,25 +16,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """vLLM's current platform as CUDA with the capability asked for (vLLM's own CudaPlatform class, imported as the
-    doctor imports it on a CPU build), and DeepGEMM present or not."""
-    import vllm.platforms
-    from vllm.platforms.interface import DeviceCapability
+    """vLLM's current platform as CUDA with the capability asked for, and DeepGEMM present or not (tests/vllm_fakes)."""
+    from tests.vllm_fakes import fake_cuda as make
 
-    from glm5lab.vllm_plugin.backend_doctor import _cuda_platform_module
-
-    cuda, why = _cuda_platform_module()
-    assert cuda is not None, why
-
-    def make(cap, deep_gemm=True):
-        class FakeCuda(cuda.CudaPlatform):
-            @classmethod
-            def get_device_capability(cls, device_id=0):
-                return DeviceCapability(*cap)
-
-        monkeypatch.setattr(vllm.platforms, "_current_platform", FakeCuda())
-        monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: deep_gemm)
-    return make
+    return lambda cap, deep_gemm=True: make(monkeypatch, cap, deep_gemm)
 
 
 @pytest.mark.parametrize("cap, deep_gemm, picked, env, generic", [

@@ -36,21 +36,9 @@ def test_blocker_on_cuda_follows_vllms_own_deep_gemm_predicate(monkeypatch, cap,
     """On CUDA glm5lab replaces vLLM's indexer only where vLLM cannot run it: no DeepGEMM, or a GPU that vLLM's
     CudaPlatform.support_deep_gemm() leaves out. vLLM 0.32 runs DeepGEMM's MQA-logits kernels on SM120 (its
     vendored DeepGEMM has them), so SM120 keeps vLLM's own indexer (glm5lab took it over before)."""
-    import vllm.platforms
-    from vllm.platforms.interface import DeviceCapability
+    from tests.vllm_fakes import fake_cuda
 
-    from glm5lab.vllm_plugin.backend_doctor import _cuda_platform_module
-
-    cuda, why = _cuda_platform_module()         # (a CPU build of vLLM imports it with a stand-in, as the doctor does)
-    assert cuda is not None, why
-
-    class FakeCuda(cuda.CudaPlatform):
-        @classmethod
-        def get_device_capability(cls, device_id=0):
-            return DeviceCapability(*cap)
-
-    monkeypatch.setattr(vllm.platforms, "_current_platform", FakeCuda())
-    monkeypatch.setattr("vllm.utils.import_utils.has_deep_gemm", lambda: deep_gemm)
+    fake_cuda(monkeypatch, cap, deep_gemm)
     reason = indexer_op.vllm_indexer_blocker()
     assert (reason is not None) == blocked, reason
     if blocked:
