@@ -9,8 +9,9 @@ instantiates `op_registry_oot[<class name>]` instead when one is registered, whi
 Where vLLM's own path cannot run (`vllm_indexer_blocker()`):
   * CUDA: `SparseAttnIndexer.__init__` raises without DeepGEMM, and DeepGEMM's fp8 (paged) MQA-logits kernels,
     which vLLM calls unchecked, exist for SM90, SM100 and SM120 (the GPUs `CudaPlatform.support_deep_gemm()`
-    names), so SM80 / SM86 / SM89 have no indexer. The seed story's vLLM had no SM120 kernels; 0.32's vendored
-    DeepGEMM has them, so on SM120 vLLM's own indexer runs.
+    names), so SM80 / SM86 / SM89 have no indexer. The seed story's vLLM had no SM120 kernels; 0.32's code takes
+    SM120 into its DeepGEMM path (DeepGEMM #324 added the kernels), so on SM120 vLLM's own indexer runs (not run
+    here: no GPU with vLLM).
   * On CUDA vLLM 0.32 builds GLM-5 from `vllm.models.deepseek_v32.nvidia`, whose attention calls vLLM's indexer
     function directly, not this op: where this op serves, `glm5lab.vllm_plugin.dsa_model` builds vLLM's generic
     DSA model instead, whose indexer is the hook above.
@@ -62,7 +63,7 @@ def vllm_indexer_blocker() -> str | None:
             return (f"DeepGEMM is not installed (vLLM's CUDA indexer needs its fp8 MQA-logits kernels); "
                     f"GPU capability {cap_s}")
         # vLLM's indexer calls DeepGEMM's fp8 (paged) MQA-logits kernels without checking the GPU; they exist for
-        # SM90, the SM100 family and the SM120 family (vLLM's vendored DeepGEMM), the GPUs vLLM's own
+        # SM90, the SM100 family and the SM120 family (DeepGEMM #324 added SM120's), the GPUs vLLM's own
         # CudaPlatform.support_deep_gemm() names: asked here, so that a vLLM upgrade moves the line here too
         supported = getattr(current_platform, "support_deep_gemm", None)
         runs = supported() if supported is not None else (cap is not None and cap.major in (9, 10, 12))
