@@ -865,7 +865,8 @@ def main(argv=None) -> int:
 
     profile = args.profile or ("gpu" if torch.cuda.is_available() else "cpu")
     t0 = time.time()
-    df = run(args.out, profile, heads=args.heads, tokens=args.tokens, command=command_line("glm5lab.bench.kernel_bench", argv),
+    df = run(args.out, profile, heads=args.heads, tokens=args.tokens,
+             command=command_line("glm5lab.bench.kernel_bench", argv),
              fp8_v4=args.fp8_v4, v5=args.v5, variants=False if args.no_variants else None, skip=tuple(args.skip),
              fused_merge=args.fused_merge, gluon=args.gluon, interleave=args.interleave,
              layouts=tuple(args.layouts), other_gpu_tiles=args.other_gpu_tiles, tiles=tuple(args.tiles),

@@ -370,20 +370,21 @@ def main(argv=None) -> int:
             raise Glm5labError(f"--configs takes JSON objects: {exc}") from None
         if not all(isinstance(c, dict) for c in configs):
             raise Glm5labError(f"--configs takes JSON objects, got {args.configs}")
+    command = command_line("glm5lab.bench.latency_anatomy", argv)
     if args.phases:
-        phases(args.out, command=command_line("glm5lab.bench.latency_anatomy", argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+        phases(args.out, command=command, tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                configs=configs, cache=args.cache)
     elif args.timeline:
-        merge_timeline(args.out, command=command_line("glm5lab.bench.latency_anatomy", argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+        merge_timeline(args.out, command=command, tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                        configs=configs)
     elif args.kernels:
-        kernel_split(args.out, command=command_line("glm5lab.bench.latency_anatomy", argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+        kernel_split(args.out, command=command, tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
                      splits=tuple(args.splits or (0, 1, 4)))
     elif args.sweep:
-        sweep(args.out, command=command_line("glm5lab.bench.latency_anatomy", argv), tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
+        sweep(args.out, command=command, tokens=tuple(args.tokens), heads=tuple(args.sweep_heads),
               policy=args.policy, splits=args.splits, configs=configs, layouts=tuple(args.layouts))
     else:
-        run(args.out, args.heads, command=command_line("glm5lab.bench.latency_anatomy", argv))
+        run(args.out, args.heads, command=command)
     return 0
 
 

@@ -120,7 +120,7 @@ def with_provenance_of(summary, rows, source: str):
     """A table derived from one run's rows (kernel_bench's `--summary`), given that run's provenance: the PROVENANCE
     columns of `rows`' last row, and `summarizes` naming the file the rows are in. Such tables are read alone."""
     last = rows.iloc[-1] if len(rows) else {}
-    prov = {c: last.get(c) if len(rows) else None for c in PROVENANCE_COLUMNS}
+    prov = {c: last.get(c) for c in PROVENANCE_COLUMNS}
     return summary.assign(**prov, summarizes=source)
 
 

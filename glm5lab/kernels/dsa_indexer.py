@@ -1,6 +1,6 @@
 """Triton kernels for GLM-5's DSA lightning indexer: index logits (paged decode, prefill) and top-k.
 
-vLLM computes these with DeepGEMM's fp8 MQA-logits kernels, which it runs on SM90 / SM100 / SM120 only; these run on
+vLLM computes these with DeepGEMM's fp8 MQA-logits kernels, which exist for SM90 / SM100 / SM120 only; these run on
 any GPU Triton supports (SM80-SM89 included) and on the CPU under TRITON_INTERPRET=1.
 
   logits[t, j] = sum_h weights[t, h] * relu(q[t, h, :] . key_j)         (scales folded into weights,

@@ -222,7 +222,6 @@ def _start(spec: ModelSpec, dtype: str, **engine_args) -> Engine:
 def _describe_worker(worker) -> dict:
     """Runs inside the vLLM worker: which model class, attention backend/impl path and indexer the model uses."""
     from vllm.model_executor.models.deepseek_v2 import Indexer
-
     from vllm.platforms import current_platform
 
     indexers = (Indexer,)
@@ -293,9 +292,8 @@ def generate(engine: Engine, prompts, max_tokens: int | list[int] = 8, logprobs:
         prompt_token_ids=ids, token_ids=[list(o.outputs[0].token_ids) for o in outs],
         texts=[o.outputs[0].text if engine.spec.tokenizer else None for o in outs], first_step_logprobs=first,
         attention_backend=info["attention_backend"], attention_path=info["attention_path"],
-        indexer=info["indexer"], mixed_batches=info["mixed_batches"], model=engine.spec.model,
-        source="gguf" if engine.spec.gguf else "hf",
-        dtype=engine.dtype, seconds=seconds, model_class=info["model_class"])
+        indexer=info["indexer"], mixed_batches=info["mixed_batches"], model_class=info["model_class"],
+        model=engine.spec.model, source="gguf" if engine.spec.gguf else "hf", dtype=engine.dtype, seconds=seconds)
 
 
 def no_tokenizer(spec: ModelSpec) -> str:

@@ -87,15 +87,6 @@ def instance_blocker(**kw) -> str | None:
     return None
 
 
-def _context_parallel_sizes() -> dict:
-    """The run's context-parallel sizes (vLLM reads them from the current config when it builds the op)."""
-    from vllm.config import get_current_vllm_config
-
-    pc = get_current_vllm_config().parallel_config
-    return {"decode_context_parallel_size": pc.decode_context_parallel_size,
-            "prefill_context_parallel_size": pc.prefill_context_parallel_size}
-
-
 def compute_path(device: torch.device) -> str:
     """'triton' where Triton can run (CUDA, or the interpreter), else 'torch'."""
     if device.type == "cuda" or interpreter_mode():
@@ -299,6 +290,7 @@ def oot_class():
     global _CLASS
     if _CLASS is not None:
         return _CLASS
+    from vllm.config import get_current_vllm_config
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 
@@ -312,7 +304,10 @@ def oot_class():
             kw = dict(skip_k_cache_insert=skip_k_cache_insert, use_fp4_cache=use_fp4_cache,
                       compress_ratio=compress_ratio, candidate_blocks=candidate_blocks,
                       candidate_block_size=candidate_block_size, candidate_write=candidate_write)
-            unsupported = instance_blocker(**kw, **_context_parallel_sizes())
+            vllm_config = get_current_vllm_config()     # (as vLLM's own __init__ reads the run's settings)
+            pc = vllm_config.parallel_config
+            unsupported = instance_blocker(**kw, decode_context_parallel_size=pc.decode_context_parallel_size,
+                                           prefill_context_parallel_size=pc.prefill_context_parallel_size)
             blocker = vllm_indexer_blocker()
             if unsupported is not None or blocker is None:
                 logger.info("glm5lab: %s keeps vLLM's own indexer (%s)", getattr(k_cache, "prefix", "?"),
@@ -334,11 +329,9 @@ def oot_class():
                 setattr(self, key, value)
             self.dense_mha_metadata_layer_name = ""
             self.dcp_world_size, self.dcp_rank, self.use_pcp = 1, 0, False   # (context parallelism went to vLLM)
-            from vllm.config import get_current_vllm_config
-
             # read by vLLM's CUDA DSA model, which calls its own indexer function with it (dsa_model.py routes GLM-5
             # away from that model where this op serves)
-            self.topk_backend = get_current_vllm_config().kernel_config.sparse_indexer_topk_backend
+            self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
             self.glm5lab_reason = blocker
             # once a reason per process (GLM-5 has 78 indexer layers, all alike), each layer at debug level
             log = logger.debug if blocker in _REASONS_LOGGED else logger.warning
