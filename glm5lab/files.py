@@ -6,6 +6,7 @@ temporary file takes the mode an ordinary `open()` would have given it (0666 les
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from contextlib import contextmanager
@@ -107,4 +108,31 @@ def save_figure(fig, path: Path | str, dpi: int = 110, **savefig_kwargs) -> Path
     path = Path(path)
     with replacing(path) as tmp:
         fig.savefig(tmp, dpi=dpi, **savefig_kwargs)
+    return path
+
+
+def write_table(df, path: Path | str, **to_csv_kwargs) -> Path:
+    """A pandas table written whole as CSV (see `replacing`), without its index: a reader, or a run stopped halfway,
+    never leaves half a table. The compression follows the target's suffix (`.csv.gz` is gzip)."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        df.to_csv(tmp, index=False, **to_csv_kwargs)
+    return path
+
+
+def _json_value(value):
+    """A numpy or torch scalar as its Python number; anything else JSON has no type for (paths, timestamps) as str."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return item()
+    return str(value)
+
+
+def write_json(obj, path: Path | str, indent: int = 1) -> Path:
+    """`obj` written whole as JSON (see `replacing`): numpy / torch scalars as numbers, other values JSON has no type
+    for (paths, timestamps) as their str()."""
+    path = Path(path)
+    text = json.dumps(obj, indent=indent, default=_json_value) + "\n"   # before the file: a failure leaves it as it was
+    with replacing(path) as tmp:
+        tmp.write_text(text)
     return path

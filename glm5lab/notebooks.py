@@ -18,7 +18,7 @@ from pathlib import Path
 
 from glm5lab.bench import records
 from glm5lab.errors import Glm5labError
-from glm5lab.files import make_folder, replacing, require_folder_target
+from glm5lab.files import make_folder, require_folder_target, write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ("cpu", "gpu")
@@ -139,8 +139,7 @@ def record_provenance(path: Path, profile: str, executed: list[Path]) -> dict:
     notebooks = book.get("notebooks", {})
     notebooks.update({p.name: run for p in executed})
     book = {"profile": profile, "notebooks": dict(sorted(notebooks.items()))}
-    with replacing(path) as tmp:
-        tmp.write_text(json.dumps(book, indent=2) + "\n")
+    write_json(book, path, indent=2)
     return book
 
 

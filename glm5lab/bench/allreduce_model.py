@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from glm5lab.bench import records
-from glm5lab.files import replacing, save_figure
+from glm5lab.files import save_figure, write_table
 
 MODEL_LABEL = "MODEL (paper projection, not measured)"
 GLM5_HIDDEN = 6144
@@ -155,11 +155,6 @@ def plot(df: pd.DataFrame, path: str | os.PathLike | None = None, measured: pd.D
     return fig
 
 
-def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
-    with replacing(path) as tmp:
-        df.to_csv(tmp, index=False)
-
-
 def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     """results/tp/allreduce_model.csv (+ _assumptions.csv) and allreduce_model.png, all labeled MODEL."""
     out = Path(out_dir)
@@ -169,8 +164,8 @@ def write_results(out_dir: str | os.PathLike = "results/tp") -> dict[str, Path]:
     from glm5lab.bench.records import provenance
 
     made_by = provenance("glm5lab.bench.allreduce_model.write_results: a MODEL, not measured")
-    _atomic_csv(df.assign(**made_by), paths["csv"])
-    _atomic_csv(assumptions().assign(**made_by), paths["assumptions"])
+    write_table(df.assign(**made_by), paths["csv"])
+    write_table(assumptions().assign(**made_by), paths["assumptions"])
     fig = plot(df[df.gpus.isin([4, 8])], None)
     from glm5lab.env import collect
 

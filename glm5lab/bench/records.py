@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from glm5lab.env import collect
-from glm5lab.files import make_folder, replacing
+from glm5lab.files import make_folder, replacing, write_json, write_table
 
 MEASUREMENT_COLUMNS = ["suite", "implementation", "shape", "dtype", "layout", "metric", "value", "unit",
                        "p20", "p50", "p80"]
@@ -91,8 +91,7 @@ def _conform_header(path: Path) -> None:
     import pandas as pd
 
     df = _conform(pd.read_csv(path, dtype=str, keep_default_na=False), path)
-    with replacing(path) as tmp:
-        df.to_csv(tmp, index=False, lineterminator="\r\n")       # (as csv.writer)
+    write_table(df, path, lineterminator="\r\n")       # (as csv.writer)
 
 
 # provenance columns that are text even when they look like numbers: a git SHA such as 7e8792557537 parses as a
@@ -127,9 +126,7 @@ def with_provenance_of(summary, rows, source: str):
 def write_summary(summary, rows_csv: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Write `summary` (a table of the run just appended to `rows_csv`) whole to `path`, with that run's provenance."""
     df = read(rows_csv)
-    with replacing(path) as tmp:
-        with_provenance_of(summary, df, Path(rows_csv).name).to_csv(tmp, index=False)
-    return Path(path)
+    return write_table(with_provenance_of(summary, df, Path(rows_csv).name), path)
 
 
 def history_path(path: str | os.PathLike) -> Path:
@@ -321,7 +318,7 @@ def main(argv=None) -> int:
             print(tree)
         elif args.action == "count":
             counts = {str(p.relative_to(args.root)): list(c) for p, c in row_counts(args.root).items()}
-            args.out.write_text(json.dumps(counts, indent=1) + "\n")
+            write_json(counts, args.out)
             print(f"{args.out}: rows of {len(counts)} benchmark CSVs under {args.root}")
         elif args.action == "archive-appended":
             try:

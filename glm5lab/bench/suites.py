@@ -151,10 +151,10 @@ def part_projection(csv: Path, profile: str, cmd: str, budget: float) -> None:
     proj = project(results_dir=results)
     append_rows(csv, projection_rows(proj), command=cmd)
     from glm5lab.bench.records import provenance
-    from glm5lab.files import replacing
+    from glm5lab.files import write_table
 
-    with replacing(csv.parent / "projection_assumptions.csv") as tmp:
-        assumptions(measured_on=inputs_measured_on(proj)).assign(**provenance(cmd)).to_csv(tmp, index=False)
+    write_table(assumptions(measured_on=inputs_measured_on(proj)).assign(**provenance(cmd)),
+                csv.parent / "projection_assumptions.csv")
     ok = proj[(proj.kind == "projection") & proj.tokens_per_s.notna()] if "tokens_per_s" in proj else proj.iloc[:0]
     _log(f"  projection: {len(ok)} projected points; "
          f"{'missing inputs: ' + proj[proj.kind == 'projection'].missing_inputs.iloc[0] if ok.empty else 'all inputs measured'}")

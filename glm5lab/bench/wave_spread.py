@@ -202,7 +202,7 @@ def write_programs(path: str, programs: list, command: str) -> None:
     import pandas as pd
 
     from glm5lab.bench.records import provenance
-    from glm5lab.files import replacing
+    from glm5lab.files import write_table
 
     frame = pd.DataFrame(programs)
     for k, v in provenance(command).items():
@@ -210,8 +210,7 @@ def write_programs(path: str, programs: list, command: str) -> None:
     path = Path(path)
     old = pd.read_csv(path, dtype=str) if path.exists() else None
     out = frame if old is None else pd.concat([old, frame.astype(str)], ignore_index=True)
-    with replacing(path) as tmp:
-        out.to_csv(tmp, index=False, compression="gzip" if path.suffix == ".gz" else None)
+    write_table(out, path)
 
 
 def plot(programs_csv: str, png: str) -> str:

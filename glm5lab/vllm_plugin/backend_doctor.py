@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from glm5lab.errors import Glm5labError, first_line
-from glm5lab.files import replacing, save_figure
+from glm5lab.files import save_figure, write_table
 from glm5lab.vllm_plugin.backend_enum import BACKEND_NAME
 
 # Verdicts, best first. "pass, needs library" = the target's constraints hold; only a library that a
@@ -910,11 +910,6 @@ def _in_notebook() -> bool:
     return "ipykernel" in sys.modules
 
 
-def _atomic_csv(df, path: Path) -> None:
-    with replacing(path) as tmp:
-        df.to_csv(tmp, index=False)
-
-
 def _file_part(model) -> str:
     """A model name as one safe file-name part: a path gives its file (less .gguf) or folder name."""
     name = str(model)
@@ -958,8 +953,8 @@ def write_matrix_results(results_dir="results", model: str = "glm-5", include_gl
         d["prov_machine_libraries"] = "this machine's libraries; see library_reasons"
     paths = {"cells_csv": out / f"{stem}.csv", "long_csv": out / f"{stem}_backends.csv",
              "png": out / f"{stem}.png"}
-    _atomic_csv(cells, paths["cells_csv"])
-    _atomic_csv(long, paths["long_csv"])
+    write_table(cells, paths["cells_csv"])
+    write_table(long, paths["long_csv"])
     registered = (" + glm5lab's plugin (TRITON_MLA_SPARSE last in vLLM's order)"
                   if include_glm5lab and not cells.attrs.get("plugin_note") else "")
     fig = plot_heatmap(cells, paths["png"], title_extra=f"{registered}\n{prov.get('timestamp')}, "

@@ -478,10 +478,8 @@ def synthesized_config_dir(gguf_path) -> Path:
     """A directory holding the config.json built from this GGUF's metadata (cached by path, size, mtime;
     written to a temporary name and renamed, so a reader never sees half a file)."""
     import hashlib
-    import json
-    import os
 
-    from glm5lab.files import make_folder, temp_beside
+    from glm5lab.files import make_folder, write_json
     from glm5lab.model.tiny import cache_root
 
     gguf_path = Path(gguf_path).resolve()
@@ -489,13 +487,10 @@ def synthesized_config_dir(gguf_path) -> Path:
     key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf-configs" / key
     if not (out / "config.json").exists():
-        make_folder(out)
         cfg = config_from_gguf(gguf_path)
-        fd, tmp = temp_beside(out / "config.json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cfg.to_dict(), f, indent=2, default=str)
-        os.replace(tmp, out / "config.json")
+        make_folder(out)
         (out / "SOURCE").write_text(str(gguf_path) + "\n")
+        write_json(cfg.to_dict(), out / "config.json", indent=2)       # last: its presence means the folder is done
     return out
 
 

@@ -435,11 +435,10 @@ def adapter_summaries(ggufs: dict, hf_dir, out_dir=None) -> tuple[dict, list[dic
         reports[qtype] = df
         if out_dir is not None:
             from glm5lab.bench.records import provenance
-            from glm5lab.files import replacing
+            from glm5lab.files import write_table
 
-            with replacing(Path(out_dir) / f"adapter_check_{qtype}.csv") as tmp:
-                df.assign(**provenance(f"glm5lab.vllm_plugin.loader_check.adapter_report({Path(path).name})")
-                          ).to_csv(tmp, index=False)
+            write_table(df.assign(**provenance(f"glm5lab.vllm_plugin.loader_check.adapter_report({Path(path).name})")),
+                        Path(out_dir) / f"adapter_check_{qtype}.csv")
         summary.append({"gguf": qtype, "tensors": int(df["delivered"].sum()),
                         "missing": int((~df["delivered"]).sum()), "unexpected": int((~df["in_checkpoint"]).sum()),
                         "max |err|": float(df["max_abs_err"].max()),
