@@ -384,3 +384,20 @@ def test_a_failing_measured_test_says_it_reads_committed_results(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "2 failed" in run.stdout, run.stdout + run.stderr
     assert run.stdout.count("refit the rule") == 1 and "- measured -" in run.stdout, run.stdout
+
+
+def test_readme_first_screen_gives_the_two_commands_ci_and_make_run():
+    """The README's first code block holds the two commands that matter on a fresh machine; `.ci/run` runs the test
+    one, and the Makefile turns them into the notebook runner and pytest over tests/."""
+    readme = (ROOT / "README.md").read_text()
+    first_block = re.search(r"```bash\n(.*?)```", readme, re.S)
+    assert first_block and readme.index("```bash") < 1500, "the commands must be on the README's first screen"
+    commands = [line.split("#")[0].strip() for line in first_block.group(1).splitlines() if line.strip()]
+    assert commands == ["make reproduce", "make test"]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert "make test" in ci
+    make = (ROOT / "Makefile").read_text()
+    recipe = {name: body for name, body in re.findall(r"^([a-z-]+):[^\n]*\n((?:\t[^\n]*\n)+)", make, re.M)}
+    assert "glm5lab notebooks run" in recipe["reproduce"] and "pytest" in recipe["test"]
+    assert re.search(r"-m pytest .*\btests\b", recipe["test"])
