@@ -124,18 +124,10 @@ def test_registered_on_cuda_only_and_resolved_through_vllms_registry(fake_cuda, 
 _REGISTRY_PROBE = """
 import dataclasses, json
 import vllm.model_executor.models.deepseek_v2   # (the CUDA-only kernels' modules are not importable here: the
-import vllm.platforms                          #  generic model's layers are imported under the CPU platform first)
-from vllm.platforms.interface import DeviceCapability
-from glm5lab.vllm_plugin.backend_doctor import _cuda_platform_module
+import pytest                                  #  generic model's layers are imported under the CPU platform first)
+from tests.vllm_fakes import fake_cuda
 
-cuda, why = _cuda_platform_module()
-
-class FakeCuda(cuda.CudaPlatform):
-    @classmethod
-    def get_device_capability(cls, device_id=0):
-        return DeviceCapability(8, 9)
-
-vllm.platforms._current_platform = FakeCuda()
+fake_cuda(pytest.MonkeyPatch(), (8, 9))          # for the rest of this process
 from vllm.model_executor.models.registry import _ModelInfo
 from vllm.models.deepseek_v32.nvidia.model import DeepseekV32ForCausalLM
 from glm5lab.vllm_plugin import dsa_model
@@ -157,7 +149,10 @@ def test_vllms_registry_reads_the_cuda_models_interfaces_from_glm5labs_class():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE], capture_output=True, text=True, timeout=600)
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])      # (tests.vllm_fakes is imported from there)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == {"base": "vllm.models.deepseek_v32.nvidia.model.DeepseekV32ForCausalLM",
